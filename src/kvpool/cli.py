@@ -1,0 +1,86 @@
+"""The ``kvpool`` command: one subcommand per module, loaded only when used.
+
+Each subcommand lives in the module that owns its job and exposes
+``HELP: str``, ``add_arguments(parser)`` and ``run(args) -> int``. This file only
+dispatches and turns a :class:`~kvpool.errors.KVPoolError` into one line on stderr
+(exit 2) instead of a traceback, so a user mistake never prints a stack.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+
+from kvpool.errors import KVPoolError
+
+# subcommand -> module that implements it (imports point down: cli is the top layer)
+COMMANDS: dict[str, str] = {
+    "master": "kvpool.master.cli",
+    "node": "kvpool.node.cli",
+    "serve": "kvpool.node.serve",
+    "demo": "kvpool.engine.demo",
+    "generate": "kvpool.engine.cli",
+    "plan": "kvpool.plan.cli",
+    "bench": "kvpool.bench.cli",
+}
+
+
+def _load(name: str):
+    try:
+        return importlib.import_module(COMMANDS[name])
+    except ModuleNotFoundError as exc:  # a subcommand whose optional deps are absent
+        if exc.name and exc.name.startswith("kvpool"):
+            raise
+        return exc
+
+
+def build_parser(names: list[str] | None = None) -> argparse.ArgumentParser:
+    """Build the top-level parser; ``names`` limits which subcommands are loaded."""
+    parser = argparse.ArgumentParser(
+        prog="kvpool",
+        description="kvpool: a distributed, tiered KV-cache store for LLM serving.",
+    )
+    from kvpool import __version__
+
+    parser.add_argument("--version", action="version", version=f"kvpool {__version__}")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    for name in names or list(COMMANDS):
+        mod = _load(name)
+        if isinstance(mod, ModuleNotFoundError):
+            p = sub.add_parser(name, help=f"(unavailable: missing package {mod.name})")
+            p.set_defaults(_missing=mod.name)
+            continue
+        p = sub.add_parser(name, help=mod.HELP, description=mod.HELP)
+        mod.add_arguments(p)
+        p.set_defaults(_run=mod.run)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point of the ``kvpool`` console script. Returns the exit status."""
+    argv = sys.argv[1:] if argv is None else argv
+    # Load only the named subcommand when there is one: `kvpool master` must not
+    # import torch just to build the help of `kvpool demo`.
+    chosen = [a for a in argv[:1] if a in COMMANDS]
+    parser = build_parser(chosen or None)
+    args = parser.parse_args(argv)
+    if getattr(args, "_missing", None):
+        print(f"kvpool {args.command}: needs the package {args._missing!r}; "
+              "install with: pip install -e '.[model]'", file=sys.stderr)
+        return 2
+    if not getattr(args, "_run", None):
+        parser.print_help()
+        return 2
+    try:
+        return int(args._run(args) or 0)
+    except KVPoolError as exc:
+        print(f"kvpool {args.command}: error: {exc} ({exc.code.name})", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print(f"kvpool {args.command}: interrupted", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,130 @@
+"""Error codes and exceptions shared by every layer of kvpool.
+
+The integers are those of Mooncake Store's ``ErrorCode`` enum
+(mooncake-store/include/types.h), so code written against
+``MooncakeDistributedStore`` sees the same return values on kvpool's facade.
+"""
+
+from __future__ import annotations
+
+import enum
+
+
+class ErrorCode(enum.IntEnum):
+    """Mooncake-compatible error integers (0 is success, all errors negative)."""
+
+    OK = 0
+    INTERNAL_ERROR = -1
+    BUFFER_OVERFLOW = -10
+    SHARD_INDEX_OUT_OF_RANGE = -100
+    SEGMENT_NOT_FOUND = -101
+    SEGMENT_ALREADY_EXISTS = -102
+    CLIENT_NOT_FOUND = -103
+    NO_AVAILABLE_HANDLE = -200
+    INVALID_VERSION = -300
+    INVALID_KEY = -400
+    WRITE_FAIL = -500
+    INVALID_PARAMS = -600
+    ILLEGAL_CLIENT = -601
+    INVALID_WRITE = -700
+    INVALID_READ = -701
+    INVALID_REPLICA = -702
+    REPLICA_IS_NOT_READY = -703
+    OBJECT_NOT_FOUND = -704
+    OBJECT_ALREADY_EXISTS = -705
+    OBJECT_HAS_LEASE = -706
+    LEASE_EXPIRED = -707
+    OBJECT_HAS_REPLICATION_TASK = -708
+    OBJECT_NO_REPLICATION_TASK = -709
+    REPLICA_NOT_FOUND = -710
+    REPLICA_ALREADY_EXISTS = -711
+    REPLICA_IS_GONE = -712
+    TRANSFER_FAIL = -800
+    RPC_FAIL = -900
+    ETCD_OPERATION_ERROR = -1000
+    ETCD_KEY_NOT_EXIST = -1001
+    ETCD_TRANSACTION_FAIL = -1002
+    ETCD_CTX_CANCELLED = -1003
+    UNAVAILABLE_IN_CURRENT_STATUS = -1010
+    UNAVAILABLE_IN_CURRENT_MODE = -1011
+    FILE_NOT_FOUND = -1100
+    FILE_OPEN_FAIL = -1101
+    FILE_READ_FAIL = -1102
+    FILE_WRITE_FAIL = -1103
+    FILE_INVALID_BUFFER = -1104
+    FILE_LOCK_FAIL = -1105
+    FILE_INVALID_HANDLE = -1106
+
+
+class KVPoolError(Exception):
+    """Base of every kvpool error; ``code`` is the :class:`ErrorCode` it carries."""
+
+    code: ErrorCode = ErrorCode.INTERNAL_ERROR
+
+    def __init__(self, message: str = "", code: ErrorCode | int | None = None):
+        if code is not None:
+            self.code = ErrorCode(code)
+        super().__init__(message or self.code.name)
+
+
+class UserError(KVPoolError):
+    """A mistake of the person at the CLI (bad path, bad size): printed, no traceback."""
+
+    code = ErrorCode.INVALID_PARAMS
+
+
+class InvalidParams(KVPoolError):
+    code = ErrorCode.INVALID_PARAMS
+
+
+class NoSpace(KVPoolError):
+    code = ErrorCode.NO_AVAILABLE_HANDLE
+
+
+class ObjectNotFound(KVPoolError):
+    code = ErrorCode.OBJECT_NOT_FOUND
+
+
+class ObjectExists(KVPoolError):
+    code = ErrorCode.OBJECT_ALREADY_EXISTS
+
+
+class ObjectHasLease(KVPoolError):
+    code = ErrorCode.OBJECT_HAS_LEASE
+
+
+class LeaseExpired(KVPoolError):
+    code = ErrorCode.LEASE_EXPIRED
+
+
+class TransferFailed(KVPoolError):
+    code = ErrorCode.TRANSFER_FAIL
+
+
+class RpcFailed(KVPoolError):
+    """The master or a node could not be reached or answered garbage."""
+
+    code = ErrorCode.RPC_FAIL
+
+
+_BY_CODE = {
+    cls.code: cls
+    for cls in (
+        InvalidParams,
+        NoSpace,
+        ObjectNotFound,
+        ObjectExists,
+        ObjectHasLease,
+        LeaseExpired,
+        TransferFailed,
+        RpcFailed,
+    )
+}
+
+
+def raise_for(code: int, message: str = "") -> None:
+    """Raise the specific :class:`KVPoolError` subclass for ``code``; return if OK."""
+    code = ErrorCode(code)
+    if code == ErrorCode.OK:
+        return
+    raise _BY_CODE.get(code, KVPoolError)(message or code.name, code)
