@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import re
 
@@ -76,3 +77,87 @@ def parse_addr(addr: str, default_port: int | None = None) -> tuple[str, int]:
     if not port.isdigit() or not 0 <= int(port) <= 65535:
         raise UserError(f"bad port in address {addr!r}")
     return host or "127.0.0.1", int(port)
+
+
+class Option:
+    """One setting with the precedence flags > ``KVPOOL_<NAME>`` env > config file > default.
+
+    name: the flag without dashes, e.g. "client-ttl" (file key "client_ttl" or
+    "client-ttl"); parse: turns text from the env/file into the value (int, float,
+    parse_size, str...); help: one line, to which the default and env var are appended.
+    """
+
+    def __init__(self, name: str, default, parse=str, help: str = "", env: str | None = None):
+        self.name, self.default, self.parse, self.help = name, default, parse, help
+        self._env = env  # override of the env var suffix, e.g. "MASTER_PORT"
+
+    @property
+    def dest(self) -> str:
+        return self.name.replace("-", "_")
+
+    @property
+    def env_name(self) -> str:
+        return "KVPOOL_" + (self._env or self.dest.upper())
+
+
+def add_options(parser, options: list[Option]) -> None:
+    """Add ``--config`` and one flag per option; defaults resolve later in :func:`resolve`."""
+    parser.add_argument(
+        "--config", metavar="FILE", default=None,
+        help="YAML or JSON file of settings (keys as flag names); "
+        "precedence: flags > KVPOOL_* env vars > this file > defaults",
+    )
+    for opt in options:
+        parser.add_argument(
+            f"--{opt.name}", dest=opt.dest, default=None, metavar=opt.dest.split("_")[-1].upper(),
+            help=f"{opt.help} (default: {opt.default}; env {opt.env_name})",
+        )
+
+
+def load_config_file(path: str | None) -> dict:
+    """Settings from a YAML/JSON file (JSON is YAML); {} when ``path`` is None.
+
+    Raises: UserError when the file is missing, unreadable or not a mapping.
+    """
+    if not path:
+        return {}
+    import yaml
+
+    try:
+        with open(path) as f:
+            data = yaml.safe_load(f) or {}
+    except (OSError, yaml.YAMLError) as exc:
+        raise UserError(f"cannot read config file {path!r}: {exc}") from None
+    if not isinstance(data, dict):
+        raise UserError(f"config file {path!r} must hold a mapping of settings")
+    return {str(k).replace("-", "_"): v for k, v in data.items()}
+
+
+def resolve(args, options: list[Option]) -> dict:
+    """Value of every option by precedence flags > env > ``args.config`` file > default.
+
+    Returns: {dest: parsed value}. Raises: UserError naming the option on a bad value.
+    """
+    file = load_config_file(getattr(args, "config", None))
+    out = {}
+    for opt in options:
+        for source, raw in (("flag", getattr(args, opt.dest, None)),
+                            ("env", os.environ.get(opt.env_name)),
+                            ("config file", file.get(opt.dest))):
+            if raw is not None:
+                try:
+                    out[opt.dest] = opt.parse(raw)
+                except (ValueError, TypeError, UserError) as exc:
+                    raise UserError(f"bad value {raw!r} for {opt.name} (from {source}): {exc}") from None
+                break
+        else:
+            out[opt.dest] = opt.default
+    return out
+
+
+def write_ready_file(path: str, info: dict) -> None:
+    """Write ``info`` as JSON to ``path`` atomically (rename), for launchers to poll."""
+    tmp = f"{path}.tmp{os.getpid()}"
+    with open(tmp, "w") as f:
+        json.dump(info, f)
+    os.replace(tmp, path)

@@ -97,6 +97,18 @@ class LeaseExpired(KVPoolError):
     code = ErrorCode.LEASE_EXPIRED
 
 
+class BufferOverflow(KVPoolError):
+    """A destination buffer is smaller than the value."""
+
+    code = ErrorCode.BUFFER_OVERFLOW
+
+
+class ObjectNotReady(KVPoolError):
+    """Another put of the key is still in flight (REPLICA_IS_NOT_READY)."""
+
+    code = ErrorCode.REPLICA_IS_NOT_READY
+
+
 class TransferFailed(KVPoolError):
     code = ErrorCode.TRANSFER_FAIL
 
@@ -118,13 +130,18 @@ _BY_CODE = {
         LeaseExpired,
         TransferFailed,
         RpcFailed,
+        BufferOverflow,
+        ObjectNotReady,
     )
 }
 
 
 def raise_for(code: int, message: str = "") -> None:
     """Raise the specific :class:`KVPoolError` subclass for ``code``; return if OK."""
-    code = ErrorCode(code)
+    try:
+        code = ErrorCode(code)
+    except ValueError:  # an integer this version does not know: still an error
+        raise KVPoolError(message or f"error code {code}", ErrorCode.INTERNAL_ERROR) from None
     if code == ErrorCode.OK:
         return
     raise _BY_CODE.get(code, KVPoolError)(message or code.name, code)

@@ -1,0 +1,42 @@
+"""Helpers shared by the admin apps: binding an aiohttp site, JSON and Prometheus replies."""
+
+from __future__ import annotations
+
+import errno
+
+from aiohttp import web
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
+
+from kvpool.errors import UserError
+
+
+async def start_site(app: web.Application, host: str, port: int) -> tuple[web.AppRunner, str]:
+    """Serve ``app`` on host:port (0 = a free port) on the running loop.
+
+    Returns (runner, "host:port" actually bound); ``await runner.cleanup()`` stops it.
+    Raises UserError when the port is in use or the address cannot be bound.
+    """
+    runner = web.AppRunner(app, access_log=None)
+    await runner.setup()
+    try:
+        await web.TCPSite(runner, host, port).start()
+    except OSError as exc:
+        await runner.cleanup()
+        if exc.errno == errno.EADDRINUSE:
+            raise UserError(f"admin HTTP port {port} on {host} is already in use") from None
+        raise UserError(f"cannot serve admin HTTP on {host}:{port}: {exc.strerror or exc}") from None
+    bound_port = runner.addresses[0][1]
+    return runner, f"{host}:{bound_port}"
+
+
+def metrics_response(registry: CollectorRegistry) -> web.Response:
+    """The Prometheus text exposition (format 0.0.4) of ``registry``."""
+    return web.Response(body=generate_latest(registry), headers={"Content-Type": CONTENT_TYPE_LATEST})
+
+
+def error_response(status: int, message: str, code: int | None = None) -> web.Response:
+    """A JSON error body ``{"error": message, "code": ErrorCode int}`` with HTTP ``status``."""
+    body = {"error": message}
+    if code is not None:
+        body["code"] = int(code)
+    return web.json_response(body, status=status)

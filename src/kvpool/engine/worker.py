@@ -1,0 +1,113 @@
+"""Engine worker: one reference engine in its own process, driven by JSON lines.
+
+Started as ``kvpool generate --worker [--master ADDR] ...``. It loads the model, builds a
+PrefixCache (L1 in process; L3 = the kvpool store when ``--master`` is given), prints
+``{"event": "ready", "model": {...}}`` and then answers requests read from stdin, one
+JSON object per line:
+
+    {"id": 1, "messages": [{"role": "user", "content": "..."}], "max_new_tokens": 24}
+    {"id": 2, "prompt_ids": [1, 2, ...], "use_cache": false}
+
+with one line each: ``{"id": 1, "result": {...}}`` (fields of
+:class:`~kvpool.engine.engine.GenerateResult`, the prompt ids, the decoded answer, the
+logits in base64 and the cache's metrics), or ``{"id": 1, "error": "..."}``. It exits
+at the end of stdin. Before replying it waits for the cache's L3 backups, so a page
+written by this request is visible to every other process once the reply arrives.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+
+from kvpool.engine.procs import encode_logits
+from kvpool.errors import KVPoolError
+
+
+class _Channel:
+    """JSON lines on the process's real stdout.
+
+    File descriptor 1 is pointed at stderr after the channel takes a copy of it, so a
+    stray print from a library can never corrupt the protocol.
+    """
+
+    def __init__(self):
+        self._out = os.fdopen(os.dup(1), "w", buffering=1)
+        os.dup2(2, 1)
+        sys.stdout = sys.stderr
+
+    def send(self, **msg) -> None:
+        self._out.write(json.dumps(msg) + "\n")
+        self._out.flush()
+
+
+def serve(args) -> int:
+    """Run the worker loop until stdin ends. Returns the exit status (0)."""
+    channel = _Channel()
+    engine, summary = start_engine(args, lambda text: channel.send(event="progress", text=text))
+    channel.send(event="ready", model=summary, pid=os.getpid())
+    for line in sys.stdin:
+        if not line.strip():
+            continue
+        try:
+            request = json.loads(line)
+        except ValueError:
+            channel.send(id=None, error=f"not JSON: {line[:80]!r}")
+            continue
+        try:
+            channel.send(id=request.get("id"), result=handle(engine, request))
+        except (KVPoolError, ValueError, TypeError, KeyError) as exc:
+            channel.send(id=request.get("id"), error=f"{type(exc).__name__}: {exc}")
+    return 0
+
+
+def start_engine(args, progress):
+    """Load the model and attach a cache whose L3 is the store at ``args.master``."""
+    import torch
+
+    from kvpool.config import parse_size
+    from kvpool.engine.engine import Engine
+    from kvpool.engine.models import load_model, model_summary
+
+    torch.set_num_threads(args.threads)
+    progress(f"loading model {args.model} ({args.dtype})")
+    loaded = load_model(args.model, args.dtype, progress=progress)
+    engine = Engine(loaded)
+    l3 = None
+    if args.master:
+        from kvpool.cache import StoreBackend
+        from kvpool.client import Client
+
+        l3 = StoreBackend(Client(args.master, force_tcp=args.force_tcp))
+    engine.build_cache(args.page_size, parse_size(args.l1_size), l3=l3)
+    return engine, model_summary(loaded)
+
+
+def handle(engine, request: dict) -> dict:
+    """Serve one request dict (see module docstring); returns the result dict."""
+    from kvpool.engine.workload import chat_prompt_ids
+
+    if "prompt_ids" in request:
+        prompt_ids = [int(t) for t in request["prompt_ids"]]
+    else:
+        prompt_ids = chat_prompt_ids(engine.loaded.tokenizer, request["messages"])
+    result = engine.generate(prompt_ids, int(request.get("max_new_tokens", 32)),
+                             use_cache=bool(request.get("use_cache", True)))
+    if engine.cache is not None:
+        engine.cache.flush()
+    tokenizer = engine.loaded.tokenizer
+    return {
+        "prompt_ids": prompt_ids,
+        "output_ids": result.output_ids,
+        "text": tokenizer.decode(result.output_ids, skip_special_tokens=True)
+        if tokenizer is not None else "",
+        "prompt_tokens": result.prompt_tokens,
+        "reused_tokens": result.reused_tokens,
+        "reused_by_tier": result.reused_by_tier,
+        "ttft_ms": result.ttft_ms,
+        "decode_tok_s": result.decode_tok_s,
+        "timings_ms": result.timings_ms,
+        "last_logits": encode_logits(result.last_logits.numpy()),
+        "cache_metrics": engine.cache.metrics.snapshot() if engine.cache is not None else {},
+    }

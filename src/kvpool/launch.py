@@ -1,0 +1,173 @@
+"""Start and stop a master and its nodes as child processes (tests, serve, demo, bench).
+
+Each child is ``python -m kvpool master|node ... --ready-file F``; the launcher polls F
+(JSON with at least ``{"addr": "host:port"}``) until a deadline, and fails with the
+child's log tail if the child exits or the deadline passes. On exit every child is
+terminated (nodes first, so they unmount and unlink their shared memory), waited for,
+and killed if it does not go.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from kvpool.config import parse_size
+from kvpool.errors import KVPoolError
+
+_SRC = str(Path(__file__).resolve().parent.parent)  # so children import this kvpool
+
+
+class LaunchError(KVPoolError):
+    """A child process did not come up (its log tail is in the message)."""
+
+
+class Child:
+    """One started process, its ready-file info and its log file."""
+
+    def __init__(self, kind: str, args: list[str], workdir: Path, log_dir: Path, tag: str):
+        self.kind = kind
+        self.ready_file = workdir / f"{tag}.ready.json"
+        self.log_path = log_dir / f"{tag}.log"
+        env = dict(os.environ)
+        env["PYTHONPATH"] = _SRC + os.pathsep + env.get("PYTHONPATH", "")
+        cmd = [sys.executable, "-m", "kvpool", kind, *args, "--ready-file", str(self.ready_file)]
+        with open(self.log_path, "ab") as log:
+            self.proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env,
+                                         stdin=subprocess.DEVNULL)
+        self.info: dict = {}
+
+    def wait_ready(self, timeout_s: float) -> dict:
+        """Poll the ready file; returns its JSON. Raises LaunchError on exit or timeout."""
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if self.ready_file.exists():
+                self.info = json.loads(self.ready_file.read_text())
+                return self.info
+            if self.proc.poll() is not None:
+                raise LaunchError(f"{self.kind} exited with {self.proc.returncode}:\n{self.log_tail()}")
+            time.sleep(0.01)
+        raise LaunchError(f"{self.kind} not ready after {timeout_s} s:\n{self.log_tail()}")
+
+    def log_tail(self, n: int = 20) -> str:
+        try:
+            return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-n:])
+        except OSError:
+            return ""
+
+    def stop(self, kill: bool = False, timeout_s: float = 5.0) -> int | None:
+        """SIGTERM (or SIGKILL when ``kill``), wait, then SIGKILL. Returns the exit status."""
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGKILL if kill else signal.SIGTERM)
+            try:
+                self.proc.wait(timeout_s)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        return self.proc.returncode
+
+
+class Cluster:
+    """A master and ``num_nodes`` nodes on 127.0.0.1, as a context manager.
+
+    Args:
+        segment_size: each node's shared-memory segment ("256MiB" or bytes).
+        lease_ttl_ms: the master's --default-kv-lease-ttl.
+        extra_master_args / extra_node_args: more command-line flags for the children.
+        log_dir: where children's logs go (default: a temporary folder removed on exit).
+        num_nodes: nodes started with the cluster (more with :meth:`start_node`).
+        master_port: 0 = any free port.
+        startup_timeout_s: deadline for each child's ready file.
+
+    Attributes: ``master_addr`` ("127.0.0.1:PORT"), ``node_addrs`` (data ports),
+    ``nodes`` (ready-file dicts: addr, segment, owner_id, shm_name, pid).
+    Raises LaunchError when a child does not come up.
+    """
+
+    def __init__(self, segment_size="256MiB", lease_ttl_ms: int = 10_000, extra_master_args=(),
+                 log_dir=None, num_nodes: int = 1, extra_node_args=(), master_port: int = 0,
+                 startup_timeout_s: float = 30.0):
+        self.segment_size = parse_size(segment_size)
+        self.lease_ttl_ms = lease_ttl_ms
+        self.extra_master_args = [str(a) for a in extra_master_args]
+        self.extra_node_args = [str(a) for a in extra_node_args]
+        self.num_nodes = num_nodes
+        self.master_port = master_port
+        self.startup_timeout_s = startup_timeout_s
+        self._workdir = Path(tempfile.mkdtemp(prefix="kvpool-cluster-"))
+        self.log_dir = Path(log_dir) if log_dir else self._workdir
+        self.log_dir.mkdir(parents=True, exist_ok=True)
+        self.master: Child | None = None
+        self.node_children: list[Child] = []
+        self._count = 0
+
+    @property
+    def master_addr(self) -> str:
+        return self.master.info["addr"]
+
+    @property
+    def node_addrs(self) -> list[str]:
+        return [c.info.get("addr", "") for c in self.node_children]
+
+    @property
+    def nodes(self) -> list[dict]:
+        return [c.info for c in self.node_children]
+
+    def start(self) -> "Cluster":
+        """Start the master and the nodes; returns self. Raises LaunchError."""
+        try:
+            args = ["--port", str(self.master_port), "--default-kv-lease-ttl", str(self.lease_ttl_ms),
+                    *self.extra_master_args]
+            self.master = Child("master", args, self._workdir, self.log_dir, "master")
+            self.master.wait_ready(self.startup_timeout_s)
+            for _ in range(self.num_nodes):
+                self.start_node()
+        except BaseException:
+            self.stop()
+            raise
+        return self
+
+    def start_node(self, segment_size=None, extra_args=()) -> int:
+        """Start one more node; returns its index in ``node_addrs``."""
+        size = parse_size(segment_size) if segment_size is not None else self.segment_size
+        self._count += 1
+        args = ["--master", self.master_addr, "--port", "0", "--segment-size", str(size),
+                *self.extra_node_args, *[str(a) for a in extra_args]]
+        child = Child("node", args, self._workdir, self.log_dir, f"node{self._count}")
+        self.node_children.append(child)
+        child.wait_ready(self.startup_timeout_s)
+        return len(self.node_children) - 1
+
+    def stop_node(self, index: int, kill: bool = False) -> int | None:
+        """Stop node ``index``: SIGTERM (graceful unmount) or SIGKILL (``kill=True``, the
+        master notices by heartbeat TTL). Returns its exit status."""
+        return self.node_children[index].stop(kill=kill)
+
+    def stop(self) -> None:
+        """Stop nodes (so they unmount and unlink), then the master; remove temp files."""
+        for child in self.node_children:
+            child.stop()
+        if self.master is not None:
+            self.master.stop()
+        if self.log_dir != self._workdir:
+            shutil.rmtree(self._workdir, ignore_errors=True)
+        elif all(c.proc.returncode in (0, -signal.SIGKILL) for c in self.children):
+            shutil.rmtree(self._workdir, ignore_errors=True)  # keep logs of a failure
+
+    @property
+    def children(self) -> list[Child]:
+        """Every started process: the master first, then the nodes."""
+        return ([self.master] if self.master else []) + self.node_children
+
+    def __enter__(self) -> "Cluster":
+        return self.start()
+
+    def __exit__(self, *exc) -> None:
+        self.stop()

@@ -1,0 +1,86 @@
+"""``kvpool master``: run the metadata service (Mooncake's mooncake_master flags)."""
+
+from __future__ import annotations
+
+import errno
+import logging
+
+from kvpool.config import Option, add_options, resolve
+from kvpool.errors import UserError
+from kvpool.master.config import MasterConfig
+from kvpool.master.segments import STRATEGIES
+
+HELP = "run the kvpool master (metadata, leases, allocation, eviction)"
+
+
+def _ratio(text) -> float:
+    value = float(text)
+    if not 0.0 <= value <= 1.0:
+        raise ValueError("must be between 0 and 1")
+    return value
+
+
+def _positive(parse):
+    def check(text):
+        value = parse(text)
+        if value <= 0:
+            raise ValueError("must be > 0")
+        return value
+    return check
+
+
+def _strategy(text) -> str:
+    if text not in STRATEGIES:
+        raise ValueError(f"choose one of {', '.join(STRATEGIES)}")
+    return text
+
+
+OPTIONS = [
+    Option("host", "127.0.0.1", str, "address to listen on", env="MASTER_HOST"),
+    Option("port", 50051, int, "TCP port of the control plane (0 = any free port)", env="MASTER_PORT"),
+    Option("default-kv-lease-ttl", 10_000, _positive(int), "read lease granted by get/exist, ms"),
+    Option("eviction-high-watermark-ratio", 0.90, _ratio, "evict when used/total exceeds this"),
+    Option("eviction-ratio", 0.05, _ratio, "share of objects one eviction pass frees"),
+    Option("client-ttl", 10.0, _positive(float), "seconds without heartbeat before a node's segments are unmounted"),
+    Option("put-start-discard-timeout", 30.0, _positive(float), "seconds after which an unfinished put may be taken over"),
+    Option("put-start-release-timeout", 600.0, _positive(float), "seconds after which an unfinished put's space is freed"),
+    Option("soft-pin-ttl", 1_800_000, _positive(int), "how long a soft pin protects an object, ms"),
+    Option("allocation-strategy", "random", _strategy, f"replica placement: {' | '.join(STRATEGIES)}"),
+    Option("http-port", None, int, "admin HTTP port: /health /metrics /segments /query_key /keys "
+           "(0 = a free port; unset = no admin server)", env="MASTER_HTTP_PORT"),
+]
+
+
+def add_arguments(parser) -> None:
+    add_options(parser, OPTIONS)
+    parser.add_argument("--ready-file", default=None, help="write {\"addr\": ...} JSON here once serving")
+
+
+def config_from(values: dict) -> MasterConfig:
+    """MasterConfig from resolved option values."""
+    return MasterConfig(
+        default_kv_lease_ttl_ms=values["default_kv_lease_ttl"],
+        eviction_high_watermark_ratio=values["eviction_high_watermark_ratio"],
+        eviction_ratio=values["eviction_ratio"],
+        client_ttl_s=values["client_ttl"],
+        put_start_discard_timeout_s=values["put_start_discard_timeout"],
+        put_start_release_timeout_s=values["put_start_release_timeout"],
+        soft_pin_ttl_ms=values["soft_pin_ttl"],
+        allocation_strategy=values["allocation_strategy"],
+    )
+
+
+def run(args) -> int:
+    from kvpool.master.server import run_event_loop, serve
+    from kvpool.master.service import MasterService
+
+    values = resolve(args, OPTIONS)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s master %(levelname)s %(message)s")
+    service = MasterService(config_from(values))
+    try:
+        run_event_loop(serve(service, values["host"], values["port"], args.ready_file, values["http_port"]))
+    except OSError as exc:
+        if exc.errno == errno.EADDRINUSE:
+            raise UserError(f"port {values['port']} on {values['host']} is already in use") from None
+        raise UserError(f"cannot listen on {values['host']}:{values['port']}: {exc.strerror}") from None
+    return 0

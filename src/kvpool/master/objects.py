@@ -1,0 +1,73 @@
+"""Master-side records: segments, replicas, objects, in-flight puts.
+
+An object's lifecycle follows Mooncake Store's replica state machine:
+``PutStart`` creates a :class:`PendingPut` whose replicas are PROCESSING (invisible);
+``PutEnd`` makes them the object's COMPLETE ``replicas`` (visible); ``PutRevoke``, a
+discard timeout or a release timeout ends a pending put without making it visible.
+An object with no COMPLETE replicas does not exist for readers.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from kvpool.master.allocator import OffsetAllocator
+from kvpool.protocol import SegmentInfo
+
+
+@dataclass(slots=True)
+class Segment:
+    """A mounted segment: its description, its owner and its allocator."""
+
+    info: SegmentInfo
+    owner_id: str
+    allocator: OffsetAllocator
+
+
+@dataclass(frozen=True, slots=True)
+class Replica:
+    """``length`` value bytes at ``offset`` of segment ``segment`` (a segment name)."""
+
+    segment: str
+    offset: int
+    length: int
+
+
+@dataclass(slots=True)
+class PendingPut:
+    """A put between PutStart and PutEnd; its replicas are PROCESSING."""
+
+    put_id: int
+    size: int
+    replicas: list[Replica]
+    started: float  # monotonic seconds
+    soft_pin: bool = False
+    hard_pin: bool = False
+
+
+@dataclass(slots=True)
+class ObjectMeta:
+    """One key. ``replicas`` are COMPLETE; empty means invisible (only a pending put).
+
+    lease_deadline: monotonic second until which a read lease holds (no removal, no
+    eviction); also the eviction order (approximate LRU, as in Mooncake).
+    soft_pin_deadline: monotonic second until which the soft pin holds (0 = none).
+    """
+
+    key: str
+    size: int = 0
+    replicas: list[Replica] = field(default_factory=list)
+    pending: PendingPut | None = None
+    lease_deadline: float = 0.0
+    hard_pin: bool = False
+    soft_pin_deadline: float = 0.0
+
+    @property
+    def visible(self) -> bool:
+        return bool(self.replicas)
+
+    def leased(self, now: float) -> bool:
+        return self.lease_deadline > now
+
+    def soft_pinned(self, now: float) -> bool:
+        return self.soft_pin_deadline > now

@@ -1,0 +1,145 @@
+"""The master's asyncio server: frames in, MasterService handlers, frames out.
+
+One event loop (uvloop when installed) owns all metadata, so handlers run one at a time
+without locks. A request that does not decode gets an :class:`ErrorResp` and the
+connection stays open; a frame with a bad header closes that connection only. A
+background task runs :meth:`MasterService.tick` (liveness, zombies, eviction).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import gc
+import logging
+import os
+import signal
+
+import msgspec
+
+from kvpool import protocol as P
+from kvpool.config import write_ready_file
+from kvpool.errors import ErrorCode
+from kvpool.master.service import MasterService
+
+log = logging.getLogger("kvpool.master")
+TICK_S = 0.05
+
+
+def _handlers(svc: MasterService) -> dict[type, object]:
+    """Request type -> function(request) -> reply Struct."""
+    return {
+        P.Ping: lambda r: P.Resp(),
+        P.MountSegment: lambda r: svc.mount(r.owner_id, r.segment),
+        P.UnmountSegment: lambda r: svc.unmount(r.owner_id, r.name),
+        P.Heartbeat: lambda r: svc.heartbeat(r.owner_id),
+        P.PutStart: lambda r: svc.put_start(r.item, r.host_id),
+        P.BatchPutStart: lambda r: P.BatchPutStartResp([svc.put_start(i, r.host_id) for i in r.items]),
+        P.PutEnd: lambda r: svc.put_end(r.token),
+        P.BatchPutEnd: lambda r: P.CodesResp([svc.put_end(t).code for t in r.tokens]),
+        P.PutRevoke: lambda r: svc.put_revoke(r.token),
+        P.BatchPutRevoke: lambda r: P.CodesResp([svc.put_revoke(t).code for t in r.tokens]),
+        P.GetReplicaList: lambda r: svc.get_replica_list(r.key),
+        P.BatchGetReplicaList: lambda r: P.BatchGetResp([svc.get_replica_list(k) for k in r.keys]),
+        P.ExistKey: lambda r: P.Resp(svc.exist_key(r.key)),
+        P.BatchExistKey: lambda r: svc.codes(svc.exist_key, r.keys),
+        P.Remove: lambda r: P.Resp(svc.remove(r.key, r.force)),
+        P.BatchRemove: lambda r: svc.codes(svc.remove, r.keys, r.force),
+        P.RemoveAll: lambda r: svc.remove_matching(None, r.force),
+        P.RemoveByRegex: lambda r: svc.remove_matching(r.pattern, r.force),
+        P.SetPin: lambda r: svc.set_pin(r.key, r.mode),
+        P.GetStats: lambda r: svc.stats(),
+    }
+
+
+class MasterServer:
+    """Serves :class:`MasterService` on ``host:port`` (port 0 = any free port)."""
+
+    def __init__(self, service: MasterService, host: str = "127.0.0.1", port: int = 50051):
+        self.service = service
+        self.host, self.port = host, port
+        self._handlers = _handlers(service)
+        self._server: asyncio.base_events.Server | None = None
+
+    def dispatch(self, body: bytes | bytearray) -> msgspec.Struct:
+        """Decode one request body and run its handler; never raises."""
+        try:
+            req = P.request_decoder.decode(body)
+        except (msgspec.DecodeError, msgspec.ValidationError) as exc:
+            return P.ErrorResp(ErrorCode.INVALID_PARAMS, f"bad request: {exc}"[:300])
+        try:
+            return self._handlers[type(req)](req)
+        except Exception:  # a bug must not take the whole master down; log it loudly
+            log.exception("handler for %s failed", type(req).__name__)
+            return P.ErrorResp(ErrorCode.INTERNAL_ERROR, f"internal error in {type(req).__name__}")
+
+    async def _serve_conn(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        try:
+            while True:
+                length = P.parse_header(await reader.readexactly(P.HEADER.size))
+                body = await reader.readexactly(length)
+                writer.write(P.encode_frame(self.dispatch(body)))
+                await writer.drain()
+        except (asyncio.IncompleteReadError, ConnectionError, P.FrameError):
+            pass  # peer left or sent garbage framing: drop this connection only
+        except asyncio.CancelledError:
+            pass  # the master is shutting down: end quietly instead of logging a cancel
+        finally:
+            writer.close()
+
+    async def start(self) -> str:
+        """Bind and start serving; returns the bound "host:port"."""
+        self._server = await asyncio.start_server(self._serve_conn, self.host, self.port)
+        port = self._server.sockets[0].getsockname()[1]
+        return f"{self.host}:{port}"
+
+    async def close(self) -> None:
+        """Stop accepting connections."""
+        if self._server is not None:
+            self._server.close()
+            self._server = None
+
+    async def tick_forever(self) -> None:
+        while True:
+            await asyncio.sleep(TICK_S)
+            try:
+                self.service.tick()
+            except Exception:  # upkeep must keep running; the bug is logged
+                log.exception("master tick failed")
+
+
+async def serve(service: MasterService, host: str, port: int, ready_file: str | None,
+                http_port: int | None = None) -> None:
+    """Run the master until SIGTERM/SIGINT. Raises OSError if the port cannot be bound.
+    ``http_port``: admin HTTP (kvpool.admin) on this loop; 0 = a free port, None = none."""
+    # millions of long-lived metadata objects make each full GC pass costly: collect
+    # young objects less often (measured: 34 -> 25 us per put at 100k objects)
+    gc.set_threshold(50_000, 20, 100)
+    server = MasterServer(service, host, port)
+    addr = await server.start()
+    http_addr = None
+    if http_port is not None:
+        from kvpool.admin.master_app import start_master_admin
+
+        _, http_addr = await start_master_admin(server, host, http_port)
+        print(f"kvpool master admin HTTP on {http_addr}", flush=True)
+    loop = asyncio.get_running_loop()
+    stop = asyncio.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    ticker = asyncio.create_task(server.tick_forever())
+    print(f"kvpool master listening on {addr}", flush=True)
+    if ready_file:
+        write_ready_file(ready_file, {"addr": addr, "pid": os.getpid(), "http_addr": http_addr})
+    await stop.wait()
+    ticker.cancel()
+    await server.close()
+
+
+def run_event_loop(coro) -> None:
+    """Run ``coro`` on uvloop when installed (lower latency), else stdlib asyncio."""
+    try:
+        import uvloop
+    except ImportError:
+        asyncio.run(coro)
+        return
+    uvloop.run(coro)

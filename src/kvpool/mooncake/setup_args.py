@@ -1,0 +1,93 @@
+"""Arguments of ``MooncakeDistributedStore.setup``: the positional form and the dict form.
+
+Mooncake accepts ``setup(local_hostname, metadata_server, global_segment_size,
+local_buffer_size, protocol, rdma_devices, master_server_addr, ...)`` and
+``setup({"local_hostname": ..., "global_segment_size": "16MB", ...})``; in the dict form
+every value is text and sizes use binary units ("16MB" = 16 MiB). Both become one
+:class:`SetupArgs`, checked the way Mooncake's RealClient checks them (sizes 0 or
+1 KiB .. 1 TiB), plus kvpool's own limits (features it does not have are refused).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from kvpool.config import parse_addr, parse_size_mooncake
+from kvpool.errors import InvalidParams, UserError
+
+MIN_SEGMENT_SIZE = 1 << 10  # Mooncake's MIN_SEGMENT_SIZE
+MAX_SEGMENT_SIZE = 1 << 40  # Mooncake's MAX_SEGMENT_SIZE
+DEFAULT_SEGMENT_SIZE = 16 << 20  # Mooncake's DEFAULT_GLOBAL_SEGMENT_SIZE
+DEFAULT_LOCAL_BUFFER_SIZE = 16 << 20
+DEFAULT_MASTER = "127.0.0.1:50051"
+PROTOCOLS = ("tcp", "rdma")  # both map to kvpool's transports (shm same host, else TCP)
+_TRUE = ("1", "true", "yes", "on")
+
+
+@dataclass
+class SetupArgs:
+    """Validated setup values. ``bind_host``: address of this client's segment data server."""
+
+    local_hostname: str
+    master_server_addr: str
+    global_segment_size: int
+    local_buffer_size: int
+    protocol: str
+
+    @property
+    def bind_host(self) -> str:
+        host = self.local_hostname.rpartition(":")[0] if ":" in self.local_hostname else self.local_hostname
+        return "127.0.0.1" if host in ("localhost", "") else host
+
+
+def _size(name: str, value) -> int:
+    if isinstance(value, bool) or not isinstance(value, (int, str)):
+        raise InvalidParams(f"{name} must be an int or a size like '16MB', got {value!r}")
+    try:
+        size = parse_size_mooncake(value)
+    except UserError as exc:
+        raise InvalidParams(f"{name}: {exc}") from None
+    if size != 0 and not MIN_SEGMENT_SIZE <= size <= MAX_SEGMENT_SIZE:
+        raise InvalidParams(f"{name} must be 0 or between 1 KiB and 1 TiB, got {size}")
+    return size
+
+
+def _flag(value) -> bool:
+    return value is True or str(value).strip().lower() in _TRUE
+
+
+def build(local_hostname, metadata_server, global_segment_size, local_buffer_size, protocol,
+          master_server_addr, unsupported: dict) -> SetupArgs:
+    """Check one setup call's values. ``unsupported``: {option: value} of Mooncake
+    features kvpool lacks; any that is set raises.
+
+    Raises InvalidParams (the facade returns -600) with the reason.
+    """
+    if not isinstance(local_hostname, str) or not local_hostname:
+        raise InvalidParams("local_hostname is required")
+    if not isinstance(metadata_server, str) or not metadata_server:
+        raise InvalidParams("metadata_server is required (kvpool ignores its value)")
+    if protocol not in PROTOCOLS:
+        raise InvalidParams(f"protocol must be one of {PROTOCOLS}, got {protocol!r}")
+    for option, value in unsupported.items():
+        if value not in (None, False, "") and (not isinstance(value, str) or _flag(value)):
+            raise InvalidParams(f"{option} is not supported by kvpool")
+    try:
+        host, port = parse_addr(master_server_addr)
+    except UserError as exc:
+        raise InvalidParams(f"master_server_addr: {exc}") from None
+    return SetupArgs(local_hostname, f"{host}:{port}", _size("global_segment_size", global_segment_size),
+                     _size("local_buffer_size", local_buffer_size), protocol)
+
+
+def from_dict(config: dict) -> SetupArgs:
+    """SetupArgs from Mooncake's dict form (values may be text). Unknown keys are
+    ignored, as Mooncake does. Raises InvalidParams."""
+    get = config.get
+    return build(
+        str(get("local_hostname", "")), str(get("metadata_server", "")),
+        get("global_segment_size", DEFAULT_SEGMENT_SIZE), get("local_buffer_size", DEFAULT_LOCAL_BUFFER_SIZE),
+        str(get("protocol", "tcp")), str(get("master_server_addr", DEFAULT_MASTER)),
+        {"enable_ssd_offload": get("enable_ssd_offload"),
+         "enable_client_http_server": get("enable_client_http_server")},
+    )

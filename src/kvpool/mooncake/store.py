@@ -1,0 +1,591 @@
+"""``MooncakeDistributedStore``: Mooncake Store's Python API over :class:`kvpool.client.Client`.
+
+Code written against ``from mooncake.store import MooncakeDistributedStore`` runs on
+kvpool with ``from kvpool.mooncake.store import MooncakeDistributedStore``. Method names,
+parameter names (a wrong keyword raises TypeError) and return conventions follow
+Mooncake's pybind module (mooncake-integration/store/store_py.cpp) and its RealClient:
+
+- status methods return 0 or a negative :class:`~kvpool.errors.ErrorCode` integer
+  (-600 bad parameters or not set up, -200 no space, -704 not found, -706 leased, ...);
+- a put of an existing key returns 0 and keeps the stored value (Mooncake's Put
+  treats OBJECT_ALREADY_EXISTS as success; field case K01) - ``upsert`` replaces;
+- a miss is ``b''`` from ``get``/``get_batch``, None from ``get_buffer``, ``[]`` from
+  ``get_replica_desc``, 0 from ``is_exist`` and a negative code from the rest;
+- empty values and empty keys are refused with -600 (K09).
+
+kvpool's native :class:`~kvpool.client.Client` says what happened with typed exceptions;
+this facade only translates. Intended differences are listed in docs/mooncake-compat.md.
+"""
+
+from __future__ import annotations
+
+import logging
+import weakref
+from typing import Sequence
+
+from kvpool.client import Client, ReadHandle, check_key
+from kvpool.errors import BufferOverflow, ErrorCode, InvalidParams, KVPoolError, ObjectExists
+from kvpool.mooncake import setup_args
+from kvpool.mooncake.buffers import RegisteredBuffers
+from kvpool.mooncake.types import (
+    BufferHandle, Descriptor, MemoryDescriptor, ReplicaDescriptor, ReplicateConfig, SoftPinAction,
+)
+from kvpool.transfer import as_byte_view
+
+log = logging.getLogger("kvpool.mooncake")
+
+OK = 0
+INVALID = int(ErrorCode.INVALID_PARAMS)
+HC_HEALTHY, HC_NOT_INITIALIZED, HC_MASTER_UNREACHABLE = 0, 1, 2  # Mooncake's health_check codes
+
+
+def _key_ok(key) -> bool:
+    """False for an empty or over-long key; TypeError for a non-str, as pybind raises."""
+    if not isinstance(key, str):
+        raise TypeError(f"key must be str, not {type(key).__name__}")
+    try:
+        check_key(key)
+    except InvalidParams:
+        return False
+    return True
+
+
+def _check_keys(keys) -> list[bool]:
+    return [_key_ok(k) for k in keys]
+
+
+def _value_view(value) -> memoryview | None:
+    """Byte view of a bytes-like value; None if not C-contiguous; TypeError if not a buffer."""
+    try:
+        memoryview(value)
+    except TypeError:
+        raise TypeError(f"value must support the buffer protocol, not {type(value).__name__}") from None
+    try:
+        return as_byte_view(value)
+    except InvalidParams:
+        return None
+
+
+def _int(name: str, value) -> int:
+    if not isinstance(value, int) or isinstance(value, bool):
+        raise TypeError(f"{name} must be int, not {type(value).__name__}")
+    return value
+
+
+def _put_code(code: int) -> int:
+    """Mooncake's put reports an existing key as success (the old value stays)."""
+    return OK if code == ErrorCode.OBJECT_ALREADY_EXISTS else int(code)
+
+
+def _read_code(code: int) -> int:
+    """Mooncake answers a destination smaller than the value with INVALID_PARAMS."""
+    return INVALID if code == ErrorCode.BUFFER_OVERFLOW else int(code)
+
+
+def _descriptor(desc) -> ReplicaDescriptor:
+    buf = Descriptor(desc.length, desc.offset, desc.segment.data_addr, desc.segment.name)
+    return ReplicaDescriptor(MemoryDescriptor(buf))
+
+
+def _invalid_like(n_buffers: int, all_keys, all_dst_offsets) -> list:
+    """get_into_ranges' result shape filled with -600 (for a call that is malformed)."""
+    out = []
+    for i in range(n_buffers):
+        keys = all_keys[i] if i < len(all_keys) else []
+        dsts = all_dst_offsets[i] if i < len(all_dst_offsets) else []
+        out.append([[INVALID] * (len(dsts[j]) if j < len(dsts) else 0) for j in range(len(keys))])
+    return out
+
+
+class MooncakeDistributedStore:
+    """Mooncake's store client API on a kvpool cluster. Create, ``setup(...)``, use,
+    ``close()``. Thread-safe once set up (the underlying Client is)."""
+
+    def __init__(self):
+        self._client: Client | None = None
+        self._args: setup_args.SetupArgs | None = None
+        self._buffers = RegisteredBuffers()
+        self._finalizer: weakref.finalize | None = None
+        self._segment_names: dict[str, str] = {}  # data server "host:port" or name -> segment name
+
+    # ------------------------------------------------------------ lifecycle
+
+    def setup(self, local_hostname=None, metadata_server=None,
+              global_segment_size=setup_args.DEFAULT_SEGMENT_SIZE,
+              local_buffer_size=setup_args.DEFAULT_LOCAL_BUFFER_SIZE, protocol="tcp", rdma_devices="",
+              master_server_addr=setup_args.DEFAULT_MASTER, engine=None, enable_ssd_offload=False,
+              ssd_offload_path="", tenant_id="default", enable_client_http_server=False,
+              client_http_port=9300, *, config: dict | None = None) -> int:
+        """Connect to the master at ``master_server_addr``; returns 0 or an error code.
+
+        Positional form as Mooncake's; or one dict (``setup({...})`` / ``setup(config={...})``)
+        whose values may be text, sizes in binary units ("16MB" = 16 MiB).
+        ``global_segment_size`` > 0: this store hosts a shared-memory segment of that
+        many bytes (its own data server thread) that the cluster allocates from; close()
+        unmounts it and the objects on it become not found. 0: a pure client.
+        ``metadata_server``, ``rdma_devices``, ``tenant_id``, ``client_http_port`` and
+        ``ssd_offload_path`` are accepted and unused; ``engine``,
+        ``enable_ssd_offload`` and ``enable_client_http_server`` are refused (-600).
+        Returns -600 for bad parameters, -900 when the master cannot be reached.
+        """
+        as_dict = config if config is not None else local_hostname if isinstance(local_hostname, dict) else None
+        try:
+            if as_dict is not None:
+                args = setup_args.from_dict(as_dict)
+            else:
+                args = setup_args.build(
+                    local_hostname, metadata_server, global_segment_size, local_buffer_size, protocol,
+                    master_server_addr, {"engine": engine, "enable_ssd_offload": enable_ssd_offload,
+                                         "enable_client_http_server": enable_client_http_server})
+        except InvalidParams as exc:
+            log.error("setup refused: %s", exc)
+            return INVALID
+        if args.protocol == "rdma":
+            log.warning("protocol 'rdma': kvpool moves bytes through shared memory or TCP")
+        self.close()
+        try:
+            client = Client(args.master_server_addr, global_segment_size=args.global_segment_size,
+                            segment_host=args.bind_host)
+        except KVPoolError as exc:
+            log.error("setup failed: %s", exc)
+            return int(exc.code)
+        self._client, self._args = client, args
+        self._finalizer = weakref.finalize(self, client.close)  # unmount at exit if not closed
+        return OK
+
+    def close(self) -> int:
+        """Close the connection; a hosted segment is unmounted (its objects are gone).
+        Registered buffers are forgotten. Returns 0; safe to call twice."""
+        if self._finalizer is not None:
+            self._finalizer()
+        self._client = self._finalizer = None
+        self._buffers.clear()
+        self._segment_names.clear()
+        return OK
+
+    def health_check(self) -> int:
+        """0 healthy, 1 not set up or closed, 2 master unreachable (Mooncake's codes)."""
+        client = self._client
+        if client is None:
+            return HC_NOT_INITIALIZED
+        try:
+            client.stats()
+        except KVPoolError:
+            return HC_MASTER_UNREACHABLE
+        return HC_HEALTHY
+
+    def get_hostname(self) -> str:
+        """"host:port" of this store's segment data server, else the local_hostname given
+        to setup ("" before setup). Usable as ``ReplicateConfig.preferred_segment``."""
+        client = self._client
+        if client is not None and client.segment is not None:
+            return client.segment.data_addr
+        return self._args.local_hostname if self._args else ""
+
+    # ------------------------------------------------------------ put forms
+
+    def _put_options(self, client: Client, config) -> tuple[int, dict, str]:
+        """(replica_num, pin kwargs, preferred segment name) from a ReplicateConfig.
+        Raises InvalidParams, TypeError."""
+        config = ReplicateConfig() if config is None else config
+        if not isinstance(config, ReplicateConfig):
+            raise TypeError(f"config must be ReplicateConfig, not {type(config).__name__}")
+        n = config.replica_num
+        if not isinstance(n, int) or n < 1:
+            raise InvalidParams(f"replica_num must be >= 1, got {n!r}")
+        if config.prefer_alloc_in_same_node:
+            raise InvalidParams("prefer_alloc_in_same_node is not supported by put (as in Mooncake)")
+        if config.preferred_segments and len(config.preferred_segments) != n:
+            raise InvalidParams("preferred_segments must name one segment per replica")
+        pins = {"soft_pin": config.soft_pin_action == SoftPinAction.ENABLE, "hard_pin": bool(config.with_hard_pin)}
+        preferred = config.preferred_segments[0] if config.preferred_segments else config.preferred_segment
+        return n, pins, self._segment_name(client, preferred)
+
+    def _segment_name(self, client: Client, preferred: str) -> str:
+        """Segment name for a preferred "host:port" (a data server address) or name.
+
+        Names are cached per address and looked up again (one stats RPC) only for an
+        address not seen yet; a stale name merely loses the preference (the master
+        ignores a name it does not know)."""
+        if not preferred:
+            return ""
+        addr = preferred.replace("localhost:", "127.0.0.1:", 1)
+        if addr not in self._segment_names:
+            for seg in client.stats().segments:
+                self._segment_names[seg.data_addr] = self._segment_names[seg.name] = seg.name
+        return self._segment_names.get(addr, preferred)
+
+    def _put_view(self, key, src: memoryview | None, config, upsert: bool) -> int:
+        client = self._client
+        if client is None or not _key_ok(key) or src is None:
+            return INVALID
+        try:
+            n, pins, preferred = self._put_options(client, config)
+            if upsert:
+                client.upsert(key, src, n, **pins)
+            else:
+                client.put(key, src, n, preferred_segment=preferred, **pins)
+        except ObjectExists:
+            return OK
+        except KVPoolError as exc:
+            return _put_code(exc.code)
+        return OK
+
+    def _batch_put(self, keys, srcs: list[memoryview | None], config, upsert: bool) -> list[int]:
+        """Put every (key, view); None views and bad keys get -600. One code per key."""
+        client = self._client
+        if client is None:
+            return [INVALID] * len(keys)
+        codes = [INVALID] * len(keys)
+        sent = [i for i, ok in enumerate(_check_keys(keys)) if ok and srcs[i] is not None]
+        if not sent:
+            return codes
+        try:
+            n, pins, _ = self._put_options(client, config)
+            results = client.batch_put([keys[i] for i in sent], [srcs[i] for i in sent], n, upsert=upsert, **pins)
+        except KVPoolError as exc:
+            results = [exc.code] * len(sent)
+        for i, code in zip(sent, results):
+            codes[i] = _put_code(code)
+        return codes
+
+    def _registered_views(self, buffer_ptrs, sizes) -> list[memoryview | None]:
+        return [self._buffers.view(_int("buffer_ptr", p), _int("size", n)) for p, n in zip(buffer_ptrs, sizes)]
+
+    def put(self, key: str, value, config: ReplicateConfig | None = None) -> int:
+        """Store bytes-like ``value``. 0 (also when ``key`` exists: the old value stays),
+        -600 (empty key/value, bad config), -200 (no space), ..."""
+        return self._put_view(key, _value_view(value), config, upsert=False)
+
+    def upsert(self, key: str, value, config: ReplicateConfig | None = None) -> int:
+        """Insert or replace ``key``; readers see the old or the new value, whole."""
+        return self._put_view(key, _value_view(value), config, upsert=True)
+
+    def put_parts(self, key: str, *parts, config: ReplicateConfig | None = None) -> int:
+        """Store the concatenation of bytes-like ``parts`` as one object."""
+        return self._put_view(key, self._join(parts), config, upsert=False)
+
+    def upsert_parts(self, key: str, *parts, config: ReplicateConfig | None = None) -> int:
+        """Insert or replace ``key`` with the concatenation of ``parts``."""
+        return self._put_view(key, self._join(parts), config, upsert=True)
+
+    @staticmethod
+    def _join(parts) -> memoryview | None:
+        views = [_value_view(p) for p in parts]
+        if any(v is None for v in views):
+            return None
+        return views[0] if len(views) == 1 else memoryview(b"".join(views))
+
+    def put_batch(self, keys: Sequence[str], values: Sequence, config: ReplicateConfig | None = None) -> int:
+        """Store many objects; 0 if all stored (or existed), else the first error code."""
+        if len(keys) != len(values):
+            return INVALID
+        codes = self._batch_put(keys, [_value_view(v) for v in values], config, upsert=False)
+        return next((c for c in codes if c != OK), OK)
+
+    def upsert_batch(self, keys: Sequence[str], values: Sequence, config: ReplicateConfig | None = None) -> int:
+        """Insert or replace many objects; 0 or the first error code."""
+        if len(keys) != len(values):
+            return INVALID
+        codes = self._batch_put(keys, [_value_view(v) for v in values], config, upsert=True)
+        return next((c for c in codes if c != OK), OK)
+
+    def put_from(self, key: str, buffer_ptr: int, size: int, config: ReplicateConfig | None = None) -> int:
+        """Store ``size`` bytes at registered address ``buffer_ptr`` (-600 if unregistered)."""
+        return self._put_view(key, self._buffers.view(_int("buffer_ptr", buffer_ptr), _int("size", size)),
+                              config, upsert=False)
+
+    def upsert_from(self, key: str, buffer_ptr: int, size: int, config: ReplicateConfig | None = None) -> int:
+        """Insert or replace ``key`` from registered memory."""
+        return self._put_view(key, self._buffers.view(_int("buffer_ptr", buffer_ptr), _int("size", size)),
+                              config, upsert=True)
+
+    def batch_put_from(self, keys: Sequence[str], buffer_ptrs: Sequence[int], sizes: Sequence[int],
+                       config: ReplicateConfig | None = None) -> list[int]:
+        """Store each ``sizes[i]`` bytes at ``buffer_ptrs[i]``; one code per key."""
+        if not len(keys) == len(buffer_ptrs) == len(sizes):
+            return [INVALID] * len(keys)
+        return self._batch_put(keys, self._registered_views(buffer_ptrs, sizes), config, upsert=False)
+
+    def batch_upsert_from(self, keys: Sequence[str], buffer_ptrs: Sequence[int], sizes: Sequence[int],
+                          config: ReplicateConfig | None = None) -> list[int]:
+        """Insert or replace each key from registered memory; one code per key."""
+        if not len(keys) == len(buffer_ptrs) == len(sizes):
+            return [INVALID] * len(keys)
+        return self._batch_put(keys, self._registered_views(buffer_ptrs, sizes), config, upsert=True)
+
+    # ------------------------------------------------------------ reads
+
+    def get(self, key: str) -> bytes:
+        """The value, or b'' on a miss or any failure (Mooncake's convention)."""
+        client = self._client
+        if client is None or not _key_ok(key):
+            return b""
+        try:
+            return client.get(key)
+        except KVPoolError:
+            return b""
+
+    def get_batch(self, keys: Sequence[str]) -> list[bytes]:
+        """One value per key; b'' for each miss."""
+        client, ok = self._client, _check_keys(keys)
+        out = [b""] * len(keys)
+        idx = [i for i, good in enumerate(ok) if good]
+        if client is None or not idx:
+            return out
+        try:
+            values = client.batch_get([keys[i] for i in idx])
+        except KVPoolError:
+            return out
+        for i, value in zip(idx, values):
+            out[i] = value if value is not None else b""
+        return out
+
+    def get_buffer(self, key: str) -> BufferHandle | None:
+        """The value as a :class:`BufferHandle` (buffer protocol, ptr(), size()); None on a miss."""
+        client = self._client
+        if client is None or not _key_ok(key):
+            return None
+        try:
+            handle = client.query(key)
+            buf = BufferHandle(handle.size)
+            client.read_into(handle, buf)
+        except KVPoolError:
+            return None
+        return buf
+
+    def batch_get_buffer(self, keys: Sequence[str]) -> list[BufferHandle | None]:
+        """One BufferHandle per key; None for each miss."""
+        client, ok = self._client, _check_keys(keys)
+        out: list[BufferHandle | None] = [None] * len(keys)
+        idx = [i for i, good in enumerate(ok) if good]
+        if client is None or not idx:
+            return out
+        try:
+            handles = client.batch_query([keys[i] for i in idx])
+            found = [(i, h) for i, h in zip(idx, handles) if isinstance(h, ReadHandle)]
+            bufs = [BufferHandle(h.size) for _, h in found]
+            sizes = client.batch_read_into([h for _, h in found], bufs)
+        except KVPoolError:
+            return out
+        for (i, _), buf, n in zip(found, bufs, sizes):
+            out[i] = buf if n >= 0 else None
+        return out
+
+    def get_into(self, key: str, buffer_ptr: int, size: int) -> int:
+        """Copy the value into registered memory at ``buffer_ptr`` (capacity ``size``).
+        Returns bytes written, or -704 (miss), -600 (unregistered or too small), -707 (lease
+        expired before the copy finished; the buffer content is then undefined)."""
+        client = self._client
+        view = self._buffers.view(_int("buffer_ptr", buffer_ptr), _int("size", size))
+        if client is None or not _key_ok(key) or view is None:
+            return INVALID
+        try:
+            return client.get_into(key, view)
+        except BufferOverflow:
+            return INVALID
+        except KVPoolError as exc:
+            return int(exc.code)
+
+    def batch_get_into(self, keys: Sequence[str], buffer_ptrs: Sequence[int], sizes: Sequence[int]) -> list[int]:
+        """:meth:`get_into` for many keys; bytes written or a negative code per key."""
+        client = self._client
+        if client is None or not len(keys) == len(buffer_ptrs) == len(sizes):
+            return [INVALID] * len(keys)
+        views, ok = self._registered_views(buffer_ptrs, sizes), _check_keys(keys)
+        out = [INVALID] * len(keys)
+        idx = [i for i in range(len(keys)) if ok[i] and views[i] is not None]
+        if not idx:
+            return out
+        try:
+            results = client.batch_get_into([keys[i] for i in idx], [views[i] for i in idx])
+        except KVPoolError as exc:
+            results = [int(exc.code)] * len(idx)
+        for i, n in zip(idx, results):
+            out[i] = _read_code(n)
+        return out
+
+    def get_into_ranges(self, buffer_ptrs: Sequence[int], all_keys, all_dst_offsets, all_src_offsets,
+                        all_sizes) -> list[list[list[int]]]:
+        """Copy byte ranges of objects into registered buffers (Mooncake's buffer-major form).
+
+        For each (buffer i, key j, fragment k): ``all_sizes[i][j][k]`` bytes from offset
+        ``all_src_offsets[i][j][k]`` of object ``all_keys[i][j]`` land at offset
+        ``all_dst_offsets[i][j][k]`` of buffer ``buffer_ptrs[i]``. Returns the same nested
+        shape: bytes copied per fragment, or -704 (miss), -707 (lease expired), -600
+        (shape mismatch, range outside the object or the registered buffer). Each object
+        is read once, whole, under its lease.
+        """
+        client = self._client
+        n = len(buffer_ptrs)
+        if client is None or not n == len(all_keys) == len(all_dst_offsets) == len(all_src_offsets) == len(all_sizes):
+            return _invalid_like(n, all_keys, all_dst_offsets)
+        values = self._read_whole(client, {k for keys in all_keys for k in keys})
+        out = []
+        for i, ptr in enumerate(buffer_ptrs):
+            row = []
+            for j, key in enumerate(all_keys[i]):
+                dsts, srcs, sizes = all_dst_offsets[i][j], all_src_offsets[i][j], all_sizes[i][j]
+                if not len(dsts) == len(srcs) == len(sizes):
+                    row.append([INVALID] * len(dsts))
+                    continue
+                value = values.get(key, INVALID)
+                row.append([self._copy_range(_int("buffer_ptr", ptr), value, d, s, m)
+                            for d, s, m in zip(dsts, srcs, sizes)])
+            out.append(row)
+        return out
+
+    @staticmethod
+    def _read_whole(client: Client, keys: set) -> dict[str, bytes | int]:
+        """{key: value bytes or negative code} for every well-formed key."""
+        wanted = sorted(k for k in keys if _key_ok(k))
+        if not wanted:
+            return {}
+        try:
+            handles = client.batch_query(wanted)
+        except KVPoolError as exc:
+            return {k: int(exc.code) for k in wanted}
+        out: dict[str, bytes | int] = {}
+        for key, h in zip(wanted, handles):
+            if not isinstance(h, ReadHandle):
+                out[key] = int(h)
+                continue
+            try:
+                out[key] = client.read(h)
+            except KVPoolError as exc:
+                out[key] = int(exc.code)
+        return out
+
+    def _copy_range(self, ptr: int, value: bytes | int, dst: int, src: int, size: int) -> int:
+        if isinstance(value, int):
+            return value
+        if min(dst, src, size) < 0 or src + size > len(value):
+            return INVALID
+        view = self._buffers.view(ptr + dst, size)
+        if view is None:
+            return INVALID
+        view[:] = value[src : src + size]
+        return size
+
+    # ------------------------------------------------------------ existence, size, descriptors
+
+    def is_exist(self, key: str) -> int:
+        """1 if readable now, 0 if not, negative on error (grants a read lease)."""
+        client = self._client
+        if client is None or not _key_ok(key):
+            return INVALID
+        try:
+            return int(client.is_exist(key))
+        except KVPoolError as exc:
+            return int(exc.code)
+
+    def batch_is_exist(self, keys: Sequence[str]) -> list[int]:
+        """1 / 0 / negative code per key."""
+        client, ok = self._client, _check_keys(keys)
+        out = [INVALID] * len(keys)
+        idx = [i for i, good in enumerate(ok) if good]
+        if client is None or not idx:
+            return out
+        try:
+            found = [int(b) for b in client.batch_is_exist([keys[i] for i in idx])]
+        except KVPoolError as exc:
+            found = [int(exc.code)] * len(idx)
+        for i, value in zip(idx, found):
+            out[i] = value
+        return out
+
+    def get_size(self, key: str) -> int:
+        """Value size in bytes, or a negative code (-704 miss). Grants a read lease."""
+        client = self._client
+        if client is None or not _key_ok(key):
+            return INVALID
+        try:
+            return client.get_size(key)
+        except KVPoolError as exc:
+            return int(exc.code)
+
+    def get_replica_desc(self, key: str) -> list[ReplicaDescriptor]:
+        """Descriptors of the COMPLETE replicas of ``key``; [] on a miss. Grants a lease."""
+        client = self._client
+        if client is None or not _key_ok(key):
+            return []
+        try:
+            return [_descriptor(d) for d in client.query(key).replicas]
+        except KVPoolError:
+            return []
+
+    def batch_get_replica_desc(self, keys: Sequence[str]) -> dict[str, list[ReplicaDescriptor]]:
+        """{key: descriptors} for the keys found (missing keys are left out, as in Mooncake)."""
+        client, ok = self._client, _check_keys(keys)
+        wanted = [k for k, good in zip(keys, ok) if good]
+        if client is None or not wanted:
+            return {}
+        try:
+            handles = client.batch_query(wanted)
+        except KVPoolError:
+            return {}
+        return {k: [_descriptor(d) for d in h.replicas] for k, h in zip(wanted, handles) if isinstance(h, ReadHandle)}
+
+    # ------------------------------------------------------------ removal
+
+    def remove(self, key: str, force: bool = False) -> int:
+        """0, -704 (miss) or -706 (read lease held; ``force=True`` removes anyway)."""
+        client = self._client
+        if client is None or not _key_ok(key):
+            return INVALID
+        try:
+            client.remove(key, force=bool(force))
+        except KVPoolError as exc:
+            return int(exc.code)
+        return OK
+
+    def batch_remove(self, keys: Sequence[str], force: bool = False) -> list[int]:
+        """One code per key (0, -704, -706, -600)."""
+        client, ok = self._client, _check_keys(keys)
+        out = [INVALID] * len(keys)
+        idx = [i for i, good in enumerate(ok) if good]
+        if client is None or not idx:
+            return out
+        try:
+            codes = [int(c) for c in client.batch_remove([keys[i] for i in idx], force=bool(force))]
+        except KVPoolError as exc:
+            codes = [int(exc.code)] * len(idx)
+        for i, code in zip(idx, codes):
+            out[i] = code
+        return out
+
+    def remove_all(self, force: bool = False) -> int:
+        """Remove every object (leased ones skipped unless ``force``); the count or a code."""
+        client = self._client
+        if client is None:
+            return INVALID
+        try:
+            return client.remove_all(force=bool(force))
+        except KVPoolError as exc:
+            return int(exc.code)
+
+    def remove_by_regex(self, regex_pattern: str, force: bool = False) -> int:
+        """Remove objects whose key matches (``re.search``); the count, or -600 for a bad regex."""
+        if not isinstance(regex_pattern, str):
+            raise TypeError(f"regex_pattern must be str, not {type(regex_pattern).__name__}")
+        client = self._client
+        if client is None:
+            return INVALID
+        try:
+            return client.remove_by_regex(regex_pattern, force=bool(force))
+        except KVPoolError as exc:
+            return int(exc.code)
+
+    # ------------------------------------------------------------ registered memory
+
+    def register_buffer(self, buffer_ptr: int, size: int) -> int:
+        """Allow zero-copy calls on ``size`` bytes at address ``buffer_ptr``; 0 or -600.
+        The memory must stay valid until :meth:`unregister_buffer` or :meth:`close`."""
+        ptr, size = _int("buffer_ptr", buffer_ptr), _int("size", size)
+        if self._client is None:
+            return INVALID
+        return OK if self._buffers.register(ptr, size) else INVALID
+
+    def unregister_buffer(self, buffer_ptr: int) -> int:
+        """Forget the region registered at ``buffer_ptr``; 0, or -600 if none was."""
+        return OK if self._buffers.unregister(_int("buffer_ptr", buffer_ptr)) else INVALID

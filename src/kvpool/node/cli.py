@@ -1,0 +1,80 @@
+"""``kvpool node``: run a storage node (one shared-memory segment) for a master."""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+
+from kvpool.config import Option, add_options, parse_addr, parse_size, resolve, write_ready_file
+
+HELP = "run a kvpool storage node: a shared-memory segment mounted with the master"
+
+
+def _addr(text) -> str:
+    host, port = parse_addr(str(text), default_port=50051)
+    return f"{host}:{port}"
+
+
+def _segment_size(text) -> int:
+    size = parse_size(text)
+    if size <= 0:
+        raise ValueError("must be > 0")
+    return size
+
+
+def _bool(text) -> bool:
+    if isinstance(text, bool):
+        return text
+    value = str(text).strip().lower()
+    if value not in ("1", "0", "true", "false", "yes", "no", "on", "off"):
+        raise ValueError("expected yes or no")
+    return value in ("1", "true", "yes", "on")
+
+
+OPTIONS = [
+    Option("master", "127.0.0.1:50051", _addr, "master address host:port", env="MASTER"),
+    Option("host", "127.0.0.1", str, "address of the TCP data server", env="NODE_HOST"),
+    Option("port", 0, int, "TCP data port (0 = a free port, distinct per node)", env="NODE_PORT"),
+    Option("segment-size", "1GiB", _segment_size, "shared-memory segment size, e.g. 64MiB, 1GiB"),
+    Option("prefault", "yes", _bool, "allocate every page of the segment at start (yes|no)"),
+    Option("http-port", None, int, "admin HTTP port: /health /metrics (0 = a free port; unset = none)",
+           env="NODE_HTTP_PORT"),
+]
+
+
+def add_arguments(parser) -> None:
+    add_options(parser, OPTIONS)
+    parser.add_argument("--ready-file", default=None, help="write {\"addr\": ...} JSON here once mounted")
+
+
+def run(args) -> int:
+    from kvpool.transfer.segment_host import SegmentHost
+
+    values = resolve(args, OPTIONS)
+    size = _segment_size(values["segment_size"])
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s node %(levelname)s %(message)s")
+    node = SegmentHost(values["master"], values["host"], values["port"], size, _bool(values["prefault"]))
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda *_: node.request_stop())
+    admin, http_addr = None, None
+    try:
+        node.start()
+        if values["http_port"] is not None:  # kvpool.admin, served from a thread of its own
+            from kvpool.admin.node_app import NodeAdmin
+
+            admin = NodeAdmin(node, values["host"], values["http_port"])
+            http_addr = admin.start()
+        print(f"kvpool node serving segment {node.info.name} ({size} bytes) on {node.data_addr}, "
+              f"master {values['master']}", flush=True)
+        if args.ready_file:
+            write_ready_file(args.ready_file, {
+                "addr": node.data_addr, "segment": node.info.name, "owner_id": node.owner_id,
+                "shm_name": node.info.shm_name, "pid": os.getpid(), "http_addr": http_addr,
+            })
+        node.wait()
+    finally:
+        if admin is not None:
+            admin.stop()
+        node.stop()
+    return 0

@@ -1,0 +1,192 @@
+"""``kvpool plan kv|prefill``: KV sizing and prefill prediction from a config.json.
+
+CONFIG may be a path or the name of a shipped config (``kvpool plan kv llama-3-8b``;
+the list is in ``kvpool plan kv --help``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+from kvpool.errors import UserError
+from kvpool.plan.kv import DTYPE_BYTES, KVPlan, plan_kv
+from kvpool.plan.prefill import (DEFAULT_ATTENTION_FLOPS, DEFAULT_BANDWIDTH_GBPS,
+                                 DEFAULT_LINEAR_FLOPS, DEFAULT_OVERHEAD_MS, PrefillReport, Rates,
+                                 prefill_report)
+from kvpool.plan.spec import configs_dir, load_spec
+
+HELP = "size a KV pool from a model's config.json, and predict what a prefix hit saves"
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    shipped = ", ".join(sorted(p.stem for p in configs_dir().glob("*.json")))
+    sub = parser.add_subparsers(dest="plan_command", metavar="{kv,prefill}", required=True)
+    kv = sub.add_parser("kv", help="KV bytes per token, page, request and pool",
+                        description="KV bytes per token (total and per rank), per page, per "
+                        f"request and for the whole pool. Shipped configs: {shipped}.")
+    _common(kv)
+    kv.add_argument("--tokens", type=int, default=4096, help="tokens per request (default 4096)")
+    kv.add_argument("--requests", type=int, default=1,
+                    help="requests held at once in the pool (default 1)")
+    kv.set_defaults(_plan=_run_kv)
+
+    pf = sub.add_parser("prefill", help="prefill FLOPs and TTFT with a prefix hit",
+                        description="Prefill FLOPs (linear + causal attention), TTFT with and "
+                        "without a prefix hit, and the break-even bandwidth of fetching the "
+                        f"cached KV against recomputing it. Shipped configs: {shipped}.")
+    _common(pf)
+    pf.add_argument("--prompt", type=int, required=True, help="prompt length N in tokens")
+    pf.add_argument("--hit", type=float, default=0.5,
+                    help="prefix hit ratio in [0, 1): cached tokens / N (default 0.5)")
+    pf.add_argument("--bandwidth", type=float, default=None,
+                    help=f"KV load bandwidth in GB/s per rank (default {DEFAULT_BANDWIDTH_GBPS}; "
+                    "with --measure, measured on the engine's load path)")
+    pf.add_argument("--linear-flops", type=float, default=DEFAULT_LINEAR_FLOPS / 1e9,
+                    help="effective FLOP/s of the linear part, in GFLOP/s (default "
+                    f"{DEFAULT_LINEAR_FLOPS / 1e9:g}, this 2-core CPU's SmolLM2 fit)")
+    pf.add_argument("--attention-flops", type=float, default=DEFAULT_ATTENTION_FLOPS / 1e9,
+                    help="effective FLOP/s of attention, in GFLOP/s (default "
+                    f"{DEFAULT_ATTENTION_FLOPS / 1e9:g})")
+    pf.add_argument("--overhead-ms", type=float, default=DEFAULT_OVERHEAD_MS,
+                    help=f"fixed per-request overhead in ms (default {DEFAULT_OVERHEAD_MS:g})")
+    pf.add_argument("--measure", action="store_true",
+                    help="fit the speeds on the reference engine here, then compare predicted "
+                    "and measured TTFT at hits 0, 25, 50, 75, 90%%")
+    pf.add_argument("--model", default="smollm2",
+                    help="engine model for --measure (default smollm2; must match CONFIG)")
+    pf.add_argument("--repeats", type=int, default=3, help="--measure rounds (median; default 3)")
+    pf.add_argument("--threads", type=int, default=0,
+                    help="torch threads for --measure (default 0 = torch's default)")
+    pf.add_argument("--out", default="kvpool-plan-measure",
+                    help="--measure writes OUT.json and OUT.png (default kvpool-plan-measure)")
+    pf.set_defaults(_plan=_run_prefill)
+
+
+def _common(p: argparse.ArgumentParser) -> None:
+    p.add_argument("config", metavar="CONFIG", help="config.json path or shipped config name")
+    p.add_argument("--kv-dtype", default="bf16", choices=sorted(DTYPE_BYTES),
+                   help="KV cache element type (default bf16)")
+    p.add_argument("--tp", type=int, default=1, help="tensor-parallel ranks (default 1)")
+    p.add_argument("--pp", type=int, default=1, help="pipeline-parallel stages (default 1)")
+    p.add_argument("--page-size", type=int, default=16, help="tokens per page (default 16)")
+    p.add_argument("--json", action="store_true", help="print JSON instead of text")
+
+
+def run(args: argparse.Namespace) -> int:
+    """Dispatch to ``kv`` or ``prefill``; user mistakes raise UserError (cli prints it)."""
+    return args._plan(args)
+
+
+def _run_kv(args) -> int:
+    plan = plan_kv(load_spec(args.config), args.kv_dtype, tokens=args.tokens,
+                   requests=args.requests, tp=args.tp, pp=args.pp, page_size=args.page_size)
+    print(json.dumps(plan.to_dict(), indent=2) if args.json else format_kv(plan))
+    return 0
+
+
+def format_kv(p: KVPlan) -> str:
+    """Human-readable `plan kv` output."""
+    ranks = f"TP {p.tp} x PP {p.pp}"
+    lines = [f"model {p.model}  KV dtype {p.kv_dtype}  {ranks}  page {p.page_size} tokens",
+             "layers:"]
+    for g in p.groups:
+        what = {"full": "full attention", "sliding": f"sliding window {g.window}",
+                "mla": "MLA latent (replicated over TP)",
+                "linear": "linear attention (fixed state)", "mamba": "Mamba SSM (fixed state)"}
+        extra = (f"{_b(g.token_bytes)}/token" if g.token_bytes else "") + (
+            f"{_b(g.state_bytes)}/request state" if g.state_bytes else "")
+        lines.append(f"  {g.count:3d} x {what[g.kind]:<32} layers {g.layers}: {extra}")
+    lines += [
+        f"per token:    {_b(p.per_token)} total, {_b(p.per_token_rank)} per rank",
+        f"per page:     {_b(p.per_page)} total, {_b(p.per_page_rank)} per rank",
+        f"per request:  {_b(p.per_request)} total, {_b(p.per_request_rank)} per rank "
+        f"({p.tokens} tokens" + (f", incl. {_b(p.state_per_request)} state" if
+                                 p.state_per_request else "") + ")",
+        f"pool:         {_b(p.pool)} total, {_b(p.pool_rank)} per rank, "
+        f"{_b(p.pool_all_ranks)} over all {p.tp * p.pp} ranks with replicas "
+        f"({p.requests} requests)",
+    ]
+    return "\n".join(lines)
+
+
+def _b(n: int) -> str:
+    for unit, size in (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
+        if n >= size:
+            return f"{n:,} B ({n / size:.2f} {unit})"
+    return f"{n:,} B"
+
+
+def _run_prefill(args) -> int:
+    spec = load_spec(args.config)
+    if args.measure:
+        return _run_measure(args, spec)
+    bandwidth = args.bandwidth if args.bandwidth is not None else DEFAULT_BANDWIDTH_GBPS
+    rates = Rates(linear=args.linear_flops * 1e9, attention=args.attention_flops * 1e9,
+                  overhead_s=args.overhead_ms / 1e3, bandwidth=bandwidth * 1e9)
+    report = prefill_report(spec, args.prompt, args.hit, rates, args.kv_dtype, args.tp, args.pp)
+    print(json.dumps(report.to_dict(), indent=2) if args.json else format_prefill(report))
+    return 0
+
+
+def format_prefill(r: PrefillReport) -> str:
+    """Human-readable `plan prefill` output."""
+    rates = r.rates
+    return "\n".join([
+        f"model {r.model}  prompt {r.prompt} tokens  hit {r.hit:.0%} ({r.cached} cached)  "
+        f"KV {r.kv_dtype}",
+        f"rates: linear {rates['linear'] / 1e9:g} GFLOP/s, attention "
+        f"{rates['attention'] / 1e9:g} GFLOP/s, overhead {rates['overhead_s'] * 1e3:g} ms, "
+        f"load {rates['bandwidth'] / 1e9:g} GB/s",
+        f"FLOPs cold: linear {r.flops_cold['linear']:.3e}  attention "
+        f"{r.flops_cold['attention']:.3e}",
+        f"FLOPs hit:  linear {r.flops_hit['linear']:.3e} ({r.linear_fraction_left:.0%})  "
+        f"attention {r.flops_hit['attention']:.3e} ({r.attention_fraction_left:.0%})",
+        f"ideal compute speedup: {r.ideal_speedup:.2f}x",
+        f"TTFT cold: {r.ttft_cold_ms:.1f} ms   TTFT with hit: {r.ttft_hit_ms:.1f} ms "
+        f"(overhead {r.ttft_hit_parts_ms['overhead']:.1f} + linear "
+        f"{r.ttft_hit_parts_ms['linear']:.1f} + attention {r.ttft_hit_parts_ms['attention']:.1f}"
+        f" + load {r.ttft_hit_parts_ms['load']:.1f})   predicted speedup "
+        f"{r.predicted_speedup:.2f}x",
+        f"load {r.load_bytes:,} B; break-even bandwidth {r.break_even_gbps:.3g} GB/s",
+        "",
+        r.explanation,
+    ])
+
+
+def _run_measure(args, spec) -> int:
+    import torch
+
+    from kvpool.plan import measure
+
+    if args.threads < 0 or args.repeats < 1:
+        raise UserError("--threads must be >= 0 and --repeats >= 1")
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    dtype = {"fp32": "float32", "float32": "float32", "bf16": "bfloat16",
+             "bfloat16": "bfloat16", "fp16": "float16", "float16": "float16"}.get(args.kv_dtype)
+    if dtype is None:
+        raise UserError("--measure runs the engine in fp32, bf16 or fp16 (--kv-dtype)")
+    meter = measure.EngineMeter(args.model, dtype=dtype, page_size=args.page_size,
+                                max_prompt=args.prompt)
+    measure.check_same_model(spec, meter.spec, args.kv_dtype)
+    bandwidth = args.bandwidth * 1e9 if args.bandwidth is not None else None
+    result = measure.run_measure(meter, args.prompt, repeats=args.repeats, bandwidth=bandwidth)
+    json_path, png_path = measure.write_outputs(result, args.out)
+    if args.json:
+        print(json.dumps(result.to_dict(), indent=2))
+        return 0
+    fit = result.fit
+    print(f"model {result.model}, prompt {result.prompt} tokens, torch threads {result.threads}, "
+          f"median of {result.repeats} rounds")
+    print("cold runs (ms): " + ", ".join(f"N={n}: {ms:.0f}" for n, ms in
+                                         result.fit_runs_ms.items()))
+    print(f"fit: linear {fit['linear_gflops']:.1f} GFLOP/s, attention "
+          f"{fit['attention_gflops']:.1f} GFLOP/s, overhead {fit['overhead_ms']:.1f} ms "
+          f"(worst error on the fit runs {fit['max_rel_error_on_fit_runs']:.1%})")
+    print(f"load bandwidth {result.bandwidth_gbps:.2f} GB/s ({result.bandwidth_source})")
+    print(measure.format_table(result))
+    verdict = "within" if result.within_tolerance else "NOT within"
+    print(f"worst error {result.max_error:.1%}: {verdict} {measure.TOLERANCE:.0%}")
+    print(f"wrote {json_path} and {png_path}")
+    return 0

@@ -1,0 +1,347 @@
+"""Every kvpool wire message and the frame format, in one place.
+
+Frame (control plane to the master, data plane to a node)::
+
+    +---------+---------+---------------------------+
+    | magic   | length  | body: msgpack of a Struct |
+    | 4 bytes | u32 LE  | `length` bytes            |
+    +---------+---------+---------------------------+
+
+``magic`` is ``b"KVP1"`` (the last byte is the protocol version). The body is one tagged
+msgspec Struct; the tag is the class name. Decoding validates every field's type, so a
+malformed message is a :class:`msgspec.ValidationError` / :class:`msgspec.DecodeError`
+that the server answers with :class:`ErrorResp` (the framing is still intact); a frame with
+a bad magic or a length over :data:`MAX_FRAME` cannot be resynchronised and the
+connection is closed. Integers on the wire are msgpack ints, so sizes and offsets up to
+2**64 - 1 travel unchanged (no 32-bit field anywhere in a message body).
+
+Data-plane payloads (value bytes) follow their header frame raw, never inside msgpack,
+so a node reads them straight into its segment with ``recv_into``.
+"""
+
+from __future__ import annotations
+
+import socket
+import struct
+from typing import Union
+
+import msgspec
+
+MAGIC = b"KVP1"
+HEADER = struct.Struct("<4sI")
+MAX_FRAME = 64 << 20  # bytes; a batch of 4096 keys of 4 KiB each still fits
+
+
+class FrameError(Exception):
+    """The byte stream is not a kvpool frame (bad magic, oversized, or cut short)."""
+
+
+class _Msg(msgspec.Struct, tag=True, array_like=True, forbid_unknown_fields=True):
+    """Base of every message: tagged by class name, encoded as a msgpack array."""
+
+
+# ---------------------------------------------------------------- shared descriptors
+
+
+class SegmentInfo(msgspec.Struct, array_like=True, frozen=True):
+    """A mounted memory segment.
+
+    name: unique segment id; host_id: machine identity (same value ⇒ shared memory is
+    reachable); shm_name: POSIX shm name under /dev/shm; size: bytes; data_addr:
+    "host:port" of the node's TCP data server.
+    """
+
+    name: str
+    host_id: str
+    shm_name: str
+    size: int
+    data_addr: str
+
+
+class ReplicaDesc(msgspec.Struct, array_like=True, frozen=True):
+    """Where one replica's bytes live: ``length`` bytes at ``offset`` of ``segment``."""
+
+    segment: SegmentInfo
+    offset: int
+    length: int
+
+
+class PutItem(msgspec.Struct, array_like=True):
+    """One object to allocate: ``size`` bytes, ``replica_num`` copies on distinct segments.
+
+    upsert: replace an existing object (readers see the old or the new value whole);
+    soft_pin / hard_pin: eviction protection (Mooncake's ReplicateConfig);
+    preferred_segment: segment name to try first ("" = strategy decides).
+    """
+
+    key: str
+    size: int
+    replica_num: int = 1
+    upsert: bool = False
+    soft_pin: bool = False
+    hard_pin: bool = False
+    preferred_segment: str = ""
+
+
+class PutToken(msgspec.Struct, array_like=True):
+    """Identifies one in-flight put: the key and the put id PutStart handed out."""
+
+    key: str
+    put_id: int
+
+
+# ---------------------------------------------------------------- requests
+
+
+class Ping(_Msg):
+    pass
+
+
+class MountSegment(_Msg):
+    """A node (``owner_id``) offers a segment. Reply: :class:`MountResp`."""
+
+    owner_id: str
+    segment: SegmentInfo
+
+
+class UnmountSegment(_Msg):
+    owner_id: str
+    name: str
+
+
+class Heartbeat(_Msg):
+    """Keeps ``owner_id``'s segments mounted. Reply code CLIENT_NOT_FOUND ⇒ remount."""
+
+    owner_id: str
+
+
+class PutStart(_Msg):
+    """Allocate buffers for one object. ``host_id`` serves the local_first strategy."""
+
+    item: PutItem
+    host_id: str = ""
+
+
+class BatchPutStart(_Msg):
+    items: list[PutItem]
+    host_id: str = ""
+
+
+class PutEnd(_Msg):
+    token: PutToken
+
+
+class BatchPutEnd(_Msg):
+    tokens: list[PutToken]
+
+
+class PutRevoke(_Msg):
+    token: PutToken
+
+
+class BatchPutRevoke(_Msg):
+    tokens: list[PutToken]
+
+
+class GetReplicaList(_Msg):
+    """COMPLETE replicas of ``key`` and a read lease. Reply: :class:`GetResp`."""
+
+    key: str
+
+
+class BatchGetReplicaList(_Msg):
+    keys: list[str]
+
+
+class ExistKey(_Msg):
+    key: str
+
+
+class BatchExistKey(_Msg):
+    keys: list[str]
+
+
+class Remove(_Msg):
+    key: str
+    force: bool = False
+
+
+class BatchRemove(_Msg):
+    keys: list[str]
+    force: bool = False
+
+
+class RemoveAll(_Msg):
+    force: bool = False
+
+
+class RemoveByRegex(_Msg):
+    pattern: str
+    force: bool = False
+
+
+class SetPin(_Msg):
+    """mode: "none", "soft" (until soft_pin_ttl from now) or "hard" (never evicted)."""
+
+    key: str
+    mode: str
+
+
+class GetStats(_Msg):
+    pass
+
+
+# data plane (to a node's TCP server); payload bytes follow DataWrite raw
+class DataWrite(_Msg):
+    offset: int
+    length: int
+
+
+class DataRead(_Msg):
+    """Read ``lengths[i]`` bytes at ``offsets[i]``; the reply payload is their concatenation."""
+
+    offsets: list[int]
+    lengths: list[int]
+
+
+# ---------------------------------------------------------------- replies
+
+
+class Resp(_Msg):
+    """Generic reply: an :class:`~kvpool.errors.ErrorCode` integer and a note."""
+
+    code: int = 0
+    message: str = ""
+
+
+class ErrorResp(_Msg):
+    """The request could not be decoded or handled; the connection stays usable."""
+
+    code: int
+    message: str = ""
+
+
+class MountResp(_Msg):
+    code: int
+    heartbeat_interval_ms: int = 0
+
+
+class PutStartResp(_Msg):
+    """code OK ⇒ write the value to every replica, then PutEnd with ``put_id``.
+
+    ``replicas`` may be fewer than asked (best effort); ``len(replicas)`` is the count.
+    """
+
+    code: int
+    put_id: int = 0
+    replicas: list[ReplicaDesc] = []
+
+
+class BatchPutStartResp(_Msg):
+    results: list[PutStartResp]
+
+
+class GetResp(_Msg):
+    """code OK ⇒ ``size`` bytes in each of ``replicas``; the read lease lasts ``lease_ttl_ms``
+    from when the request was sent (the client measures from its own send time)."""
+
+    code: int
+    size: int = 0
+    lease_ttl_ms: int = 0
+    replicas: list[ReplicaDesc] = []
+
+
+class BatchGetResp(_Msg):
+    results: list[GetResp]
+
+
+class CodesResp(_Msg):
+    codes: list[int]
+
+
+class CountResp(_Msg):
+    code: int
+    count: int = 0
+
+
+class SegmentStats(msgspec.Struct, array_like=True):
+    name: str
+    owner_id: str
+    size: int
+    used: int
+    data_addr: str
+
+
+class StatsResp(_Msg):
+    """Master metrics. Bytes are allocated (aligned) bytes; counters never decrease."""
+
+    object_count: int
+    used_bytes: int
+    total_bytes: int
+    segments: list[SegmentStats]
+    counters: dict[str, int]
+    owner_count: int = 0  # nodes/clients with mounted segments and a live heartbeat
+    in_flight_puts: int = 0  # objects between PutStart and PutEnd
+    zombie_buffers: int = 0  # freed buffers waiting for a lease or a release timeout
+
+
+class DataResp(_Msg):
+    """Data-plane reply; for a read, ``length`` payload bytes follow."""
+
+    code: int
+    length: int = 0
+
+
+Request = Union[
+    Ping, MountSegment, UnmountSegment, Heartbeat, PutStart, BatchPutStart, PutEnd,
+    BatchPutEnd, PutRevoke, BatchPutRevoke, GetReplicaList, BatchGetReplicaList, ExistKey,
+    BatchExistKey, Remove, BatchRemove, RemoveAll, RemoveByRegex, SetPin, GetStats,
+]
+Reply = Union[
+    Resp, ErrorResp, MountResp, PutStartResp, BatchPutStartResp, GetResp, BatchGetResp,
+    CodesResp, CountResp, StatsResp,
+]
+DataRequest = Union[DataWrite, DataRead]
+
+_encoder = msgspec.msgpack.Encoder()
+request_decoder = msgspec.msgpack.Decoder(Request)
+reply_decoder = msgspec.msgpack.Decoder(Reply)
+data_request_decoder = msgspec.msgpack.Decoder(DataRequest)
+data_reply_decoder = msgspec.msgpack.Decoder(DataResp)
+
+
+def encode_frame(msg: msgspec.Struct) -> bytes:
+    """Header + msgpack body of ``msg``. Raises FrameError if the body exceeds MAX_FRAME."""
+    body = _encoder.encode(msg)
+    if len(body) > MAX_FRAME:
+        raise FrameError(f"message of {len(body)} bytes exceeds MAX_FRAME={MAX_FRAME}")
+    return HEADER.pack(MAGIC, len(body)) + body
+
+
+def parse_header(header: bytes) -> int:
+    """Body length from an 8-byte header. Raises FrameError on bad magic or size."""
+    magic, length = HEADER.unpack(header)
+    if magic != MAGIC:
+        raise FrameError(f"bad frame magic {magic!r}")
+    if length > MAX_FRAME:
+        raise FrameError(f"frame of {length} bytes exceeds MAX_FRAME={MAX_FRAME}")
+    return length
+
+
+def recv_exact_into(sock: socket.socket, view: memoryview) -> None:
+    """Fill ``view`` from ``sock`` (loop over recv_into). Raises FrameError on EOF."""
+    got, n = 0, len(view)
+    while got < n:
+        k = sock.recv_into(view[got:], n - got)
+        if k == 0:
+            raise FrameError("connection closed mid-frame")
+        got += k
+
+
+def recv_frame(sock: socket.socket) -> bytearray:
+    """Read one frame body from a blocking socket. Raises FrameError, OSError."""
+    header = bytearray(HEADER.size)
+    recv_exact_into(sock, memoryview(header))
+    body = bytearray(parse_header(bytes(header)))
+    recv_exact_into(sock, memoryview(body))
+    return body

@@ -1,0 +1,144 @@
+"""Hosting a segment: one POSIX shared-memory segment, its TCP data server, and the
+mount + heartbeat conversation with the master. ``kvpool node`` is one of these; a
+Client with ``global_segment_size > 0`` embeds one (Mooncake's client-contributed
+segment), so this lives in the transfer engine, below both.
+
+Lifecycle: create the segment (``/dev/shm/kvpool-<id>``), bind the data port, mount with
+the master, heartbeat every ``heartbeat_interval_ms`` the master asked for (remounting
+if the master forgot us: its restart, or our silence past the client TTL), and on stop
+unmount, unmap and unlink so nothing is left in /dev/shm. If this process is killed,
+Python's resource tracker (which registered the segment at creation) unlinks it.
+"""
+
+from __future__ import annotations
+
+import errno
+import logging
+import socket
+import threading
+import uuid
+from multiprocessing import shared_memory
+
+from kvpool import protocol as P
+from kvpool.errors import ErrorCode, KVPoolError, RpcFailed, UserError
+from kvpool.transfer.data_server import DataServer
+from kvpool.transfer import local_host_id
+from kvpool.transfer.rpc import RpcChannel
+
+log = logging.getLogger("kvpool.segment")
+
+
+def bind_listener(host: str, port: int) -> socket.socket:
+    """A listening TCP socket on host:port (0 = a free port the OS picks and we keep).
+
+    Raises UserError when the port is in use or the address is not local.
+    """
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((host, port))
+    except OSError as exc:
+        sock.close()
+        if exc.errno == errno.EADDRINUSE:
+            raise UserError(f"port {port} on {host} is already in use") from None
+        raise UserError(f"cannot listen on {host}:{port}: {exc.strerror}") from None
+    sock.listen(128)
+    return sock
+
+
+class SegmentHost:
+    """Owns a segment of ``segment_size`` bytes and serves it; see the module docstring.
+
+    Args: master_addr "host:port"; host/port of the data server (port 0 = free port);
+    segment_size in bytes; prefault: allocate every page at start; owner_prefix names
+    the owner id ("node" or "client").
+
+    Raises UserError (port in use), RpcFailed (master unreachable) from :meth:`start`.
+    """
+
+    def __init__(self, master_addr: str, host: str, port: int, segment_size: int, prefault: bool = True,
+                 owner_prefix: str = "node"):
+        self.master_addr = master_addr
+        self.owner_id = f"{owner_prefix}-{uuid.uuid4().hex[:12]}"
+        self.listener = bind_listener(host, port)
+        self.data_addr = f"{host}:{self.listener.getsockname()[1]}"
+        self.master = RpcChannel(master_addr, timeout_s=5.0)
+        self.shm: shared_memory.SharedMemory | None = None
+        self.info: P.SegmentInfo | None = None
+        self.server: DataServer | None = None
+        self.segment_size = segment_size
+        self.prefault = prefault
+        self._stop = threading.Event()
+        self._rpc_lock = threading.Lock()  # the heartbeat thread and stop() share one channel
+
+    def start(self) -> None:
+        """Reach the master, create the segment, mount it, start the data server."""
+        self.master.connect()
+        name = f"kvpool-{uuid.uuid4().hex[:16]}"
+        self.shm = shared_memory.SharedMemory(name=name, create=True, size=self.segment_size)
+        if self.prefault:
+            _touch_pages(self.shm.buf)
+        self.info = P.SegmentInfo(name, local_host_id(), self.shm.name, self.segment_size, self.data_addr)
+        self.server = DataServer(self.listener, self.shm.buf)
+        self.interval_s = self._mount()
+        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+        threading.Thread(target=self._heartbeat_loop, daemon=True).start()
+
+    def _call(self, request):
+        with self._rpc_lock:
+            return self.master.call(request)
+
+    def _mount(self) -> float:
+        reply = self._call(P.MountSegment(self.owner_id, self.info))
+        if reply.code != ErrorCode.OK:
+            raise KVPoolError(f"master refused to mount segment {self.info.name}", reply.code)
+        return reply.heartbeat_interval_ms / 1000
+
+    def _heartbeat_loop(self) -> None:
+        while not self._stop.wait(self.interval_s):
+            try:
+                if self._call(P.Heartbeat(self.owner_id)).code == ErrorCode.CLIENT_NOT_FOUND:
+                    log.warning("master forgot segment %s; remounting (its objects are gone)", self.info.name)
+                    self._mount()
+            except KVPoolError as exc:  # master down or restarting: keep trying
+                log.warning("heartbeat to %s failed: %s", self.master_addr, exc)
+
+    def wait(self) -> None:
+        """Block until :meth:`stop` is called (e.g. from a signal handler)."""
+        while not self._stop.wait(0.5):
+            pass
+
+    def request_stop(self) -> None:
+        """Make :meth:`wait` return (safe from a signal handler)."""
+        self._stop.set()
+
+    def stop(self) -> None:
+        """Unmount (best effort), stop serving, unmap and unlink the segment."""
+        self._stop.set()
+        if self.server:
+            self.server.stop()
+        if self.info:
+            try:
+                self._call(P.UnmountSegment(self.owner_id, self.info.name))
+            except RpcFailed:
+                pass  # master gone: it will expire us by TTL
+        self.master.close()
+        self.listener.close()
+        if self.shm:
+            try:
+                self.shm.close()
+            except BufferError:
+                pass  # a serving thread still holds a view; unlink frees the name anyway
+            self.shm.unlink()
+            self.shm = None
+
+
+def _touch_pages(buf: memoryview) -> None:
+    """Write one byte per page so the kernel allocates (and zeroes) the whole segment
+    now, at start, not as page faults during the first transfers (~1 GB/s instead of
+    ~10 GB/s): about 0.75 s per GiB here. Clients then map it with MAP_POPULATE cheaply."""
+    import mmap
+
+    import numpy as np
+
+    np.frombuffer(buf, dtype=np.uint8)[:: mmap.PAGESIZE] = 0

@@ -1,0 +1,93 @@
+"""Same-host transport: map a node's POSIX shared-memory segment and memcpy.
+
+Segments are opened by name under /dev/shm with :func:`mmap.mmap` directly rather than
+``multiprocessing.shared_memory.SharedMemory``: on Python < 3.13 the latter registers
+every *opened* segment with the resource tracker, which would unlink the node's segment
+when this process exits. Mappings are kept open for the life of the transport.
+"""
+
+from __future__ import annotations
+
+import mmap
+import os
+import threading
+
+from kvpool.protocol import ReplicaDesc
+
+SHM_DIR = "/dev/shm"
+
+
+class ShmTransport:
+    """Copies between local buffers and mapped segments; thread-safe."""
+
+    def __init__(self):
+        self._maps: dict[str, tuple[mmap.mmap, memoryview] | None] = {}
+        self._lock = threading.Lock()
+
+    def view(self, shm_name: str) -> memoryview | None:
+        """Writable byte view of the whole segment, or None if it cannot be mapped."""
+        entry = self._maps.get(shm_name, False)
+        if entry is False:
+            with self._lock:
+                entry = self._maps.get(shm_name, False)
+                if entry is False:
+                    self._prune()
+                    entry = self._maps[shm_name] = _open(shm_name)
+        return entry[1] if entry else None
+
+    def _prune(self) -> None:
+        """Unmap segments whose shm file is gone (their node exited), so a long-lived
+        client does not keep dead segments' memory alive. Called with the lock held."""
+        for name in [n for n in self._maps if not os.path.exists(os.path.join(SHM_DIR, n))]:
+            entry = self._maps.pop(name)
+            if entry:
+                _close(*entry)
+
+    def can_reach(self, desc: ReplicaDesc) -> bool:
+        return self.view(desc.segment.shm_name) is not None
+
+    def write(self, desc: ReplicaDesc, src: memoryview) -> None:
+        """Copy ``src`` (``desc.length`` bytes) into the replica's buffer."""
+        self.view(desc.segment.shm_name)[desc.offset : desc.offset + desc.length] = src
+
+    def read_into(self, desc: ReplicaDesc, dst: memoryview) -> None:
+        """Copy the replica's ``desc.length`` bytes into ``dst[:desc.length]``."""
+        dst[: desc.length] = self.view(desc.segment.shm_name)[desc.offset : desc.offset + desc.length]
+
+    def forget(self, shm_name: str) -> None:
+        """Drop one mapping (e.g. its node is gone); views handed out keep it alive."""
+        with self._lock:
+            entry = self._maps.pop(shm_name, None)
+        if entry:
+            _close(*entry)
+
+    def close(self) -> None:
+        with self._lock:
+            entries, self._maps = list(self._maps.values()), {}
+        for entry in entries:
+            if entry:
+                _close(*entry)
+
+
+def _open(shm_name: str) -> tuple[mmap.mmap, memoryview] | None:
+    try:
+        fd = os.open(os.path.join(SHM_DIR, shm_name), os.O_RDWR)
+    except OSError:
+        return None  # another host's segment, or gone: the caller uses TCP
+    try:
+        # MAP_POPULATE: fault the whole segment in once, here, instead of one page
+        # fault per 4 KiB on the data path (first-touch copies run at ~1 GB/s, not ~10)
+        mm = mmap.mmap(fd, 0, flags=mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0))
+    except (OSError, ValueError):
+        return None
+    finally:
+        os.close(fd)
+    return mm, memoryview(mm)
+
+
+def _close(mm: mmap.mmap, view: memoryview) -> None:
+    try:
+        view.release()
+        mm.close()
+    except BufferError:
+        pass  # a caller still holds a slice; the mapping goes when that does

@@ -1,0 +1,105 @@
+"""PrefixCache with the real kvpool store as L3 (master + node processes on 127.0.0.1)."""
+
+import dataclasses
+
+import pytest
+import torch
+
+from kvpool.cache import Namespace, PrefixCache, StoreBackend, page_keys, store_key
+from kvpool.cache.codec import HEADER_SIZE
+
+PAGE = 4
+SHAPE = (2, 2, 1, PAGE, 3)
+NS = Namespace(model="tiny", weights_fingerprint="r1", dtype="float32", page_size=PAGE)
+
+
+def kv(n, seed=0):
+    return torch.randn((n, *SHAPE), generator=torch.Generator().manual_seed(seed))
+
+
+@pytest.fixture
+def store(client):
+    return StoreBackend(client)
+
+
+def make(store, ns=NS):
+    return PrefixCache(ns, SHAPE, torch.float32, l1_pages=32, l3=store, async_backup=False)
+
+
+def lookup(cache, tokens):
+    m = cache.match(tokens)
+    try:
+        pages = cache.load(m)
+        return m.num_pages, m.tiers, pages
+    finally:
+        cache.release(m)
+
+
+def test_pages_round_trip_byte_exact_through_the_store(store):
+    tokens = list(range(13))
+    pages = kv(3)
+    make(store).insert(tokens, pages)
+    n, tiers, got = lookup(make(store), tokens)
+    assert (n, tiers) == (3, ["L3"] * 3) and torch.equal(got, pages)
+
+
+@pytest.mark.parametrize("change", [{"cache_salt": "B"}, {"lora": "b"},
+                                    {"weights_fingerprint": "r2"}, {"tp_size": 4}])
+def test_k13_no_hit_across_namespaces_in_the_store(store, change):
+    tokens = list(range(20))
+    make(store).insert(tokens, kv(5))
+    assert lookup(make(store, dataclasses.replace(NS, **change)), tokens)[0] == 0
+    assert lookup(make(store), tokens)[0] == 5
+
+
+def test_overwritten_store_object_is_a_miss_and_counted(store, client):
+    tokens = list(range(12))
+    make(store).insert(tokens, kv(3))
+    key = store_key(page_keys(NS, tokens)[2])
+    blob = bytearray(client.get(key))
+    blob[HEADER_SIZE + 5] ^= 0x40
+    client.upsert(key, bytes(blob))
+    cache = make(store)
+    n, tiers, got = lookup(cache, tokens)
+    assert n == 2 and torch.equal(got, kv(3)[:2])
+    assert cache.metrics["page_rejects_checksum"] == 1
+
+
+def test_backup_writes_only_what_the_store_lacks(store):
+    make(store).insert(list(range(8)), kv(2))
+    second = make(store)
+    second.insert(list(range(12)), kv(3))
+    assert second.metrics["pages_dedup_l3"] == 2 and second.metrics["pages_written_l3"] == 1
+
+
+def test_k17_a_page_split_in_objects_counts_only_when_every_object_is_there(store, client):
+    ns = dataclasses.replace(NS, object_layout="kv")
+    tokens = list(range(12))
+    make(store, ns).insert(tokens, kv(3))
+    keys = page_keys(ns, tokens)
+    assert client.is_exist(store_key(keys[1], "k")) and client.is_exist(store_key(keys[1], "v"))
+    client.remove(store_key(keys[1], "v"), force=True)  # as an eviction of one object would
+    cache = make(store, ns)
+    m = cache.match(tokens)
+    assert m.num_pages == 1  # page 1 lacks its V object: it and everything after are misses
+    assert torch.equal(cache.load(m), kv(3)[:1])
+    cache.release(m)
+
+
+def test_k17_swapped_k_and_v_objects_are_refused(store, client):
+    ns = dataclasses.replace(NS, object_layout="kv")
+    tokens = list(range(4))
+    make(store, ns).insert(tokens, kv(1))
+    key = page_keys(ns, tokens)[0]
+    k_blob = client.get(store_key(key, "k"))
+    client.upsert(store_key(key, "v"), k_blob)
+    cache = make(store, ns)
+    assert lookup(cache, tokens)[0] == 0
+    assert cache.metrics["page_rejects_page_key"] == 1
+
+
+def test_an_existing_object_counts_as_stored(store):
+    assert store.put(["kvp/x"], [b"abc"]) == [True]
+    assert store.put(["kvp/x"], [b"abc"]) == [True]
+    assert store.exists(["kvp/x", "kvp/y"]) == [True, False]
+    assert store.get(["kvp/x", "kvp/y"]) == [b"abc", None]

@@ -1,0 +1,81 @@
+"""Model loading and the page <-> transformers-cache conversion of the reference engine."""
+
+import json
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from kvpool.engine.engine import Engine
+from kvpool.engine.kv import cache_to_pages, page_shape, pages_to_cache
+from kvpool.engine.models import (
+    load_model, resolve_source, smollm2_gguf_path, weights_fingerprint,
+)
+from kvpool.errors import UserError
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    torch.set_num_threads(1)
+    return load_model("tiny-random")
+
+
+def test_pages_round_trip_through_the_transformers_cache(tiny):
+    shape = page_shape(tiny.model.config, 4)
+    pages = torch.randn((3, *shape), generator=torch.Generator().manual_seed(0))
+    cache = pages_to_cache(pages, tiny.model.config)
+    assert cache.get_seq_length() == 12
+    assert torch.equal(cache_to_pages(cache, 3, 4), pages)
+    assert torch.equal(cache_to_pages(cache, 2, 4), pages[:2])
+
+
+def test_local_hf_folder_loads_with_the_same_weights(tiny, tmp_path):
+    tiny.model.save_pretrained(tmp_path)
+    tiny.tokenizer.save_pretrained(tmp_path)
+    folder = load_model(str(tmp_path))
+    assert weights_fingerprint(folder.model) == tiny.fingerprint
+    prompt = list(range(100, 140))
+    a = Engine(tiny).generate(prompt, 4)
+    b = Engine(folder).generate(prompt, 4)
+    assert a.output_ids == b.output_ids
+    # same weights; memory layout may change the kernels' summation order slightly
+    assert torch.allclose(a.last_logits, b.last_logits, rtol=0, atol=1e-5)
+    # the fingerprint of a folder is stable: computed twice from the files, it agrees
+    assert load_model(str(tmp_path)).fingerprint == folder.fingerprint
+
+
+def test_model_specs_are_classified():
+    gguf = smollm2_gguf_path()
+    assert resolve_source("smollm2") == ("gguf", "SmolLM2-135M-Instruct", gguf)
+    # the same file by path: same name (and fingerprint), so the same cache namespace
+    assert resolve_source(str(gguf)) == ("gguf", "SmolLM2-135M-Instruct", gguf)
+    assert resolve_source("tiny-random") == ("tiny", "tiny-random", None)
+
+
+def test_unknown_model_is_a_user_error(tmp_path):
+    with pytest.raises(UserError, match="unknown model"):
+        resolve_source(str(tmp_path / "nope"))
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(UserError, match="unknown model"):
+        resolve_source(str(tmp_path / "empty"))
+
+
+@pytest.mark.parametrize("command", [["generate", "--prompt", "hi"], ["demo"]])
+def test_unknown_model_path_exits_2_with_a_message_and_no_traceback(command, tmp_path):
+    proc = subprocess.run([sys.executable, "-m", "kvpool", *command, "--model",
+                           str(tmp_path / "no-such-model")], capture_output=True, text=True,
+                          timeout=60)
+    assert proc.returncode == 2
+    assert "unknown model" in proc.stderr
+    assert "Traceback" not in proc.stderr
+
+
+def test_generate_cli_answers_a_prompt(tmp_path):
+    proc = subprocess.run([sys.executable, "-m", "kvpool", "generate", "--model", "tiny-random",
+                           "--prompt", "Hello there", "--max-new-tokens", "3", "--json"],
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    result = json.loads(proc.stdout)
+    assert len(result["output_ids"]) == 3
+    assert result["reused_tokens"] == 0

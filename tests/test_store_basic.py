@@ -1,0 +1,108 @@
+"""Put/get/remove through real processes, over shared memory and over TCP."""
+
+from __future__ import annotations
+
+import os
+
+import numpy as np
+import pytest
+
+from kvpool.client import Client
+from kvpool.errors import (
+    BufferOverflow, ErrorCode, InvalidParams, ObjectExists, ObjectHasLease, ObjectNotFound,
+)
+
+
+@pytest.fixture(params=["shm", "tcp"])
+def any_client(request, module_cluster):
+    with Client(module_cluster.master_addr, force_tcp=request.param == "tcp") as c:
+        yield c
+        c.remove_all(force=True)
+
+
+def test_put_get_roundtrip_bytes_and_numpy(any_client):
+    value = os.urandom(1 << 20)
+    assert any_client.put("a", value) == 1
+    assert any_client.get("a") == value
+    arr = np.arange(1000, dtype=np.float32).reshape(10, 100)
+    any_client.put("arr", arr)
+    out = np.empty_like(arr)
+    assert any_client.get_into("arr", out) == arr.nbytes
+    assert np.array_equal(out, arr)
+    assert any_client.get_size("arr") == arr.nbytes
+
+
+def test_get_into_too_small_buffer_is_refused(any_client):
+    any_client.put("k", b"x" * 100)
+    with pytest.raises(BufferOverflow):
+        any_client.get_into("k", bytearray(99))
+
+
+def test_batch_put_get_is_exist_remove(any_client):
+    keys = [f"page/{i}" for i in range(128)]
+    values = [os.urandom(4096 + i) for i in range(128)]
+    assert any_client.batch_put(keys, values) == [ErrorCode.OK] * 128
+    assert any_client.batch_get(keys + ["missing"]) == values + [None]
+    assert any_client.batch_is_exist(["missing", keys[5]]) == [False, True]
+    bufs = [bytearray(8192) for _ in keys]
+    sizes = any_client.batch_get_into(keys, bufs)
+    assert sizes == [len(v) for v in values]
+    assert all(bytes(b[:n]) == v for b, n, v in zip(bufs, sizes, values))
+    codes = any_client.batch_remove(keys[:2] + ["missing"], force=True)
+    assert codes == [ErrorCode.OK, ErrorCode.OK, ErrorCode.OBJECT_NOT_FOUND]
+
+
+def test_batch_of_128_is_a_few_rpcs(client, module_cluster):
+    keys = [f"rpc/{i}" for i in range(128)]
+    before = client.stats().counters
+    client.batch_put(keys, [b"v" * 64] * 128)
+    client.batch_get(keys)
+    after = client.stats().counters
+    # one BatchPutStart, one BatchPutEnd, one BatchGetReplicaList: 128 puts, 128 leases
+    assert after["put_start"] - before.get("put_start", 0) == 128
+    assert after["leases_granted"] - before.get("leases_granted", 0) == 128
+
+
+def test_k01_put_on_existing_key_raises_and_upsert_replaces(any_client):
+    any_client.put("k", b"A" * 10)
+    with pytest.raises(ObjectExists):
+        any_client.put("k", b"B" * 10)
+    assert any_client.get("k") == b"A" * 10
+    any_client.upsert("k", b"C" * 20)
+    assert any_client.get("k") == b"C" * 20
+
+
+def test_k03_batch_get_duplicates_fill_both_slots(any_client):
+    any_client.put("dup", b"V" * 1000)
+    assert any_client.batch_get(["dup", "dup"]) == [b"V" * 1000] * 2
+    bufs = [bytearray(1000), bytearray(1000)]
+    assert any_client.batch_get_into(["dup", "dup"], bufs) == [1000, 1000]
+    assert bufs[0] == bufs[1] == b"V" * 1000
+
+
+def test_k09_empty_value_and_empty_key_are_refused_missing_key_is_not_found(any_client):
+    with pytest.raises(InvalidParams):
+        any_client.put("empty", b"")
+    with pytest.raises(InvalidParams):
+        any_client.put("", b"x")
+    with pytest.raises(ObjectNotFound):
+        any_client.get("empty")
+    assert any_client.batch_put(["e1", "", "e2"], [b"", b"x", b"y"]) == [
+        ErrorCode.INVALID_PARAMS, ErrorCode.INVALID_PARAMS, ErrorCode.OK]
+
+
+def test_remove_refuses_leased_object_unless_forced(any_client):
+    any_client.put("leased", b"x" * 10)
+    any_client.get("leased")
+    with pytest.raises(ObjectHasLease):
+        any_client.remove("leased")
+    any_client.remove("leased", force=True)
+    assert not any_client.is_exist("leased")
+    with pytest.raises(ObjectNotFound):
+        any_client.remove("leased")
+
+
+def test_put_grants_no_lease_so_remove_works(any_client):
+    any_client.put("fresh", b"x" * 10)
+    any_client.remove("fresh")
+    assert not any_client.is_exist("fresh")

@@ -1,0 +1,217 @@
+"""Processes that die or misbehave: dead writers, killed readers, garbage bytes, ports."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+
+import msgspec
+import pytest
+
+from kvpool import protocol as P
+from kvpool.client import Client
+from kvpool.config import parse_addr
+from kvpool.errors import ErrorCode, ObjectExists, ObjectNotFound
+from kvpool.launch import Cluster
+from kvpool.transfer.rpc import RpcChannel
+
+DEAD_WRITER = """
+import sys
+from kvpool import protocol as P
+from kvpool.transfer.rpc import RpcChannel
+from kvpool.transfer.shm import ShmTransport
+chan = RpcChannel(sys.argv[1])
+reply = chan.call(P.PutStart(P.PutItem("victim", 1 << 20)))
+desc = reply.replicas[0]
+half = P.ReplicaDesc(desc.segment, desc.offset, desc.length // 2)
+ShmTransport().write(half, memoryview(b"H" * half.length))  # half written, then killed
+print(reply.put_id, flush=True)
+sys.stdin.read()
+"""
+
+LEASE_HOLDER = """
+import sys
+from kvpool.client import Client
+c = Client(sys.argv[1])
+c.query("held")  # takes a read lease, then the process is killed
+print("leased", flush=True)
+sys.stdin.read()
+"""
+
+
+def wait_for(predicate, timeout_s: float = 10.0, what: str = "condition"):
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if predicate():
+            return
+        time.sleep(0.02)
+    pytest.fail(f"timed out waiting for {what}")
+
+
+def start_script(script: str, *args: str) -> tuple[subprocess.Popen, str]:
+    """Run ``script`` in a child; returns it and the first line it prints."""
+    proc = subprocess.Popen([sys.executable, "-c", script, *args], stdin=subprocess.PIPE,
+                            stdout=subprocess.PIPE, text=True)
+    return proc, proc.stdout.readline().strip()
+
+
+def kill(proc: subprocess.Popen) -> None:
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    proc.stdin.close()
+    proc.stdout.close()
+
+
+@pytest.mark.cluster(extra_master_args=["--put-start-discard-timeout", "0.5",
+                                        "--put-start-release-timeout", "3"])
+def test_k04_dead_writer_is_not_found_then_taken_over_and_its_space_freed(cluster):
+    proc, put_id = start_script(DEAD_WRITER, cluster.master_addr)
+    kill(proc)
+    with Client(cluster.master_addr) as c:
+        with pytest.raises(ObjectNotFound):
+            c.get("victim")
+        assert not c.is_exist("victim")
+        with pytest.raises(ObjectExists):  # the writer may still be alive: not yet
+            c.put("victim", b"N" * 1000)
+        wait_for(lambda: _try_put(c, "victim", b"N" * 1000), what="takeover after discard timeout")
+        assert c.get("victim") == b"N" * 1000
+        assert c.stats().used_bytes == (1 << 20) + 1024  # dead writer's buffer still held
+        wait_for(lambda: c.stats().used_bytes == 1024, what="release timeout frees the space")
+        late = RpcChannel(cluster.master_addr).call(P.PutEnd(P.PutToken("victim", int(put_id))))
+        assert late.code == ErrorCode.INVALID_WRITE
+        assert c.get("victim") == b"N" * 1000
+
+
+@pytest.mark.cluster(extra_master_args=["--put-start-release-timeout", "0.5"])
+def test_k04_abandoned_put_is_released_without_takeover(cluster):
+    proc, _ = start_script(DEAD_WRITER, cluster.master_addr)
+    kill(proc)
+    with Client(cluster.master_addr) as c:
+        wait_for(lambda: c.stats().in_flight_puts == 0 and c.stats().used_bytes == 0,
+                 what="abandoned put released")
+        c.put("victim", b"ok")
+        assert c.get("victim") == b"ok"
+
+
+def _try_put(c: Client, key: str, value: bytes) -> bool:
+    try:
+        c.put(key, value)
+        return True
+    except ObjectExists:
+        return False
+
+
+@pytest.mark.cluster(lease_ttl_ms=400)
+def test_killed_reader_holding_a_lease_does_not_block_removal_for_long(cluster):
+    with Client(cluster.master_addr) as c:
+        c.put("held", b"x" * 100)
+        proc, line = start_script(LEASE_HOLDER, cluster.master_addr)
+        assert line == "leased"
+        kill(proc)
+        wait_for(lambda: _try_remove(c, "held"), what="lease of the dead reader to expire")
+        assert not c.is_exist("held")
+
+
+def _try_remove(c: Client, key: str) -> bool:
+    return c.batch_remove([key])[0] == ErrorCode.OK
+
+
+def _raw(addr: str) -> socket.socket:
+    return socket.create_connection(parse_addr(addr), timeout=5)
+
+
+def _closed(sock: socket.socket) -> bool:
+    try:
+        return sock.recv(1) == b""
+    except ConnectionError:
+        return True
+
+
+def test_master_survives_garbage_on_its_socket(module_cluster):
+    addr = module_cluster.master_addr
+    with _raw(addr) as s:  # bad magic: connection closed
+        s.sendall(os.urandom(64))
+        assert _closed(s)
+    with _raw(addr) as s:  # oversized frame: closed
+        s.sendall(P.HEADER.pack(P.MAGIC, P.MAX_FRAME + 1))
+        assert _closed(s)
+    with _raw(addr) as s:  # good frame, garbage body: error reply, connection kept
+        s.sendall(P.HEADER.pack(P.MAGIC, 5) + b"\xc1\xff\x00\x01\x02")
+        assert isinstance(P.reply_decoder.decode(P.recv_frame(s)), P.ErrorResp)
+        body = msgspec.msgpack.encode(["NoSuchMessage", 1])  # unknown tag
+        s.sendall(P.HEADER.pack(P.MAGIC, len(body)) + body)
+        assert P.reply_decoder.decode(P.recv_frame(s)).code == ErrorCode.INVALID_PARAMS
+        body = msgspec.msgpack.encode(["PutStart", ["k", "not-a-size"]])  # wrong field type
+        s.sendall(P.HEADER.pack(P.MAGIC, len(body)) + body)
+        assert isinstance(P.reply_decoder.decode(P.recv_frame(s)), P.ErrorResp)
+        s.sendall(P.encode_frame(P.Ping()))
+        assert P.reply_decoder.decode(P.recv_frame(s)).code == ErrorCode.OK
+    with _raw(addr) as s:  # cut off mid-frame
+        s.sendall(P.HEADER.pack(P.MAGIC, 100) + b"abc")
+    with Client(addr) as c:
+        c.put("after-garbage", b"fine")
+        assert c.get("after-garbage") == b"fine"
+        c.remove("after-garbage", force=True)
+
+
+def test_node_validates_offsets_and_survives_garbage(module_cluster):
+    addr = module_cluster.node_addrs[0]
+    size = 64 << 20
+    with _raw(addr) as s:  # out-of-bounds read: error reply, connection kept
+        s.sendall(P.encode_frame(P.DataRead([size - 10, 2**63], [20, 1])))
+        assert P.data_reply_decoder.decode(P.recv_frame(s)).code == ErrorCode.INVALID_PARAMS
+        s.sendall(P.encode_frame(P.DataRead([-1], [1])))
+        assert P.data_reply_decoder.decode(P.recv_frame(s)).code == ErrorCode.INVALID_PARAMS
+        s.sendall(P.encode_frame(P.DataRead([0], [8])))
+        reply = P.data_reply_decoder.decode(P.recv_frame(s))
+        assert reply.code == ErrorCode.OK and len(s.recv(8, socket.MSG_WAITALL)) == 8
+    with _raw(addr) as s:  # out-of-bounds write: refused and closed (payload unskippable)
+        s.sendall(P.encode_frame(P.DataWrite(size, 2**40)))
+        assert P.data_reply_decoder.decode(P.recv_frame(s)).code == ErrorCode.INVALID_PARAMS
+        assert _closed(s)
+    with _raw(addr) as s:
+        s.sendall(os.urandom(100))
+        assert _closed(s)
+    with Client(module_cluster.master_addr, force_tcp=True) as c:
+        c.put("after-node-garbage", b"fine")
+        assert c.get("after-node-garbage") == b"fine"
+        c.remove("after-node-garbage", force=True)
+
+
+def test_k08_two_nodes_without_port_get_distinct_ports_and_identities():
+    with Cluster(segment_size="16MiB", num_nodes=2) as c:
+        a, b = c.nodes
+        assert a["addr"] != b["addr"]
+        assert a["segment"] != b["segment"] and a["owner_id"] != b["owner_id"]
+        assert a["shm_name"] != b["shm_name"]
+
+
+def test_k08_explicit_port_in_use_is_a_clear_error(module_cluster):
+    port = parse_addr(module_cluster.master_addr)[1]
+    for cmd in (["master", "--port", str(port)],
+                ["node", "--master", module_cluster.master_addr, "--port", str(port), "--segment-size", "1MiB"]):
+        r = subprocess.run([sys.executable, "-m", "kvpool", *cmd], capture_output=True, text=True, timeout=30)
+        assert r.returncode == 2
+        assert "already in use" in r.stderr and "Traceback" not in r.stderr
+
+
+def test_node_with_unreachable_master_is_a_clear_error():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        free = s.getsockname()[1]
+    r = subprocess.run([sys.executable, "-m", "kvpool", "node", "--master", f"127.0.0.1:{free}",
+                        "--segment-size", "1MiB"], capture_output=True, text=True, timeout=30)
+    assert r.returncode == 2
+    assert "cannot reach master" in r.stderr and "Traceback" not in r.stderr
+
+
+def test_nothing_left_in_dev_shm_after_graceful_and_killed_nodes():
+    with Cluster(segment_size="8MiB", num_nodes=2) as c:
+        names = [n["shm_name"] for n in c.nodes]
+        assert all(os.path.exists(f"/dev/shm/{n}") for n in names)
+        c.stop_node(0, kill=True)  # the resource tracker unlinks a killed node's segment
+    wait_for(lambda: not any(os.path.exists(f"/dev/shm/{n}") for n in names), what="shm unlinked")

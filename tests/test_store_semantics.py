@@ -1,0 +1,274 @@
+"""Mooncake Store semantics: leases, batches, accounting, removal, replicas, visibility."""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+
+import pytest
+
+from kvpool import protocol as P
+from kvpool.client import Client
+from kvpool.launch import Cluster
+from kvpool.errors import ErrorCode, InvalidParams, LeaseExpired, ObjectNotFound
+from kvpool.transfer.rpc import RpcChannel
+
+
+@pytest.fixture
+def cluster_short_lease():
+    with Cluster(segment_size="64MiB", lease_ttl_ms=300) as c:
+        yield c
+
+
+def wait_for(predicate, timeout_s: float = 10.0, what: str = "condition"):
+    """Poll ``predicate`` until true; fail the test after ``timeout_s``."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        value = predicate()
+        if value:
+            return value
+        time.sleep(0.02)
+    pytest.fail(f"timed out waiting for {what}")
+
+
+def test_k02_batch_put_duplicates_one_result_each_and_no_leak(client):
+    base = client.stats().used_bytes
+    codes = client.batch_put(["d", "d", "e"], [b"1" * 100, b"2" * 100, b"3" * 100])
+    assert codes == [ErrorCode.OK, ErrorCode.OBJECT_ALREADY_EXISTS, ErrorCode.OK]
+    assert client.get("d") == b"1" * 100
+    assert client.batch_put(["d"], [b"x" * 100]) == [ErrorCode.OBJECT_ALREADY_EXISTS]
+    stats = client.stats()
+    assert stats.used_bytes - base == 2 * 128  # two objects, 64-byte aligned: nothing leaked
+    assert stats.in_flight_puts == 0
+
+
+@pytest.mark.cluster(lease_ttl_ms=1)
+@pytest.mark.parametrize("force_tcp", [False, True])
+def test_k05_lease_expiry_on_every_read_path_hands_out_no_bytes(cluster, force_tcp):
+    # a 1 ms lease cannot outlive a 32 MiB copy (that would take > 30 GB/s)
+    big = os.urandom(1 << 20) * 32
+    with Client(cluster.master_addr, force_tcp=force_tcp) as c:
+        c.put("big", big)
+        with pytest.raises(LeaseExpired):
+            c.get("big")
+        with pytest.raises(LeaseExpired):
+            c.get_into("big", bytearray(len(big)))
+        assert c.batch_get(["big"]) == [None]
+        assert c.batch_get_into(["big"], [bytearray(len(big))]) == [ErrorCode.LEASE_EXPIRED]
+
+
+@pytest.mark.cluster(lease_ttl_ms=300)
+def test_k05_read_after_the_lease_ran_out_fails_on_handle_paths(cluster):
+    with Client(cluster.master_addr) as c:
+        c.put("k", b"v" * 1000)
+        handle = c.query("k")
+        [batch_handle] = c.batch_query(["k"])
+        wait_for(lambda: time.monotonic() > handle.deadline + 0.05, what="lease expiry")
+        with pytest.raises(LeaseExpired):
+            c.read(handle)
+        with pytest.raises(LeaseExpired):
+            c.read_into(handle, bytearray(1000))
+        assert c.batch_read_into([batch_handle], [bytearray(1000)]) == [ErrorCode.LEASE_EXPIRED]
+        assert c.get("k") == b"v" * 1000  # a fresh lease reads fine
+
+
+def test_k07_accounting_returns_to_exactly_zero(cluster):
+    client = Client(cluster.master_addr)
+    client.put("eleven", b"hello world")
+    stats = client.stats()
+    assert stats.used_bytes > 0
+    assert stats.used_bytes == sum(s.used for s in stats.segments)
+    assert client.remove_all() == 1
+    stats = client.stats()
+    assert stats.used_bytes == 0 and stats.object_count == 0
+    assert all(s.used == 0 for s in stats.segments)
+    assert all(v >= 0 for v in stats.counters.values())
+    client.close()
+
+
+def test_forced_remove_of_a_leased_object_frees_space_when_the_lease_ends(cluster_short_lease):
+    with Client(cluster_short_lease.master_addr) as c:
+        c.put("held", b"x" * 1000)
+        c.get("held")  # lease: a reader may still be copying these bytes
+        c.remove("held", force=True)
+        assert not c.is_exist("held")
+        assert c.stats().zombie_buffers == 1  # not reused while the lease lasts
+        wait_for(lambda: c.stats().used_bytes == 0, what="buffer freed after lease end")
+
+
+def test_remove_all_skips_leased_objects_unless_forced(client):
+    client.batch_put(["a", "b", "c"], [b"1", b"2", b"3"])
+    client.get("b")  # leased for 10 s
+    assert client.remove_all() == 2
+    assert client.batch_is_exist(["a", "b", "c"]) == [False, True, False]
+    assert client.remove_all(force=True) == 1
+
+
+def test_remove_by_regex_and_batch_remove(client):
+    client.batch_put(["a/1", "a/2", "b/1", "xa/3"], [b"1"] * 4)
+    assert client.remove_by_regex("^a/") == 2
+    assert client.batch_is_exist(["a/1", "a/2", "b/1", "xa/3"]) == [False, False, True, True]
+    with pytest.raises(InvalidParams):
+        client.remove_by_regex("(")
+    assert client.batch_remove(["b/1", "b/1"], force=True) == [ErrorCode.OK, ErrorCode.OBJECT_NOT_FOUND]
+
+
+def test_get_size_and_query_describe_replicas(client):
+    client.put("sized", b"z" * 12345)
+    assert client.get_size("sized") == 12345
+    handle = client.query("sized")
+    assert handle.size == 12345 and len(handle.replicas) == 1
+    assert handle.replicas[0].length == 12345
+    with pytest.raises(ObjectNotFound):
+        client.get_size("nope")
+
+
+@pytest.mark.cluster(num_nodes=2, extra_master_args=["--client-ttl", "1.0"])
+def test_replicas_land_on_distinct_segments_and_survive_a_dead_node(cluster):
+    with Client(cluster.master_addr) as c:
+        assert c.put("r2", b"R" * 5000, replica_num=2) == 2
+        segs = {r.segment.name for r in c.query("r2").replicas}
+        assert len(segs) == 2
+        assert c.put("r3", b"S" * 5000, replica_num=3) == 2  # best effort, reported
+        cluster.stop_node(0, kill=True)
+        wait_for(lambda: len(c.stats().segments) == 1, what="dead node's segment unmounted")
+        assert c.get("r2") == b"R" * 5000
+        assert len(c.query("r2").replicas) == 1
+
+
+@pytest.mark.cluster(num_nodes=2, extra_master_args=["--client-ttl", "1.0"])
+def test_k06_killed_node_objects_not_found_counts_drop(cluster):
+    with Client(cluster.master_addr) as c:
+        seg0 = cluster.nodes[0]["segment"]
+        for i in range(5):
+            c.put(f"on0/{i}", b"x" * 1000, preferred_segment=seg0)
+        c.put("elsewhere", b"y" * 1000, preferred_segment=cluster.nodes[1]["segment"])
+        before = c.stats()
+        assert before.object_count == 6
+        cluster.stop_node(0, kill=True)
+        wait_for(lambda: c.stats().object_count == 1, what="objects of the dead node dropped")
+        stats = c.stats()
+        assert stats.used_bytes == 64 * 16 and stats.owner_count == 1  # 1000 B -> 1024 aligned
+        assert not c.is_exist("on0/0")
+        assert c.get("elsewhere") == b"y" * 1000
+        with pytest.raises(ObjectNotFound):
+            c.get("on0/1")
+
+
+def test_k06_mount_unmount_cycles_do_not_grow_metadata(module_cluster):
+    chan = RpcChannel(module_cluster.master_addr)
+    with Client(module_cluster.master_addr) as c:
+        base = c.stats()
+        for cycle in range(100):
+            info = P.SegmentInfo(f"fake-{cycle}", "elsewhere", "none", 1 << 20, "127.0.0.1:9")
+            assert chan.call(P.MountSegment("fake-owner", info)).code == ErrorCode.OK
+            start = chan.call(P.PutStart(P.PutItem("cycle", 100, preferred_segment=info.name)))
+            assert start.code == ErrorCode.OK and start.replicas[0].segment.name == info.name
+            assert chan.call(P.PutEnd(P.PutToken("cycle", start.put_id))).code == ErrorCode.OK
+            assert chan.call(P.UnmountSegment("fake-owner", info.name)).code == ErrorCode.OK
+            assert not c.is_exist("cycle")
+        after = c.stats()
+    chan.close()
+    assert after.object_count == base.object_count
+    assert len(after.segments) == len(base.segments)
+    assert after.owner_count == base.owner_count
+    assert after.used_bytes == base.used_bytes
+    assert after.zombie_buffers == base.zombie_buffers and after.in_flight_puts == 0
+
+
+def test_k11_object_is_invisible_until_complete_then_seen_by_every_client(module_cluster):
+    value = os.urandom(1 << 20) * 16
+    seen_partial = []
+    done = threading.Event()
+
+    def reader():
+        with Client(module_cluster.master_addr, force_tcp=True) as r:
+            while not done.is_set():
+                got = r.batch_get(["vis"])[0]
+                if got is not None and got != value:
+                    seen_partial.append(len(got))
+
+    t = threading.Thread(target=reader)
+    t.start()
+    with Client(module_cluster.master_addr, force_tcp=True) as w:
+        w.put("vis", value)
+        done.set()
+        t.join()
+        with Client(module_cluster.master_addr) as other_shm, \
+                Client(module_cluster.master_addr, force_tcp=True) as other_tcp:
+            assert other_shm.get("vis") == value and other_tcp.get("vis") == value
+        w.remove("vis", force=True)
+    assert not seen_partial
+
+
+def test_k11_upsert_is_seen_whole_or_not_at_all(module_cluster):
+    size = 4 << 20
+    olds, news = b"\x01" * size, b"\x02" * size
+    bad = []
+    done = threading.Event()
+    with Client(module_cluster.master_addr) as w:
+        w.put("ups", olds)
+
+        def reader():
+            with Client(module_cluster.master_addr, force_tcp=True) as r:
+                while not done.is_set():
+                    got = r.batch_get(["ups"])[0]
+                    if got not in (None, olds, news):
+                        bad.append(got[:8])
+
+        t = threading.Thread(target=reader)
+        t.start()
+        for i in range(6):
+            w.upsert("ups", news if i % 2 == 0 else olds)
+        done.set()
+        t.join()
+        assert w.get("ups") == olds
+        w.remove("ups", force=True)
+    assert not bad
+
+
+def test_master_refuses_bad_put_parameters_on_the_wire(module_cluster):
+    chan = RpcChannel(module_cluster.master_addr)
+    for item in (P.PutItem("k", 0), P.PutItem("k", -5), P.PutItem("k", 10, replica_num=0),
+                 P.PutItem("", 10), P.PutItem("k" * 4097, 10), P.PutItem("k", 10, replica_num=10**6)):
+        assert chan.call(P.PutStart(item)).code == ErrorCode.INVALID_PARAMS
+    assert chan.call(P.PutEnd(P.PutToken("never-started", 1))).code == ErrorCode.OBJECT_NOT_FOUND
+    assert chan.call(P.SetPin("nope", "hard")).code == ErrorCode.OBJECT_NOT_FOUND
+    chan.close()
+
+
+def test_allocation_strategies_place_replicas_as_named():
+    from kvpool.master.segments import SegmentTable
+
+    def table(strategy):
+        t = SegmentTable(strategy)
+        t.mount("a", P.SegmentInfo("here", "host-a", "x", 1 << 20, "127.0.0.1:1"), 0.0)
+        t.mount("b", P.SegmentInfo("there", "host-b", "y", 1 << 20, "127.0.0.1:2"), 0.0)
+        return t
+
+    local = table("local_first")
+    assert all(local.allocate(100, 1, host_id="host-b")[0].segment == "there" for _ in range(20))
+    emptiest = table("free_ratio_first")
+    placed = [emptiest.allocate(1000, 1)[0].segment for _ in range(10)]
+    assert placed.count("here") == placed.count("there") == 5
+    spread = table("random")
+    assert {spread.allocate(64, 1)[0].segment for _ in range(50)} == {"here", "there"}
+    assert len({r.segment for r in spread.allocate(64, 2)}) == 2
+
+
+def test_client_contributed_segment_serves_others_and_leaves_with_its_client(module_cluster):
+    addr = module_cluster.master_addr
+    owner = Client(addr, global_segment_size=16 << 20)
+    seg = owner.segment.info.name
+    shm_path = f"/dev/shm/{owner.segment.info.shm_name}"
+    with Client(addr) as reader, Client(addr, force_tcp=True) as remote:
+        assert any(s.name == seg for s in reader.stats().segments)
+        owner.put("on-client", b"c" * 5000, preferred_segment=seg)
+        assert reader.query("on-client").replicas[0].segment.name == seg
+        assert reader.get("on-client") == b"c" * 5000
+        assert remote.get("on-client") == b"c" * 5000
+        owner.close()
+        assert not os.path.exists(shm_path)
+        assert not reader.is_exist("on-client")
+        assert all(s.name != seg for s in reader.stats().segments)
