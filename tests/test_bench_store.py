@@ -48,6 +48,9 @@ def test_tiny_run_fills_every_cell_of_every_present_column(tiny_run):
     kvpool_rows = {(c["size"], c["api"], c["op"], c["batch"])
                    for c in cells if c["column"] == "kvpool shm"}
     assert (4096, "batch", "get", 4) in kvpool_rows and (65536, "zero_copy", "put", 1) in kvpool_rows
+    limit_cells = [c for c in cells if c["column"] == "memcpy"]
+    assert {(c["size"], c["api"], c["op"]) for c in limit_cells} == {
+        (c["size"], c["api"], c["op"]) for c in cells if c["column"] == "kvpool shm"}
 
 
 def test_tiny_run_records_memory_and_verdicts(tiny_run):
@@ -55,6 +58,7 @@ def test_tiny_run_records_memory_and_verdicts(tiny_run):
     stats = doc["columns"]["kvpool shm"]["stats"]
     assert stats["segment_size"] == 64 << 20
     assert stats["node_rss_bytes"] > 0 and "client_own_bytes" in stats
+    assert doc["ratios"] and all(r["value"] > 0 for r in doc["ratios"])
     targets = {v["target"] for v in doc["verdicts"]}
     assert any(t.startswith("node peak RSS") for t in targets)
     assert any(t.startswith("4KiB get p50") for t in targets)
@@ -147,19 +151,33 @@ def test_worker_for_an_unknown_target_is_absent(tmp_path):
     assert w.cell(CellSpec("bytes", "get", 4096)).error
 
 
-def test_table_and_verdicts_use_ratios_of_medians():
+def _summary(metric: str, *values: float) -> Summary:
+    """A column's figures over repeats, as the controller records them."""
+    reps = [{"gbps": None, "ops_per_s": None, "p50_us": None, metric: v} for v in values]
+    return Summary(**{metric: sorted(values)[len(values) // 2]}, repeats=reps)
+
+
+def test_ratios_pair_repeats_and_verdicts_follow_them():
     cols = [Column("kvpool shm", "", kind="kvpool"), Column("mooncake x-proc", ""),
             Column("memcpy", "", kind="limit")]
     big, small = Row(1 << 20, "zero_copy", "get"), Row(4096, "zero_copy", "get")
-    fig = Figures({("kvpool shm", big): Summary(gbps=6.0), ("mooncake x-proc", big): Summary(gbps=2.0),
-                   ("memcpy", Row(1 << 20, "copy", "copy")): Summary(gbps=8.0),
-                   ("kvpool shm", small): Summary(p50_us=50.0),
-                   ("mooncake x-proc", small): Summary(p50_us=100.0)}, cols)
+    # the machine slowed down 3x during repeat 1: paired ratios stay 3.0 and 0.75
+    fig = Figures({("kvpool shm", big): _summary("gbps", 6.0, 2.0, 6.0),
+                   ("mooncake x-proc", big): _summary("gbps", 2.0, 2.0 / 3, 2.0),
+                   ("memcpy", big): _summary("gbps", 8.0, 8.0 / 3, 8.0),
+                   ("kvpool shm", small): _summary("p50_us", 50.0, 60.0, 50.0),
+                   ("mooncake x-proc", small): _summary("p50_us", 100.0, 120.0, 100.0)}, cols)
+    assert fig.ratio("kvpool shm", "mooncake x-proc", big) == pytest.approx(3.0)
     table = format_table([big, small], cols, fig)
     assert "3.00x" in table and "0.75x" in table and "0.50x" in table
     vs = {v.target: v for v in verdicts([big, small], fig, {})}
-    assert vs["same host >=1MiB: kvpool shm / mooncake x-proc >= 2.5"].value == pytest.approx(3.0)
-    assert vs["same host >=1MiB: kvpool shm / memcpy >= 0.6"].met is True
+    assert vs["same host >=1MiB: kvpool shm / mooncake x-proc >= 2.5"].met is True
+    assert vs["same host >=1MiB: kvpool shm / memcpy >= 0.6"].value == pytest.approx(0.75)
     p50 = vs["4KiB get p50: kvpool shm / mooncake x-proc <= 1.2"]
     assert p50.met is True and p50.value == pytest.approx(0.5)
     assert vs["TCP >=1MiB: kvpool tcp / tcp-stream >= 0.8"].met is None  # column absent
+    memory = {"kvpool tcp": {"segment_size": 64 << 20, "node_peak_rss_bytes": 200 << 20,
+                             "client_own_bytes": 10 << 20}}
+    vs = {v.target: v for v in verdicts([], fig, memory)}
+    assert vs["node peak RSS <= segment + 100 MiB (MiB)"].met is False
+    assert vs["client without segment, own RSS beyond python+numpy <= 150 MiB"].met is True

@@ -218,3 +218,16 @@ def test_a_page_chain_computed_once_serves_match_insert_and_peek():
     assert lookup(cache, chain)[0] == 2 and lookup(cache, tokens)[0] == 2
     with pytest.raises(InvalidParams):
         cache.match(page_chain(dataclasses.replace(NS, cache_salt="x"), tokens))
+
+
+def test_loading_a_match_twice_gives_the_same_pages_and_a_sound_tree(disk):
+    tokens = list(range(12))
+    make(l3=disk).insert(tokens, kv(3))
+    cache = make(l3=disk)
+    m = cache.match(tokens)
+    first, second = cache.load(m), cache.load(m)
+    cache.release(m)
+    assert torch.equal(first, kv(3)) and torch.equal(second, kv(3))
+    assert m.tiers == ["L3"] * 3 and cache.tree.num_nodes == 3
+    assert sorted(n.index for n in cache.tree.nodes()) == [0, 1, 2]
+    assert all(n.lock_ref == 0 for n in cache.tree.nodes())

@@ -73,6 +73,8 @@ TABLE = [
     ("put_existing_returns_0_keeps_old", lambda s, m: (s.put("k", b"A"), s.put("k", b"BB"), s.get("k")), (0, 0, b"A")),
     ("put_empty_value", lambda s, m: (s.put("k", b""), s.get("k")), (E.INVALID_PARAMS, b"")),
     ("put_empty_key", lambda s, m: s.put("", b"v"), E.INVALID_PARAMS),
+    ("put_bytes_key", lambda s, m: (s.put(b"bk", b"v"), s.get("bk"), s.get_batch([b"bk"]), s.is_exist(b"\xff")),
+     (0, b"v", [b"v"], E.INVALID_PARAMS)),
     ("put_no_space", lambda s, m: s.put("huge", memoryview(m.big)), E.NO_AVAILABLE_HANDLE),
     ("put_replica_num_0", lambda s, m: s.put("k", b"v", cfg(replica_num=0)), E.INVALID_PARAMS),
     ("put_prefer_same_node", lambda s, m: s.put("k", b"v", cfg(prefer_alloc_in_same_node=True)), E.INVALID_PARAMS),
@@ -229,8 +231,8 @@ def test_wrong_keyword_raises_type_error(store, call):
     lambda s: s.get(None),
     lambda s: s.get_into("k", "0x10", 4),
     lambda s: s.put("k", b"v", config={"replica_num": 1}),
-    lambda s: s.batch_is_exist([b"k"]),
-], ids=["key_int", "value_int", "key_none", "ptr_str", "config_dict", "bytes_key"])
+    lambda s: s.batch_is_exist([3.5]),
+], ids=["key_int", "value_int", "key_none", "ptr_str", "config_dict", "key_float"])
 def test_wrong_argument_type_raises_type_error(store, call):
     with pytest.raises(TypeError):
         call(store)

@@ -12,7 +12,7 @@ import argparse
 import importlib
 import sys
 
-from kvpool.errors import KVPoolError
+from kvpool.errors import ErrorCode, KVPoolError, UserError
 
 # subcommand -> module that implements it (imports point down: cli is the top layer)
 COMMANDS: dict[str, str] = {
@@ -75,7 +75,11 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return int(args._run(args) or 0)
     except KVPoolError as exc:
-        print(f"kvpool {args.command}: error: {exc} ({exc.code.name})", file=sys.stderr)
+        # A store error carries a code worth showing; a user mistake or a failed
+        # launch reads better as the plain sentence.
+        plain = isinstance(exc, UserError) or exc.code == ErrorCode.INTERNAL_ERROR
+        suffix = "" if plain else f" ({exc.code.name})"
+        print(f"kvpool {args.command}: error: {exc}{suffix}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
         print(f"kvpool {args.command}: interrupted", file=sys.stderr)

@@ -77,7 +77,7 @@ class Row:
     @property
     def metric(self) -> str:
         """What the table shows for this row: 'gbps', 'ops_per_s' or 'p50_us'."""
-        if self.size >= 64 * _KIB or self.api == "copy":
+        if self.size >= 64 * _KIB:
             return "gbps"
         return "ops_per_s" if self.api == "batch" else "p50_us"
 
@@ -104,7 +104,6 @@ def plan_rows(sizes: list[int], apis: list[str], ops: list[str], batches: list[i
     """Rows in run order; batches above ``max_batch_bytes`` per call are left out."""
     rows = []
     for size in sizes:
-        rows.append(Row(size, "copy", "copy"))
         for api in apis:
             for op in ops:
                 if api != "batch":
@@ -167,9 +166,16 @@ def summarize(results: list[CellResult]) -> Summary:
     return out
 
 
-def supports(col: Column, row: Row) -> bool:
-    """Whether a column measures a row: limits only copy; stores everything but copy."""
-    return (row.api == "copy") == (col.kind == "limit")
+def cell_spec(col: Column, row: Row, rep: int, args) -> CellSpec:
+    """What a column measures in a row: the row itself, or for a limit a copy of that size.
+
+    Limits are measured in every row, right beside the stores, so that each kvpool figure
+    has its limit from the same seconds (the machine's memory bandwidth and CPU share
+    drift by 2-3x while other jobs run).
+    """
+    api, op, batch = ("copy", "copy", 1) if col.kind == "limit" else (row.api, row.op, row.batch)
+    return CellSpec(api, op, row.size, batch, rep, args.budget,
+                    working_set=args.working_set, put_cap_bytes=args.put_cap)
 
 
 def start_workers(columns: list[Column], log_dir: str, quiet: bool) -> list[Worker]:
@@ -193,14 +199,12 @@ def measure(workers: list[Worker], columns: list[Column], rows: list[Row], args,
     live = list(zip(columns, workers))
     for size, size_rows in by_size.items():
         for row in size_rows:
-            here = [(c, w) for c, w in live if supports(c, row) and not w.absent]
             for rep in range(args.repeats):
+                here = [(c, w) for c, w in live if not w.absent]
                 shift = rep % len(here) if here else 0
                 for col, w in here[shift:] + here[:shift]:
                     progress.set_postfix_str(f"{row.label.strip()} | {col.name}", refresh=False)
-                    spec = CellSpec(row.api, row.op, row.size, row.batch, rep, args.budget,
-                                    working_set=args.working_set, put_cap_bytes=args.put_cap)
-                    results.setdefault((col.name, row), []).append(w.cell(spec))
+                    results.setdefault((col.name, row), []).append(w.cell(cell_spec(col, row, rep, args)))
                     progress.update(1)
         for w in workers:
             if not w.absent:
@@ -209,7 +213,7 @@ def measure(workers: list[Worker], columns: list[Column], rows: list[Row], args,
 
 
 def count_cells(columns: list[Column], rows: list[Row], repeats: int) -> int:
-    return sum(repeats for row in rows for col in columns if supports(col, row))
+    return len(rows) * len(columns) * repeats
 
 
 # --------------------------------------------------------------------------- table and targets
@@ -225,7 +229,7 @@ RATIOS = (  # (label, kvpool column, anchor column)
 
 
 class Figures:
-    """Lookup of the medians: a limit column answers every row with its copy row."""
+    """Medians per (column, row), and kvpool/anchor ratios paired by repeat."""
 
     def __init__(self, summaries: dict[tuple[str, Row], Summary], columns: list[Column]):
         self.s = summaries
@@ -233,12 +237,25 @@ class Figures:
 
     def get(self, column: str, row: Row, metric: str | None = None) -> float | None:
         metric = metric or row.metric
-        if column in self.limits:
-            if metric == "p50_us":
-                return None  # a stream or a copy has no call latency to compare with
-            row = Row(row.size, "copy", "copy")
+        if column in self.limits and metric == "p50_us":
+            return None  # a stream or a copy has no call latency to compare with
         summ = self.s.get((column, row))
         return getattr(summ, metric) if summ else None
+
+    def ratio(self, a: str, b: str, row: Row, metric: str | None = None) -> float | None:
+        """Median over repeats of a/b, each repeat paired with the same repeat of b.
+
+        Repeat r of every column runs within the same few seconds, so the pair shares
+        the machine's load at that moment; the median of paired ratios is much steadier
+        than the ratio of two medians on a shared machine.
+        """
+        metric = metric or row.metric
+        if self.get(a, row, metric) is None or self.get(b, row, metric) is None:
+            return None
+        pairs = [(x.get(metric), y.get(metric))
+                 for x, y in zip(self.s[(a, row)].repeats, self.s[(b, row)].repeats)]
+        ratios = [x / y for x, y in pairs if x is not None and y]
+        return statistics.median(ratios) if ratios else None
 
 
 def fmt_value(v: float | None, metric: str) -> str:
@@ -251,15 +268,13 @@ def fmt_value(v: float | None, metric: str) -> str:
     return f"{v:.0f}"
 
 
-def ratio(a: float | None, b: float | None) -> float | None:
-    return a / b if a is not None and b else None
-
-
 def format_table(rows: list[Row], columns: list[Column], fig: Figures) -> str:
-    """The printed table: one line per row, each column's figure, then kvpool/anchor ratios.
+    """The printed table: one line per row, each column's median, then kvpool/anchor ratios
+    (medians of ratios paired by repeat, see :meth:`Figures.ratio`).
 
     Units per row: GB/s for values >= 64 KiB, k objects/s for small batches, p50 µs for
-    small single ops (for p50 a ratio below 1 means kvpool is faster).
+    small single ops (for p50 a ratio below 1 means kvpool is faster). A limit column
+    shows its copy (or stream) of values of the row's size, measured beside the row.
     """
     names = [c.name for c in columns]
     ratios = [r for r in RATIOS if r[1] in names and r[2] in names]
@@ -269,12 +284,9 @@ def format_table(rows: list[Row], columns: list[Column], fig: Figures) -> str:
     lines = [head, "-" * len(head)]
     unit = {"gbps": "GB/s", "ops_per_s": "obj/s", "p50_us": "p50us"}
     for row in rows:
-        if row.api == "copy":
-            continue
         m = row.metric
         vals = "".join(f"{fmt_value(fig.get(n, row), m):>{w}}" for n, w in zip(names, width))
-        rats = "".join(f"{_fmt_ratio(ratio(fig.get(a, row), fig.get(b, row))):>12}"
-                       for _, a, b in ratios)
+        rats = "".join(f"{_fmt_ratio(fig.ratio(a, b, row)):>12}" for _, a, b in ratios)
         lines.append(f"{row.label:<24}{unit[m]:<6}{vals}{rats}")
     return "\n".join(lines)
 
@@ -315,19 +327,16 @@ def verdicts(rows: list[Row], fig: Figures, memory: dict[str, dict]) -> list[Ver
                        "mooncake x-proc", 1.0),
                       ("TCP >=1MiB: kvpool tcp / tcp-stream >= 0.8", "kvpool tcp", "tcp-stream", 0.8))
             for name, a, b, th in checks:
-                out.append(Verdict(name, row.label, ratio(fig.get(a, row, "gbps"),
-                                                          fig.get(b, row, "gbps")), th))
+                out.append(Verdict(name, row.label, fig.ratio(a, b, row, "gbps"), th))
         if row.size == 4 * _KIB and row.api in ("bytes", "zero_copy") and row.op == "get":
             for col in ("kvpool shm", "kvpool tcp"):
                 out.append(Verdict(f"4KiB get p50: {col} / mooncake x-proc <= 1.2", row.label,
-                                   ratio(fig.get(col, row, "p50_us"),
-                                         fig.get("mooncake x-proc", row, "p50_us")),
+                                   fig.ratio(col, "mooncake x-proc", row, "p50_us"),
                                    1.2, higher_is_better=False))
         if row.size == 4 * _KIB and row.api == "batch" and row.batch == 128:
             for col in ("kvpool shm", "kvpool tcp"):
                 out.append(Verdict(f"128x4KiB batch obj/s: {col} / mooncake x-proc >= 1.0",
-                                   row.label, ratio(fig.get(col, row, "ops_per_s"),
-                                                    fig.get("mooncake x-proc", row, "ops_per_s")),
+                                   row.label, fig.ratio(col, "mooncake x-proc", row, "ops_per_s"),
                                    1.0))
     for name, mem in memory.items():
         if "node_peak_rss_bytes" in mem:
@@ -376,7 +385,7 @@ def build_panels(rows: list[Row], columns: list[Column], fig: Figures) -> list:
               lambda r: r.size < 64 * _KIB and r.api == "batch"))
     panels = []
     for title, metric, keep in specs:
-        chosen = [r for r in rows if r.api != "copy" and keep(r)]
+        chosen = [r for r in rows if keep(r)]
         series = {n: [fig.get(n, r, metric) for r in chosen] for n in names}
         series = {n: v for n, v in series.items() if any(x is not None for x in v)}
         panels.append(Panel(title, [r.label.strip() for r in chosen], series,
@@ -487,6 +496,9 @@ def run(args) -> int:
                     for c, w in zip(columns, workers)},
         "cells": [{"column": name, **asdict(row), "metric": row.metric, **asdict(summ)}
                   for (name, row), summ in summaries.items()],
+        "ratios": [{"ratio": label, "kvpool": a, "anchor": b, **asdict(row), "metric": row.metric,
+                    "value": fig.ratio(a, b, row)}
+                   for row in rows for label, a, b in RATIOS if fig.ratio(a, b, row) is not None],
         "verdicts": [asdict(v) for v in vs],
     }
     if args.json_path:

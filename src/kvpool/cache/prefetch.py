@@ -1,7 +1,7 @@
 """Prefetch handles: the state of one L3 -> L2 prefetch, readable from any thread.
 
 Completion follows K12: a prefetch is *done* only when its plan exists (how many pages
-L3 holds for the tail, after the cross-rank reduction) and every planned page landed.
+L3 holds for the tail, on this rank) and every planned page landed.
 A plan of zero pages is a real outcome: done at once, with ``planned == 0``.
 """
 

@@ -93,9 +93,9 @@ class PrefixCache:
         l2_layout: "layer_first", "page_first" or "page_first_direct" (see host_pool).
         write_policy: "write_through", "write_through_selective" or "write_back" (L1->L2).
         prefetch: when and how long to prefetch from L3 (PrefetchConfig).
-        reduce_hits: ``f(pages) -> pages`` applied to every hit count and prefetch plan,
-            e.g. the minimum across TP ranks (``ranks.min_across_ranks``); it is called
-            once per match and once per prefetch, so every rank must make the same calls.
+        reduce_hits: ``f(pages) -> pages`` applied to every match's hit count, e.g. the
+            minimum across TP ranks (``ranks.min_across_ranks``); called once per match,
+            on the caller's thread, so every rank must make the same matches in order.
         async_backup: write L3 backups on a background thread (else inside insert).
         backup_queue: backups (one per insert) that may wait; beyond, a backup is dropped
             and counted (the pages stay un-backed-up and are offered again later).
@@ -169,9 +169,10 @@ class PrefixCache:
             n_l3 = self._l3_present(keys[len(nodes):])
         m = Match(len(nodes) + n_l3, self.page_size, [], nodes,
                   keys[len(nodes):len(nodes) + n_l3], toks[len(nodes):len(nodes) + n_l3], locked)
+        # a collective across ranks: called without the lock, the match's pages stay locked
+        agreed = self.reduce_hits(m.num_pages) if self.reduce_hits is not None else m.num_pages
         with self._lock:
-            if self.reduce_hits is not None:
-                self._reduce(m, self.reduce_hits(m.num_pages))
+            self._reduce(m, agreed)
             m.tiers = ["L1" if n.l1 >= 0 else "L2" for n in m.nodes] + ["L3"] * len(m.l3_keys)
             if self.write_policy == "write_through_selective" and self.l2 is not None:
                 self._copy_to_l2([n for n in m.nodes if n.hits >= SELECTIVE_HITS])
@@ -429,7 +430,8 @@ class PrefixCache:
         m._truncate(pages)
 
     def _adopt(self, m: Match, pages: torch.Tensor) -> None:
-        """Put pages just read from L3 into the tree and move ``m``'s lock to its tail."""
+        """Put pages just read from L3 into the tree: they join ``m.nodes`` (so a second
+        load reads them there) and ``m``'s lock moves to the new tail."""
         if not pages.shape[0]:
             return
         n = pages.shape[0]
@@ -437,11 +439,14 @@ class PrefixCache:
             start = m.locked or self.tree.root
             added = self._extend(start, m.l3_keys[:n], m.l3_tokens[:n], pages, "L1",
                                  backed_up=True)
-            if added:
-                self.tree.lock(added[-1])
-                if m.locked is not None:
-                    self.tree.unlock(m.locked)
-                m.locked = added[-1]
+            if not added:
+                return
+            self.tree.lock(added[-1])
+            if m.locked is not None:
+                self.tree.unlock(m.locked)
+            m.locked = added[-1]
+            m.nodes = m.nodes + added
+            m.l3_keys, m.l3_tokens = m.l3_keys[len(added):], m.l3_tokens[len(added):]
 
     # -- internals: L3 ----------------------------------------------------------------
     def _l3_present(self, keys: list[bytes]) -> int:
@@ -534,9 +539,9 @@ class PrefixCache:
             return
         outcome = "failed"
         try:
+            # per rank: the cross-rank minimum is taken by the match that uses these pages
+            # (a collective from this thread could interleave with the engine thread's)
             planned = self.store.present(h.keys)
-            if self.reduce_hits is not None:
-                planned = min(planned, self.reduce_hits(planned))
             self.metrics.inc("prefetch_pages_planned", planned)
             h.set_plan(planned)
             outcome = self._land(h, planned)

@@ -3,8 +3,8 @@
 Each TP rank caches its own head slice under its own namespace, so one rank may hold a
 page that another evicted. A prefix is usable only if every rank has it: the cache
 applies a reduction (the minimum over ranks, as SGLang HiCache all-reduces its storage
-hit count) to every hit count and prefetch plan. It is a collective: every rank must make
-the same calls in the same order.
+hit count) to every match's hit count. It is a collective: every rank must make the
+same matches in the same order, from one thread.
 """
 
 from __future__ import annotations

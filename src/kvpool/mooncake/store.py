@@ -39,19 +39,26 @@ INVALID = int(ErrorCode.INVALID_PARAMS)
 HC_HEALTHY, HC_NOT_INITIALIZED, HC_MASTER_UNREACHABLE = 0, 1, 2  # Mooncake's health_check codes
 
 
-def _key_ok(key) -> bool:
-    """False for an empty or over-long key; TypeError for a non-str, as pybind raises."""
-    if not isinstance(key, str):
+def _key(key) -> str | None:
+    """``key`` as a kvpool key (str). Bytes are decoded as UTF-8, since pybind passes
+    them through as std::string; None for an empty, over-long or undecodable key;
+    TypeError for any other type, as pybind raises."""
+    if isinstance(key, (bytes, bytearray)):
+        try:
+            key = bytes(key).decode("utf-8")
+        except UnicodeDecodeError:
+            return None
+    elif not isinstance(key, str):
         raise TypeError(f"key must be str, not {type(key).__name__}")
     try:
         check_key(key)
     except InvalidParams:
-        return False
-    return True
+        return None
+    return key
 
 
-def _check_keys(keys) -> list[bool]:
-    return [_key_ok(k) for k in keys]
+def _keys(keys) -> list[str | None]:
+    return [_key(k) for k in keys]
 
 
 def _value_view(value) -> memoryview | None:
@@ -129,6 +136,8 @@ class MooncakeDistributedStore:
         Returns -600 for bad parameters, -900 when the master cannot be reached.
         """
         as_dict = config if config is not None else local_hostname if isinstance(local_hostname, dict) else None
+        if as_dict is not None and not isinstance(as_dict, dict):
+            raise TypeError(f"config must be a dict, not {type(as_dict).__name__}")
         try:
             if as_dict is not None:
                 args = setup_args.from_dict(as_dict)
@@ -149,6 +158,9 @@ class MooncakeDistributedStore:
         except KVPoolError as exc:
             log.error("setup failed: %s", exc)
             return int(exc.code)
+        except OSError as exc:  # the segment's shared memory could not be created
+            log.error("setup failed: %s", exc)
+            return int(ErrorCode.INTERNAL_ERROR)
         self._client, self._args = client, args
         self._finalizer = weakref.finalize(self, client.close)  # unmount at exit if not closed
         return OK
@@ -217,7 +229,8 @@ class MooncakeDistributedStore:
 
     def _put_view(self, key, src: memoryview | None, config, upsert: bool) -> int:
         client = self._client
-        if client is None or not _key_ok(key) or src is None:
+        key = _key(key)
+        if client is None or key is None or src is None:
             return INVALID
         try:
             n, pins, preferred = self._put_options(client, config)
@@ -237,7 +250,8 @@ class MooncakeDistributedStore:
         if client is None:
             return [INVALID] * len(keys)
         codes = [INVALID] * len(keys)
-        sent = [i for i, ok in enumerate(_check_keys(keys)) if ok and srcs[i] is not None]
+        keys = _keys(keys)
+        sent = [i for i, k in enumerate(keys) if k is not None and srcs[i] is not None]
         if not sent:
             return codes
         try:
@@ -319,7 +333,8 @@ class MooncakeDistributedStore:
     def get(self, key: str) -> bytes:
         """The value, or b'' on a miss or any failure (Mooncake's convention)."""
         client = self._client
-        if client is None or not _key_ok(key):
+        key = _key(key)
+        if client is None or key is None:
             return b""
         try:
             return client.get(key)
@@ -328,9 +343,9 @@ class MooncakeDistributedStore:
 
     def get_batch(self, keys: Sequence[str]) -> list[bytes]:
         """One value per key; b'' for each miss."""
-        client, ok = self._client, _check_keys(keys)
+        client, keys = self._client, _keys(keys)
         out = [b""] * len(keys)
-        idx = [i for i, good in enumerate(ok) if good]
+        idx = [i for i, k in enumerate(keys) if k is not None]
         if client is None or not idx:
             return out
         try:
@@ -344,7 +359,8 @@ class MooncakeDistributedStore:
     def get_buffer(self, key: str) -> BufferHandle | None:
         """The value as a :class:`BufferHandle` (buffer protocol, ptr(), size()); None on a miss."""
         client = self._client
-        if client is None or not _key_ok(key):
+        key = _key(key)
+        if client is None or key is None:
             return None
         try:
             handle = client.query(key)
@@ -356,9 +372,9 @@ class MooncakeDistributedStore:
 
     def batch_get_buffer(self, keys: Sequence[str]) -> list[BufferHandle | None]:
         """One BufferHandle per key; None for each miss."""
-        client, ok = self._client, _check_keys(keys)
+        client, keys = self._client, _keys(keys)
         out: list[BufferHandle | None] = [None] * len(keys)
-        idx = [i for i, good in enumerate(ok) if good]
+        idx = [i for i, k in enumerate(keys) if k is not None]
         if client is None or not idx:
             return out
         try:
@@ -378,7 +394,8 @@ class MooncakeDistributedStore:
         expired before the copy finished; the buffer content is then undefined)."""
         client = self._client
         view = self._buffers.view(_int("buffer_ptr", buffer_ptr), _int("size", size))
-        if client is None or not _key_ok(key) or view is None:
+        key = _key(key)
+        if client is None or key is None or view is None:
             return INVALID
         try:
             return client.get_into(key, view)
@@ -392,9 +409,9 @@ class MooncakeDistributedStore:
         client = self._client
         if client is None or not len(keys) == len(buffer_ptrs) == len(sizes):
             return [INVALID] * len(keys)
-        views, ok = self._registered_views(buffer_ptrs, sizes), _check_keys(keys)
+        views, keys = self._registered_views(buffer_ptrs, sizes), _keys(keys)
         out = [INVALID] * len(keys)
-        idx = [i for i in range(len(keys)) if ok[i] and views[i] is not None]
+        idx = [i for i in range(len(keys)) if keys[i] is not None and views[i] is not None]
         if not idx:
             return out
         try:
@@ -429,7 +446,7 @@ class MooncakeDistributedStore:
                 if not len(dsts) == len(srcs) == len(sizes):
                     row.append([INVALID] * len(dsts))
                     continue
-                value = values.get(key, INVALID)
+                value = values.get(_key(key), INVALID)
                 row.append([self._copy_range(_int("buffer_ptr", ptr), value, d, s, m)
                             for d, s, m in zip(dsts, srcs, sizes)])
             out.append(row)
@@ -438,7 +455,7 @@ class MooncakeDistributedStore:
     @staticmethod
     def _read_whole(client: Client, keys: set) -> dict[str, bytes | int]:
         """{key: value bytes or negative code} for every well-formed key."""
-        wanted = sorted(k for k in keys if _key_ok(k))
+        wanted = sorted({k for k in _keys(keys) if k is not None})
         if not wanted:
             return {}
         try:
@@ -472,7 +489,8 @@ class MooncakeDistributedStore:
     def is_exist(self, key: str) -> int:
         """1 if readable now, 0 if not, negative on error (grants a read lease)."""
         client = self._client
-        if client is None or not _key_ok(key):
+        key = _key(key)
+        if client is None or key is None:
             return INVALID
         try:
             return int(client.is_exist(key))
@@ -481,9 +499,9 @@ class MooncakeDistributedStore:
 
     def batch_is_exist(self, keys: Sequence[str]) -> list[int]:
         """1 / 0 / negative code per key."""
-        client, ok = self._client, _check_keys(keys)
+        client, keys = self._client, _keys(keys)
         out = [INVALID] * len(keys)
-        idx = [i for i, good in enumerate(ok) if good]
+        idx = [i for i, k in enumerate(keys) if k is not None]
         if client is None or not idx:
             return out
         try:
@@ -497,7 +515,8 @@ class MooncakeDistributedStore:
     def get_size(self, key: str) -> int:
         """Value size in bytes, or a negative code (-704 miss). Grants a read lease."""
         client = self._client
-        if client is None or not _key_ok(key):
+        key = _key(key)
+        if client is None or key is None:
             return INVALID
         try:
             return client.get_size(key)
@@ -507,7 +526,8 @@ class MooncakeDistributedStore:
     def get_replica_desc(self, key: str) -> list[ReplicaDescriptor]:
         """Descriptors of the COMPLETE replicas of ``key``; [] on a miss. Grants a lease."""
         client = self._client
-        if client is None or not _key_ok(key):
+        key = _key(key)
+        if client is None or key is None:
             return []
         try:
             return [_descriptor(d) for d in client.query(key).replicas]
@@ -516,8 +536,8 @@ class MooncakeDistributedStore:
 
     def batch_get_replica_desc(self, keys: Sequence[str]) -> dict[str, list[ReplicaDescriptor]]:
         """{key: descriptors} for the keys found (missing keys are left out, as in Mooncake)."""
-        client, ok = self._client, _check_keys(keys)
-        wanted = [k for k, good in zip(keys, ok) if good]
+        client, keys = self._client, _keys(keys)
+        wanted = [k for k in keys if k is not None]
         if client is None or not wanted:
             return {}
         try:
@@ -531,7 +551,8 @@ class MooncakeDistributedStore:
     def remove(self, key: str, force: bool = False) -> int:
         """0, -704 (miss) or -706 (read lease held; ``force=True`` removes anyway)."""
         client = self._client
-        if client is None or not _key_ok(key):
+        key = _key(key)
+        if client is None or key is None:
             return INVALID
         try:
             client.remove(key, force=bool(force))
@@ -541,9 +562,9 @@ class MooncakeDistributedStore:
 
     def batch_remove(self, keys: Sequence[str], force: bool = False) -> list[int]:
         """One code per key (0, -704, -706, -600)."""
-        client, ok = self._client, _check_keys(keys)
+        client, keys = self._client, _keys(keys)
         out = [INVALID] * len(keys)
-        idx = [i for i, good in enumerate(ok) if good]
+        idx = [i for i, k in enumerate(keys) if k is not None]
         if client is None or not idx:
             return out
         try:

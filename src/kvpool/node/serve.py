@@ -17,6 +17,8 @@ OPTIONS = [
     Option("port", 50051, int, "master control port (0 = any free port)", env="MASTER_PORT"),
     Option("segment-size", "1GiB", parse_size, "the node's shared-memory segment size"),
     Option("default-kv-lease-ttl", 10_000, int, "read lease granted by get/exist, ms"),
+    Option("http-port", None, int, "master admin HTTP port, /health /metrics ... (0 = a free port; unset = none)",
+           env="MASTER_HTTP_PORT"),
 ]
 
 
@@ -34,8 +36,11 @@ def run(args) -> int:
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: stop.set())
     with Cluster(segment_size=values["segment_size"], lease_ttl_ms=values["default_kv_lease_ttl"],
-                 master_port=values["port"]) as cluster:
+                 master_port=values["port"],
+                 extra_master_args=() if values["http_port"] is None else ("--http-port", values["http_port"])) as cluster:
         print(f"kvpool master: {cluster.master_addr}", flush=True)
+        if cluster.master.info.get("http_addr"):
+            print(f"kvpool admin:  http://{cluster.master.info['http_addr']}/metrics", flush=True)
         for info in cluster.nodes:
             print(f"kvpool node:   {info['addr']} (segment {info['segment']}, "
                   f"{values['segment_size']} bytes)", flush=True)
