@@ -181,3 +181,14 @@ def test_ratios_pair_repeats_and_verdicts_follow_them():
     vs = {v.target: v for v in verdicts([], fig, memory)}
     assert vs["node peak RSS <= segment + 100 MiB (MiB)"].met is False
     assert vs["client without segment, own RSS beyond python+numpy <= 150 MiB"].met is True
+
+
+def test_a_benchmark_module_not_in_the_build_is_a_clear_error():
+    from kvpool.bench import cli as bench_cli
+    from kvpool.errors import UserError
+
+    parser = bench_cli._LazyParser(prog="kvpool bench nope", module="kvpool.bench.no_such_bench")
+    args = parser.parse_args(["--anything", "x"])
+    args.bench = "nope"
+    with pytest.raises(UserError, match="not in this build"):
+        bench_cli.run(args)

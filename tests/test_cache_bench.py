@@ -81,3 +81,20 @@ def test_load_trace_limit(tmp_path):
     trace = tmp_path / "t.jsonl"
     write_trace(trace)
     assert len(load_trace(str(trace), limit=7)) == 7
+
+
+def test_engine_sweep_on_a_tiny_model_reports_reuse_per_tier(tmp_path):
+    out = tmp_path / "e.json"
+    rc = main(["bench", "cache", "--engine", "--model", "tiny-random", "--sessions", "2",
+               "--turns", "3", "--prefix-tokens", "64", "--turn-tokens", "32",
+               "--new-tokens", "2", "--repeats", "1", "--json", str(out), "--plot", str(tmp_path / "e.png"),
+               "--no-progress"])
+    assert rc == 0
+    rows = {r["name"]: r for r in json.loads(out.read_text())["configs"]}
+    assert rows["no cache"]["token_hit_rate"] == 0
+    roomy = rows["L1 roomy"]["token_hit_rate"]
+    assert roomy > 0 and rows["L1 small"]["token_hit_rate"] < roomy
+    # an L2 as large as the working set gets back what the small L1 lost
+    for policy in ("write_through", "write_back"):
+        row = rows[f"L1 small + L2 {policy}"]
+        assert row["token_hit_rate"] == roomy and row["reused_by_tier"].get("L2", 0) > 0

@@ -103,3 +103,16 @@ def test_an_existing_object_counts_as_stored(store):
     assert store.put(["kvp/x"], [b"abc"]) == [True]
     assert store.exists(["kvp/x", "kvp/y"]) == [True, False]
     assert store.get(["kvp/x", "kvp/y"]) == [b"abc", None]
+
+
+def test_prefetch_from_the_store_lands_in_l2_byte_exact(store):
+    from kvpool.cache import PrefetchConfig
+    tokens = list(range(8 * PAGE))
+    make(store).insert(tokens, kv(8))
+    with PrefixCache(NS, SHAPE, l1_pages=16, l2_pages=16, l3=store,
+                     prefetch=PrefetchConfig(threshold_tokens=PAGE, policy="wait_complete")) as cache:
+        h = cache.prefetch(tokens)
+        m = cache.match(tokens, prefetch=h)
+        assert h.done() and h.planned == 8 and m.tiers == ["L2"] * 8
+        assert torch.equal(cache.load(m), kv(8))
+        cache.release(m)

@@ -79,3 +79,27 @@ def test_generate_cli_answers_a_prompt(tmp_path):
     result = json.loads(proc.stdout)
     assert len(result["output_ids"]) == 3
     assert result["reused_tokens"] == 0
+
+
+RACER = """
+import os, sys, time
+from pathlib import Path
+from kvpool.engine.models import write_folder_atomically
+
+def write(tmp):
+    (tmp / "weights").write_text(str(os.getpid()))
+    time.sleep(0.5)  # both processes are inside the conversion at the same time
+    (tmp / "config").write_text(str(os.getpid()))
+
+write_folder_atomically(Path(sys.argv[1]), "fp123", write)
+"""
+
+
+def test_two_processes_converting_at_once_leave_one_complete_folder(tmp_path):
+    target = tmp_path / "models" / "m-fp123"
+    racers = [subprocess.Popen([sys.executable, "-c", RACER, str(target)]) for _ in range(2)]
+    assert [p.wait(timeout=60) for p in racers] == [0, 0]
+    # one writer's complete folder, nothing mixed, no temporary folder left behind
+    assert (target / "weights").read_text() == (target / "config").read_text()
+    assert (target / "kvpool_fingerprint.txt").read_text().strip() == "fp123"
+    assert sorted(p.name for p in target.parent.iterdir()) == ["m-fp123"]

@@ -35,7 +35,7 @@ def test_measure_writes_table_json_and_png(engine_ready, tmp_path, capsys):
     out = tmp_path / "measure"
     rc = main(["plan", "prefill", str(config), "--prompt", "128", "--measure",
                "--model", "tiny-random", "--kv-dtype", "fp32", "--repeats", "1",
-               "--threads", "1", "--out", str(out)])
+               "--threads", "1", "--clock", "cpu", "--out", str(out)])
     assert rc == 0
     text = capsys.readouterr().out
     assert "| 90% |" in text and "predicted TTFT ms" in text
@@ -43,8 +43,17 @@ def test_measure_writes_table_json_and_png(engine_ready, tmp_path, capsys):
     assert [r["hit"] for r in result["rows"]] == [0.0, 0.25, 0.5, 0.75, 0.9]
     assert [r["cached"] for r in result["rows"]] == [0, 32, 64, 96, 112]
     assert all(r["predicted_ms"] > 0 and r["measured_ms"] > 0 for r in result["rows"])
-    assert result["threads"] == 1
+    assert result["threads"] == 1 and result["clock"] == "cpu"
     assert out.with_suffix(".png").read_bytes()[:4] == b"\x89PNG"
+
+
+def test_cpu_clock_needs_one_thread(engine_ready, tmp_path, capsys):
+    config = tmp_path / "tiny.json"
+    config.write_text(json.dumps(TINY_CONFIG))
+    rc = main(["plan", "prefill", str(config), "--prompt", "64", "--measure",
+               "--model", "tiny-random", "--threads", "2", "--clock", "cpu"])
+    assert rc == 2
+    assert "--threads 1" in capsys.readouterr().err
 
 
 def test_measure_refuses_a_config_of_another_model(engine_ready, capsys):

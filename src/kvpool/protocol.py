@@ -191,10 +191,18 @@ class GetStats(_Msg):
     pass
 
 
-# data plane (to a node's TCP server); payload bytes follow DataWrite raw
+# data plane (to a node's TCP server); payload bytes follow DataWrite / DataWriteMany raw
 class DataWrite(_Msg):
     offset: int
     length: int
+
+
+class DataWriteMany(_Msg):
+    """Write ``lengths[i]`` bytes at ``offsets[i]``; the payload is their concatenation.
+    Reply: DataResp(code, total bytes written)."""
+
+    offsets: list[int]
+    lengths: list[int]
 
 
 class DataRead(_Msg):
@@ -301,7 +309,7 @@ Reply = Union[
     Resp, ErrorResp, MountResp, PutStartResp, BatchPutStartResp, GetResp, BatchGetResp,
     CodesResp, CountResp, StatsResp,
 ]
-DataRequest = Union[DataWrite, DataRead]
+DataRequest = Union[DataWrite, DataWriteMany, DataRead]
 
 _encoder = msgspec.msgpack.Encoder()
 request_decoder = msgspec.msgpack.Decoder(Request)

@@ -125,7 +125,7 @@ def client_memory(master_addr: str, force_tcp: bool) -> dict:
     out = subprocess.run([sys.executable, "-c", _PROBE, master_addr, "1" if force_tcp else "0"],
                          capture_output=True, text=True, timeout=120)
     if out.returncode != 0:
-        return {"client_probe_error": out.stderr.strip().splitlines()[-1:]}
+        return {"client_probe_error": out.stderr.strip().splitlines()[-3:]}
     m = json.loads(out.stdout.strip().splitlines()[-1])
     return {"client_own_bytes": m["own"], "client_rss_bytes": m["rss"],
             "client_peak_bytes": m["peak"], "client_shmem_bytes": m["shmem"]}

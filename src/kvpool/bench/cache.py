@@ -16,6 +16,9 @@ Reported (token hit rate = matched prompt tokens / all prompt tokens):
   instance caching the longest prefix if it covers at least half of the prompt, else to
   the least loaded), and the same with load-only routing, against one pooled cache of N*C;
 - the paper's claims (section 5.2.1 / 5.3.1), each with the replay's numbers.
+
+``--engine`` instead runs the reference engine (a real model, CPU) on multi-turn
+sessions of token ids and sweeps L1/L2 sizes and write policies: TTFT and reuse per tier.
 """
 
 from __future__ import annotations
@@ -28,6 +31,7 @@ import os
 import sys
 import time
 from collections.abc import Sequence
+from pathlib import Path
 
 import numpy as np
 import torch
@@ -38,7 +42,7 @@ from kvpool.errors import UserError
 HELP = "prefix cache trace replay: token hit rate vs pooled capacity, local vs global caches"
 
 BLOCK_TOKENS = 512  # the Mooncake traces' block size
-DEFAULT_TRACE = "/work/shared/traces/conversation_trace.jsonl"
+TRACE_NAME = "conversation_trace.jsonl"
 DEFAULT_CAPACITIES = "1e5,3e5,1e6,3e6,1e7,3e7,5e7,1e8"
 DEFAULT_LOCAL = "1e5,3e5,1e6,3e6,1e7"
 AFFINITY_THRESHOLD = 0.5  # share of a prompt's blocks cached on an instance to follow it
@@ -71,6 +75,18 @@ class ReplayResult:
 
 
 # -- trace ------------------------------------------------------------------------------
+def default_trace() -> str:
+    """``$KVPOOL_TRACE``, else the conversation trace in the ``shared/traces`` folder that
+    sits beside the repository (as on developer machines and in CI)."""
+    from kvpool.config import env
+
+    chosen = env("trace")
+    if chosen:
+        return chosen
+    repo = Path(__file__).resolve().parents[3]
+    return str(repo.parent / "shared" / "traces" / TRACE_NAME)
+
+
 def load_trace(path: str, limit: int | None = None) -> list[TraceRequest]:
     """Read a Mooncake trace (JSON lines). Raises UserError for a missing file or bad line."""
     if not os.path.isfile(path):
@@ -214,10 +230,125 @@ def check_claims(sweep: list[ReplayResult], infinite: ReplayResult,
     return claims
 
 
+# -- model-based sweep (reference engine) ------------------------------------------------
+@dataclasses.dataclass(frozen=True)
+class TierConfig:
+    """One cache configuration of the engine sweep (0 L1 pages: no cache at all)."""
+
+    name: str
+    l1_pages: int
+    l2_pages: int = 0
+    write_policy: str = "write_through"
+
+
+def session_prompts(sessions: int, turns: int, prefix_tokens: int, turn_tokens: int,
+                    vocab: int, seed: int = 0) -> list[list[int]]:
+    """Multi-turn sessions as token ids: a shared system prefix, then each turn appends
+    ``turn_tokens`` to its session; turns of all sessions interleave (turn-major)."""
+    rng = np.random.default_rng(seed)
+    system = rng.integers(0, vocab, prefix_tokens).tolist()
+    history = [list(system) for _ in range(sessions)]
+    prompts = []
+    for _ in range(turns):
+        for s in range(sessions):
+            history[s] += rng.integers(0, vocab, turn_tokens).tolist()
+            prompts.append(list(history[s]))
+    return prompts
+
+
+def tier_configs(working_pages: int) -> list[TierConfig]:
+    """Cold, a roomy L1, and a quarter-size L1 alone and with an L2 under each policy."""
+    small = max(2, working_pages // 4)
+    roomy = working_pages + 1
+    return [TierConfig("no cache", 0), TierConfig("L1 roomy", roomy),
+            TierConfig("L1 small", small)] + [
+        TierConfig(f"L1 small + L2 {p}", small, roomy, p)
+        for p in ("write_through", "write_through_selective", "write_back")]
+
+
+def engine_sweep(args) -> dict:
+    """Run the session workload once per TierConfig on the reference engine."""
+    from kvpool.engine.engine import Engine  # lazily: the trace replay needs no model
+
+    engine = Engine(args.model, dtype="float32")
+    vocab = engine.model.get_input_embeddings().num_embeddings
+    prompts = session_prompts(args.sessions, args.turns, args.prefix_tokens,
+                              args.turn_tokens, vocab)
+    working = (args.prefix_tokens + args.sessions * args.turns * args.turn_tokens) // args.page_size
+    engine.generate(prompts[0][:32], max_new_tokens=1, use_cache=False)  # warm the kernels
+    configs = tier_configs(working)
+    progress = _progress(args.repeats * len(configs) * len(prompts), args.no_progress)
+    # repeats outside, configs inside: background load hits every config alike; each
+    # request's TTFT is the minimum over repeats (the least disturbed run)
+    runs = [[_engine_run(engine, cfg, prompts, args, progress) for cfg in configs]
+            for _ in range(args.repeats)]
+    if progress is not None:
+        progress.close()
+    rows = []
+    for i, cfg in enumerate(configs):
+        row = runs[0][i]
+        ttfts = np.min([run[i].pop("ttfts_ms") for run in runs], axis=0)
+        row.update(mean_ttft_ms=float(ttfts.mean()), p50_ttft_ms=float(np.median(ttfts)))
+        rows.append(row)
+    return {"model": engine.loaded.name, "page_size": args.page_size, "requests": len(prompts),
+            "repeats": args.repeats, "working_set_pages": working, "configs": rows}
+
+
+def _engine_run(engine, cfg: TierConfig, prompts: list[list[int]], args, progress) -> dict:
+    cache = None
+    if cfg.l1_pages:
+        cache = PrefixCache(engine.namespace(args.page_size), engine.page_shape(args.page_size),
+                            engine.model.dtype, l1_pages=cfg.l1_pages, l2_pages=cfg.l2_pages,
+                            write_policy=cfg.write_policy)
+    engine.cache = cache
+    ttfts, by_tier, reused, total = [], {}, 0, 0
+    try:
+        for prompt in prompts:
+            r = engine.generate(prompt, max_new_tokens=args.new_tokens, use_cache=cache is not None)
+            ttfts.append(r.ttft_ms)
+            reused += r.reused_tokens
+            total += r.prompt_tokens
+            for tier, n in r.reused_by_tier.items():
+                by_tier[tier] = by_tier.get(tier, 0) + n
+            if progress is not None:
+                progress.update(1)
+        counters = cache.metrics.snapshot() if cache is not None else {}
+    finally:
+        engine.cache = None
+        if cache is not None:
+            cache.close()
+    return {**dataclasses.asdict(cfg), "ttfts_ms": ttfts, "token_hit_rate": reused / total,
+            "reused_by_tier": by_tier, "l2_writes": counters.get("l2_writes", 0),
+            "evictions_l1": counters.get("evictions_l1", 0),
+            "evictions_l2": counters.get("evictions_l2", 0)}
+
+
+def _print_engine(doc: dict) -> None:
+    print(f"engine sweep: {doc['model']}, {doc['requests']} requests, page {doc['page_size']}, "
+          f"working set {doc['working_set_pages']} pages")
+    print(f"{'config':>34} {'L1':>5} {'L2':>5} {'hit':>6} {'mean TTFT':>10} {'p50':>8}  by tier")
+    for r in doc["configs"]:
+        print(f"{r['name']:>34} {r['l1_pages']:>5} {r['l2_pages']:>5} {r['token_hit_rate']:>6.1%} "
+              f"{r['mean_ttft_ms']:>8.1f}ms {r['p50_ttft_ms']:>6.1f}ms  {r['reused_by_tier']}")
+
+
+def _plot_engine(doc: dict, path: str) -> None:
+    from kvpool.bench.plot import Panel, save_panels
+
+    names = [r["name"] for r in doc["configs"]]
+    save_panels(path, [
+        Panel("mean TTFT", names, {"ms": [r["mean_ttft_ms"] for r in doc["configs"]]}, "ms"),
+        Panel("token hit rate", names,
+              {t: [100 * r["reused_by_tier"].get(t, 0) / max(1, sum(r["reused_by_tier"].values()))
+                   * r["token_hit_rate"] for r in doc["configs"]] for t in ("L1", "L2")}, "%"),
+    ], title=f"{doc['model']}: L1/L2 sizes and write policies")
+
+
 # -- CLI --------------------------------------------------------------------------------
 def add_arguments(p) -> None:
-    p.add_argument("--trace", default=DEFAULT_TRACE,
-                   help=f"Mooncake trace, JSON lines (default {DEFAULT_TRACE})")
+    p.add_argument("--trace", default=None,
+                   help="Mooncake trace, JSON lines (default $KVPOOL_TRACE, else "
+                        f"shared/traces/{TRACE_NAME} beside the repository)")
     p.add_argument("--capacities", default=DEFAULT_CAPACITIES,
                    help=f"pooled capacities in tokens (default {DEFAULT_CAPACITIES}); "
                         "infinite is always added")
@@ -231,6 +362,18 @@ def add_arguments(p) -> None:
     p.add_argument("--plot", dest="plot_path", default="cache_trace.png",
                    help="write a PNG plot here (default cache_trace.png; '' for none)")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    g = p.add_argument_group("model-based sweep (--engine)")
+    g.add_argument("--engine", action="store_true",
+                   help="sweep L1/L2 sizes and write policies on the reference engine instead")
+    g.add_argument("--model", default="smollm2", help="engine model (default smollm2)")
+    g.add_argument("--sessions", type=int, default=4, help="concurrent sessions (default 4)")
+    g.add_argument("--turns", type=int, default=3, help="turns per session (default 3)")
+    g.add_argument("--prefix-tokens", type=int, default=128, help="shared system prefix")
+    g.add_argument("--turn-tokens", type=int, default=48, help="tokens each turn appends")
+    g.add_argument("--new-tokens", type=int, default=4, help="tokens generated per request")
+    g.add_argument("--page-size", type=int, default=16, help="tokens per page")
+    g.add_argument("--repeats", type=int, default=2,
+                   help="runs of the whole sweep; TTFT per request is the minimum (default 2)")
 
 
 def _capacities(text: str, what: str) -> list[int]:
@@ -245,11 +388,14 @@ def _capacities(text: str, what: str) -> list[int]:
 
 def run(args) -> int:
     torch.set_num_threads(1)
+    if args.engine:
+        return _run_engine(args)
     capacities = _capacities(args.capacities, "--capacities")
     local_caps = _capacities(args.local_capacities, "--local-capacities")
     if args.instances < 1:
         raise UserError("--instances must be >= 1")
     started = time.monotonic()
+    args.trace = args.trace or default_trace()
     requests = load_trace(args.trace, args.limit)
     builder = ChainBuilder()
     chains = [builder.chain(r) for r in requests]
@@ -293,6 +439,23 @@ def run(args) -> int:
             json.dump(doc, f, indent=1)
     if args.plot_path:
         _plot(doc, args.plot_path)
+    return 0
+
+
+def _run_engine(args) -> int:
+    if min(args.sessions, args.turns, args.turn_tokens, args.new_tokens, args.page_size,
+           args.repeats) < 1 or args.prefix_tokens < 0:
+        raise UserError("--sessions, --turns, --turn-tokens, --new-tokens, --page-size and "
+                        "--repeats must be >= 1")
+    started = time.monotonic()
+    doc = engine_sweep(args)
+    doc["elapsed_s"] = round(time.monotonic() - started, 1)
+    _print_engine(doc)
+    if args.json_path:
+        with open(args.json_path, "w") as f:
+            json.dump(doc, f, indent=1)
+    if args.plot_path:
+        _plot_engine(doc, args.plot_path)
     return 0
 
 

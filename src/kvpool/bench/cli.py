@@ -1,49 +1,63 @@
-"""``kvpool bench``: one subcommand per benchmark module.
+"""``kvpool bench``: one subcommand per benchmark module, imported only when chosen.
 
-``store`` lives in :mod:`kvpool.bench.store`; ``cache`` in :mod:`kvpool.bench.cache`
-(loaded only when used, so a missing or broken cache benchmark never blocks ``store``).
+``store`` lives in :mod:`kvpool.bench.store`, ``cache`` in :mod:`kvpool.bench.cache`
+(which loads torch). Each subcommand's parser imports its module and adds the module's
+options the first time it parses, so ``kvpool bench store`` never pays for, or breaks
+on, the cache benchmark's imports, and ``kvpool bench cache --help`` shows its options.
 """
 
 from __future__ import annotations
 
+import argparse
 import importlib
 
 from kvpool.errors import UserError
 
 HELP = "benchmarks: store (data path vs Mooncake/Redis/limits), cache (prefix cache)"
 
-SUBCOMMANDS = {
-    "store": ("kvpool.bench.store", "data path vs Mooncake Store, Redis and the machine's limits"),
-    "cache": ("kvpool.bench.cache", "tiered prefix cache: TTFT and hit rates"),
+SUBCOMMANDS = {  # name -> (module with HELP / add_arguments / run, one-line help)
+    "store": ("kvpool.bench.store",
+              "the store's data path against Mooncake, Redis and the machine's limits"),
+    "cache": ("kvpool.bench.cache", "the tiered prefix cache: hit rates and TTFT"),
 }
 
 
-def _load(module: str):
-    try:
-        return importlib.import_module(module)
-    except ModuleNotFoundError as exc:
-        if exc.name != module:
-            raise
-        return None
+class _LazyParser(argparse.ArgumentParser):
+    """A subcommand parser whose options come from ``module``, imported on first parse."""
+
+    def __init__(self, *args, module: str | None = None, **kwargs):
+        super().__init__(*args, **kwargs)
+        self._module = module
+
+    def parse_known_args(self, args=None, namespace=None):
+        if self._module:
+            module, self._module = self._module, None
+            self._load(module)
+        if self.get_default("_bench_missing"):
+            args = []  # options of a module that is not there: run() explains, once
+        return super().parse_known_args(args, namespace)
+
+    def _load(self, module: str) -> None:
+        try:
+            mod = importlib.import_module(module)
+        except ModuleNotFoundError as exc:
+            why = "it is not in this build" if exc.name == module else f"needs {exc.name!r}"
+            self.set_defaults(_bench_missing=f"{module}: {why}")
+            return
+        self.description = getattr(mod, "HELP", self.description)
+        mod.add_arguments(self)
+        self.set_defaults(_bench_run=mod.run)
 
 
 def add_arguments(parser) -> None:
-    sub = parser.add_subparsers(dest="bench", metavar="BENCHMARK")
+    sub = parser.add_subparsers(dest="bench", metavar="BENCHMARK", parser_class=_LazyParser)
     for name, (module, help_text) in SUBCOMMANDS.items():
-        mod = _load(module)
-        p = sub.add_parser(name, help=getattr(mod, "HELP", help_text),
-                           description=getattr(mod, "HELP", help_text))
-        if mod is None:
-            p.set_defaults(_bench_missing=module)
-            continue
-        mod.add_arguments(p)
-        p.set_defaults(_bench_run=mod.run)
+        sub.add_parser(name, help=help_text, description=help_text, module=module)
 
 
 def run(args) -> int:
     if getattr(args, "_bench_missing", None):
-        raise UserError(f"benchmark {args.bench!r} is not available yet "
-                        f"(module {args._bench_missing} is not installed in this build)")
+        raise UserError(f"benchmark {args.bench!r} is not available ({args._bench_missing})")
     if not getattr(args, "_bench_run", None):
         raise UserError("choose a benchmark: kvpool bench store | kvpool bench cache "
                         "(see kvpool bench --help)")

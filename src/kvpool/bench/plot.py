@@ -31,7 +31,7 @@ def save_panels(path: str, panels: list[Panel], title: str = "") -> str:
     import matplotlib.pyplot as plt
 
     panels = [p for p in panels if p.labels] or [Panel("no data", ["-"], {})]
-    fig, axes = plt.subplots(len(panels), 1, figsize=(12, 3.6 * len(panels)), squeeze=False)
+    fig, axes = plt.subplots(len(panels), 1, figsize=(14, 3.6 * len(panels)), squeeze=False)
     for ax, panel in zip(axes[:, 0], panels):
         _bars(ax, panel)
     if title:
@@ -55,6 +55,6 @@ def _bars(ax, panel: Panel) -> None:
     ax.set_ylabel(panel.ylabel)
     if panel.log and any(v for vals in panel.series.values() for v in vals if v):
         ax.set_yscale("log")
-    if panel.series:
-        ax.legend(fontsize=7, ncol=min(4, n))
+    if panel.series:  # beside the axes, never over the bars
+        ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0))
     ax.grid(axis="y", alpha=0.3)

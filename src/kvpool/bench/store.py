@@ -116,15 +116,21 @@ def plan_rows(sizes: list[int], apis: list[str], ops: list[str], batches: list[i
 def plan_columns(args, log_dir: str) -> list[Column]:
     """The columns this run measures, from the command-line switches."""
     seg = args.segment_size
+
+    def logs(name: str) -> str:  # each cluster's master/node logs in their own folder
+        return os.path.join(log_dir, name.replace(" ", "_"))
+
     cols = [Column("kvpool in-proc", "kvpool.bench.anchors_kvpool:KvpoolTarget",
-                   {"client_segment": seg, "log_dir": log_dir}, kind="kvpool"),
+                   {"client_segment": seg, "log_dir": logs("kvpool in-proc")}, kind="kvpool"),
             Column("kvpool shm", "kvpool.bench.anchors_kvpool:KvpoolTarget",
-                   {"segment_size": seg, "force_tcp": False, "log_dir": log_dir}, kind="kvpool"),
+                   {"segment_size": seg, "force_tcp": False, "log_dir": logs("kvpool shm")},
+                   kind="kvpool"),
             Column("kvpool tcp", "kvpool.bench.anchors_kvpool:KvpoolTarget",
-                   {"segment_size": seg, "force_tcp": True, "log_dir": log_dir}, kind="kvpool")]
+                   {"segment_size": seg, "force_tcp": True, "log_dir": logs("kvpool tcp")},
+                   kind="kvpool")]
     if not args.no_veth:
         cols.append(Column("kvpool veth", "kvpool.bench.anchors_kvpool:VethKvpoolTarget",
-                           {"segment_size": seg, "log_dir": log_dir}, kind="kvpool"))
+                           {"segment_size": seg, "log_dir": logs("kvpool veth")}, kind="kvpool"))
     if not args.no_mooncake:
         prefix, _ = private_netns_prefix()
         for layout, name in (("in_process", "mooncake in-proc"), ("cross_process", "mooncake x-proc")):
@@ -388,8 +394,9 @@ def build_panels(rows: list[Row], columns: list[Column], fig: Figures) -> list:
         chosen = [r for r in rows if keep(r)]
         series = {n: [fig.get(n, r, metric) for r in chosen] for n in names}
         series = {n: v for n, v in series.items() if any(x is not None for x in v)}
-        panels.append(Panel(title, [r.label.strip() for r in chosen], series,
-                            ylabel=metric, log=metric != "p50_us"))
+        panels.append(Panel(title, [" ".join(r.label.split()) for r in chosen], series,
+                            ylabel={"gbps": "GB/s", "p50_us": "p50 µs"}.get(metric, "objects/s"),
+                            log=metric != "p50_us"))
     return panels
 
 

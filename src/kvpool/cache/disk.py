@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import hashlib
 import os
+import threading
 import urllib.parse
 from collections import OrderedDict
 from collections.abc import Sequence
@@ -40,6 +41,7 @@ class DiskBackend:
         self.used_bytes = 0
         self.evictions = 0
         self._lru: OrderedDict[Path, int] = OrderedDict()  # file -> size, oldest first
+        self._lock = threading.Lock()  # the cache's writer and prefetch threads share us
         self._scan()
 
     def exists(self, keys: Sequence[str]) -> list[bool]:
@@ -90,22 +92,28 @@ class DiskBackend:
 
     def _used(self, path: Path, size: int) -> None:
         """Count ``path`` (once) and make it the most recently used."""
-        if path not in self._lru:
-            self._lru[path] = size
-            self.used_bytes += size
-        self._lru.move_to_end(path)
+        with self._lock:
+            if path not in self._lru:
+                self._lru[path] = size
+                self.used_bytes += size
+            self._lru.move_to_end(path)
 
     def _forget(self, path: Path) -> None:
-        size = self._lru.pop(path, None)
-        if size is not None:
-            self.used_bytes -= size
+        with self._lock:
+            size = self._lru.pop(path, None)
+            if size is not None:
+                self.used_bytes -= size
 
     def _shrink(self) -> None:
-        while self.used_bytes > self.max_bytes and self._lru:
-            path, size = self._lru.popitem(last=False)
+        """Delete least recently used files until the budget holds."""
+        while True:
+            with self._lock:
+                if self.used_bytes <= self.max_bytes or not self._lru:
+                    return
+                path, size = self._lru.popitem(last=False)
+                self.used_bytes -= size
+                self.evictions += 1
             path.unlink(missing_ok=True)
-            self.used_bytes -= size
-            self.evictions += 1
 
     def _scan(self) -> None:
         found = []

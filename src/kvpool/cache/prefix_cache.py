@@ -314,7 +314,7 @@ class PrefixCache:
     def _extend(self, start: Node, keys: list[bytes], toks: list[bytes],
                 pages: torch.Tensor, tier: str, backed_up: bool) -> list[Node]:
         """Make ``keys`` (a chain below ``start``) present in the tree; new pages go to
-        ``tier``, and to L2 as well under write_through.
+        ``tier`` (what L1 cannot take, to L2), and to L2 as well under write_through.
 
         ``pages[i]`` is the KV of ``keys[i]``. Slots are allocated before any node is
         added, with the existing path locked, so eviction never takes a page of this
@@ -330,18 +330,16 @@ class PrefixCache:
         tail = nodes[-1] if nodes else start
         self.tree.lock(tail)
         try:
-            slots = []
-            for _ in range(len(keys) - len(nodes)):
-                slot = self._alloc(tier)
-                if slot is None:
-                    self.metrics.inc(f"{tier.lower()}_full")
-                    break
-                slots.append(slot)
+            placed = self._place(tier, len(keys) - len(nodes))
             first = len(nodes)
-            self._write(tier, slots, pages[first:first + len(slots)])
+            for where in ("L1", "L2"):
+                idx = [i for i, (t, _) in enumerate(placed) if t == where]
+                if idx:
+                    self._write(where, [placed[i][1] for i in idx],
+                                pages[[first + i for i in idx]])
             node = tail
-            for i, slot in enumerate(slots, start=first):
-                node = self.tree.add(node, keys[i], toks[i], tier, slot)
+            for i, (where, slot) in enumerate(placed, start=first):
+                node = self.tree.add(node, keys[i], toks[i], where, slot)
                 node.backed_up = backed_up
                 nodes.append(node)
             if self.write_policy == "write_through" and self.l2 is not None and nodes:
@@ -351,6 +349,25 @@ class PrefixCache:
         finally:
             self.tree.unlock(tail)
         return nodes
+
+    def _place(self, tier: str, n: int) -> list[tuple[str, int]]:
+        """Up to ``n`` (tier, slot) places for new pages, in chain order: ``tier`` first;
+        pages that L1 cannot take (full of locked pages) go to L2 when there is one."""
+        placed = []
+        for _ in range(n):
+            slot = self._alloc(tier)
+            if slot is None:
+                self.metrics.inc(f"{tier.lower()}_full")
+                break
+            placed.append((tier, slot))
+        if tier == "L1" and self.l2 is not None:
+            for _ in range(n - len(placed)):
+                slot = self._alloc("L2")
+                if slot is None:
+                    self.metrics.inc("l2_full")
+                    break
+                placed.append(("L2", slot))
+        return placed
 
     def _alloc(self, tier: str) -> int | None:
         """A free slot of ``tier``, evicting least recently used unlocked pages if needed."""

@@ -1,8 +1,13 @@
 """``Client``: the native kvpool store API (put/get/remove and batch forms).
 
 Control: one blocking :class:`~kvpool.transfer.rpc.RpcChannel` to the master per thread.
-Data: a replica on a segment of this host is read/written through its mapped shared
-memory (one memcpy); any other, or every one with ``force_tcp=True``, over TCP to its node.
+Data: :class:`~kvpool.transfer.engine.TransferEngine` moves the bytes: a replica on a
+segment this process hosts by one memcpy, on a segment of this host through its mapped
+shared memory (one memcpy), any other, or every one with ``force_tcp=True``, over pooled
+TCP connections to its node (large values sliced over parallel lanes). Batches cost one
+master RPC per step (BatchPutStart, BatchPutEnd, BatchGetReplicaList) and one exchange
+per node. Buffers given to put/get are used in place (zero copy); ``register_buffer``
+does the checks once and adds torch CUDA tensors (through a pinned staging buffer).
 
 Leases (Mooncake semantics): a read asks the master for the replica list, which grants a
 lease of ``lease_ttl_ms``. The client measures the lease from the moment it *sent* the
@@ -23,9 +28,12 @@ from kvpool.errors import (
     ErrorCode, InvalidParams, KVPoolError, LeaseExpired, TransferFailed, raise_for,
 )
 from kvpool.transfer import as_byte_view, local_host_id
+from kvpool.transfer.buffers import BufferRegistry, RegisteredBuffer
+from kvpool.transfer.engine import TransferEngine
+from kvpool.transfer.request import Op, TransferRequest, TransferStatus, Transport
 from kvpool.transfer.rpc import RpcChannel
 from kvpool.transfer.segment_host import SegmentHost
-from kvpool.transfer.shm import ShmTransport
+from kvpool.transfer.shm import LocalTransport, ShmTransport
 from kvpool.transfer.tcp import TcpTransport
 
 MAX_KEY_BYTES = 4096
@@ -79,8 +87,11 @@ class Client:
         self.force_tcp = force_tcp
         self.timeout_s = timeout_s
         self.host_id = local_host_id()
-        self.shm = ShmTransport()
-        self.tcp = TcpTransport(timeout_s)
+        transports: list[Transport] = [TcpTransport(timeout_s)]
+        if not force_tcp:
+            transports += [LocalTransport(), ShmTransport()]
+        self.engine = TransferEngine(transports, timeout_s)
+        self.buffers = BufferRegistry()
         self._local = threading.local()
         self._channels: list[RpcChannel] = []
         self._lock = threading.Lock()
@@ -106,59 +117,59 @@ class Client:
                 self._channels.append(chan)
         return chan.call(request, idempotent)
 
-    def _via_shm(self, desc: P.ReplicaDesc) -> bool:
-        return not self.force_tcp and desc.segment.host_id == self.host_id and self.shm.can_reach(desc)
+    def _ranked(self, replicas: list[P.ReplicaDesc], routes: dict | None = None) -> list[tuple[P.ReplicaDesc, Transport]]:
+        """Reachable replicas with their transport, cheapest first (local, shm, tcp).
+        ``routes`` caches segment name -> transport across the items of one batch."""
+        routes = {} if routes is None else routes
+        out = []
+        for d in replicas:
+            name = d.segment.name
+            if name not in routes:
+                routes[name] = self.engine.route(d.segment)
+            if routes[name] is not None:
+                out.append((d, routes[name]))
+        if len(out) > 1:
+            out.sort(key=lambda dt: dt[1].rank)
+        return out
 
     def _write_all(self, jobs: list[tuple[int, P.ReplicaDesc, memoryview]]) -> dict[int, bool]:
         """Write every (item index, replica, source) job; {index: all its writes OK}."""
+        reqs = [TransferRequest(Op.WRITE, src, 0, d.segment, d.offset, d.length) for _, d, src in jobs]
         ok: dict[int, bool] = {i: True for i, _, _ in jobs}
-        remote = []
-        for i, desc, src in jobs:
-            if self._via_shm(desc):
-                self.shm.write(desc, src)
-            else:
-                remote.append((i, desc, src))
-        if remote:
-            try:
-                codes = self.tcp.write_many([(d, s) for _, d, s in remote])
-            except TransferFailed:
-                codes = [ErrorCode.TRANSFER_FAIL] * len(remote)
-            for (i, _, _), code in zip(remote, codes):
-                ok[i] = ok[i] and code == ErrorCode.OK
+        for (i, _, _), status in zip(jobs, self.engine.transfer(reqs)):
+            ok[i] = ok[i] and status == TransferStatus.COMPLETED
         return ok
 
     def _read_all(self, jobs: list[tuple[int, list[P.ReplicaDesc], memoryview]]) -> dict[int, bool]:
         """Copy one replica of each item into its destination; {index: copied}.
 
-        Same-host replicas are preferred; over TCP the first replica is asked, all items
-        of one node in one request, and on failure each item falls back to its others.
+        Each item reads its cheapest replica first (all items of one node in one
+        exchange); the items that failed try their next replica, and so on.
         """
-        done: dict[int, bool] = {}
-        remote = []
-        for i, replicas, dst in jobs:
-            local = next((d for d in replicas if self._via_shm(d)), None)
-            if local is not None:
-                self.shm.read_into(local, dst)
-                done[i] = True
-            else:
-                remote.append((i, replicas, dst))
-        if remote:
-            try:
-                self.tcp.read_many([(reps[0], dst) for _, reps, dst in remote])
-                done.update((i, True) for i, _, _ in remote)
-            except TransferFailed:
-                for i, replicas, dst in remote:
-                    done[i] = self._read_one_tcp(replicas, dst)
+        routes: dict = {}
+        options = {i: self._ranked(replicas, routes) for i, replicas, _ in jobs}
+        dsts = {i: dst for i, _, dst in jobs}
+        done = {i: False for i in dsts}
+        pending, attempt = [i for i in dsts if options[i]], 0
+        while pending:
+            reqs = [TransferRequest(Op.READ, dsts[i], 0, d.segment, d.offset, len(dsts[i]))
+                    for i in pending for d, _ in [options[i][attempt]]]
+            statuses = self.engine.transfer(reqs)
+            for i, status in zip(pending, statuses):
+                done[i] = status == TransferStatus.COMPLETED
+            attempt += 1
+            pending = [i for i in pending if not done[i] and attempt < len(options[i])]
         return done
 
-    def _read_one_tcp(self, replicas: list[P.ReplicaDesc], dst: memoryview) -> bool:
-        for desc in replicas:
-            try:
-                self.tcp.read_into(desc, dst)
-                return True
-            except TransferFailed:
-                continue
-        return False
+    def _read_bytes(self, handle: "ReadHandle") -> bytes:
+        """The value behind ``handle`` as bytes, filled by one copy (memcpy out of the
+        mapping, or the kernel's socket copy); tries each replica. Raises TransferFailed."""
+        deadline = time.monotonic() + self.timeout_s
+        for desc, transport in self._ranked(handle.replicas):
+            value = transport.read_bytes(desc.segment, desc.offset, handle.size, deadline)
+            if value is not None:
+                return value
+        raise TransferFailed(f"get {handle.key!r}: no replica could be read")
 
     # ------------------------------------------------------------ put
 
@@ -177,9 +188,36 @@ class Client:
         """Like :meth:`put` but replaces an existing value; readers see old or new whole."""
         return self._put(key, value, P.PutItem(key, 0, replica_num, True, soft_pin, hard_pin))
 
-    def put_from(self, key: str, buf, size: int, replica_num: int = 1, **kw) -> int:
-        """Put the first ``size`` bytes of buffer ``buf`` (zero-copy source)."""
-        return self.put(key, as_byte_view(buf)[:size], replica_num, **kw)
+    def register_buffer(self, buf) -> RegisteredBuffer:
+        """Register caller memory for zero-copy puts and gets: bytes-like, numpy array,
+        torch CPU tensor, or torch CUDA tensor (staged through pinned host memory).
+        Pass the returned handle (or the original object) to put_from / get_into and
+        their batch forms. Raises InvalidParams (non-contiguous, no buffer interface)."""
+        return self.buffers.register(buf)
+
+    def unregister_buffer(self, buf: RegisteredBuffer | int) -> bool:
+        """Forget a registered buffer; False if it was not registered."""
+        return self.buffers.unregister(buf)
+
+    def put_from(self, key: str, buf, size: int, replica_num: int = 1, *, offset: int = 0, **kw) -> int:
+        """Put ``size`` bytes of ``buf`` starting at byte ``offset`` (zero-copy source:
+        a RegisteredBuffer, or any object :meth:`register_buffer` accepts). Returns the
+        replicas stored; raises InvalidParams when the range exceeds the buffer."""
+        return self.put(key, _source(buf, offset, size), replica_num, **kw)
+
+    def batch_put_from(self, keys: Sequence[str], bufs: Sequence, sizes: Sequence[int],
+                       replica_num: int = 1, **kw) -> list[ErrorCode]:
+        """:meth:`batch_put` of ``sizes[i]`` bytes at the start of ``bufs[i]`` (zero copy).
+        An item whose size exceeds its buffer is INVALID_PARAMS."""
+        if not len(keys) == len(bufs) == len(sizes):
+            raise InvalidParams("batch_put_from needs as many buffers and sizes as keys")
+        srcs = []
+        for buf, size in zip(bufs, sizes):
+            try:
+                srcs.append(_source(buf, 0, size))
+            except InvalidParams:
+                srcs.append(b"")  # refused below as INVALID_PARAMS, like an empty value
+        return self.batch_put(keys, srcs, replica_num, **kw)
 
     def _put(self, key: str, value, item: P.PutItem) -> int:
         check_key(key)
@@ -276,15 +314,7 @@ class Client:
 
         A same-host replica is one memcpy out of the mapped segment.
         """
-        local = next((d for d in handle.replicas if self._via_shm(d)), None)
-        if local is not None:
-            view = self.shm.view(local.segment.shm_name)
-            out = bytes(view[local.offset : local.offset + handle.size])
-        else:
-            buf = bytearray(handle.size)
-            if not self._read_one_tcp(handle.replicas, memoryview(buf)):
-                raise TransferFailed(f"get {handle.key!r}: no replica could be read")
-            out = bytes(buf)
+        out = self._read_bytes(handle)
         handle.check_lease()
         return out
 
@@ -304,7 +334,7 @@ class Client:
             raise InvalidParams("need as many buffers as handles")
         out, jobs = [], []
         for i, (h, buf) in enumerate(zip(handles, bufs)):
-            dst = as_byte_view(buf, writable=True)
+            dst = _destination(buf)
             if len(dst) < h.size:
                 out.append(int(ErrorCode.BUFFER_OVERFLOW))
                 continue
@@ -317,6 +347,8 @@ class Client:
                 out[i] = int(ErrorCode.TRANSFER_FAIL)
             elif now > handles[i].deadline:
                 out[i] = int(ErrorCode.LEASE_EXPIRED)
+            elif isinstance(bufs[i], RegisteredBuffer):
+                bufs[i].after_read(0, out[i])
         return out
 
     def get(self, key: str) -> bytes:
@@ -337,23 +369,13 @@ class Client:
         One RPC for the replica lists; same-host values are one memcpy each, the rest
         one TCP request per node."""
         handles = self.batch_query(keys)
+        found = [i for i, h in enumerate(handles) if isinstance(h, ReadHandle)]
+        bufs = [bytearray(handles[i].size) for i in found]
         out: list[bytes | None] = [None] * len(handles)
-        remote, bufs = [], []
-        for i, h in enumerate(handles):
-            if not isinstance(h, ReadHandle):
-                continue
-            local = next((d for d in h.replicas if self._via_shm(d)), None)
-            if local is not None:
-                out[i] = bytes(self.shm.view(local.segment.shm_name)[local.offset : local.offset + h.size])
-            else:
-                remote.append(i)
-                bufs.append(bytearray(h.size))
-        if remote:
-            sizes = self.batch_read_into([handles[i] for i in remote], bufs)
-            for i, n, buf in zip(remote, sizes, bufs):
-                out[i] = bytes(buf) if n >= 0 else None
-        now = time.monotonic()
-        return [v if v is not None and now <= handles[i].deadline else None for i, v in enumerate(out)]
+        # bytearray then bytes: two copies, but one exchange per node for the whole batch
+        for i, n, buf in zip(found, self.batch_read_into([handles[i] for i in found], bufs), bufs):
+            out[i] = bytes(buf) if n >= 0 else None
+        return out
 
     def batch_get_into(self, keys: Sequence[str], bufs: Sequence) -> list[int]:
         """Copy each value into its buffer; per item the size, or a negative ErrorCode
@@ -429,8 +451,8 @@ class Client:
             channels, self._channels = self._channels, []
         for chan in channels:
             chan.close()
-        self.tcp.close()
-        self.shm.close()
+        self.engine.close()
+        self.buffers.clear()
         if self.segment is not None:
             self.segment.stop()
             self.segment = None
@@ -440,6 +462,29 @@ class Client:
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+
+def _source(buf, offset: int, size: int) -> memoryview:
+    """``size`` bytes of ``buf`` at ``offset`` (a RegisteredBuffer is made current
+    first). Raises InvalidParams when the range is outside the buffer."""
+    if isinstance(buf, RegisteredBuffer):
+        view = buf.region(offset, size)
+        buf.before_write(offset, size)
+        return view
+    view = as_byte_view(buf)
+    if offset < 0 or size < 0 or offset + size > len(view):
+        raise InvalidParams(f"[{offset}, +{size}) exceeds the {len(view)}-byte buffer")
+    return view[offset : offset + size]
+
+
+def _destination(buf) -> memoryview:
+    """Writable byte view to receive into (a RegisteredBuffer's host bytes).
+    Raises InvalidParams for read-only memory."""
+    if not isinstance(buf, RegisteredBuffer):
+        return as_byte_view(buf, writable=True)
+    if buf.view.readonly:
+        raise InvalidParams("registered buffer is read-only: it cannot receive a value")
+    return buf.view
 
 
 def _code(code: int) -> ErrorCode:

@@ -76,7 +76,7 @@ def run(args) -> int:
         rows, info = _run(args, workload, plan, say)
     finally:
         signal.signal(signal.SIGTERM, previous)
-    report = build_report(args, plan, rows, info, time.monotonic() - started)
+    report = build_report(args, rows, info, time.monotonic() - started)
     print_replay(rows)
     print(report["verdict"])
     if args.json:
@@ -213,7 +213,7 @@ def print_replay(rows: list[dict]) -> None:
               f"{'same' if row['tokens_match'] else 'DIFF':>7} {row['max_abs_dlogit']:>11.2e}")
 
 
-def build_report(args, plan, rows: list[dict], info: dict, wall_s: float) -> dict:
+def build_report(args, rows: list[dict], info: dict, wall_s: float) -> dict:
     """Everything the demo measured, the checks and the one-line verdict."""
     matched = [r for r in rows if r["tokens_match"] and r["logits_match"]]
     first_b = next((r for r in rows if r["engine"] == "B"), None)

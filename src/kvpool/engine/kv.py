@@ -29,12 +29,15 @@ def pages_to_cache(pages: torch.Tensor, config) -> DynamicCache:
     Returns: a cache whose ``get_seq_length()`` is ``n * P``.
     """
     n, layers, _, heads, page_size, dim = pages.shape
-    # [n, L, 2, H, P, D] -> [L, 2, H, n, P, D] -> [L, 2, 1, H, n*P, D]
+    # [n, L, 2, H, P, D] -> [L, 2, H, n, P, D] -> [L, 2, 1, H, n*P, D]: the one copy
     seq = pages.permute(1, 2, 3, 0, 4, 5).reshape(layers, 2, 1, heads, n * page_size, dim)
-    # each layer's tensors must own their memory: the cache appends to them in decode
-    data = [(seq[i, 0].contiguous(), seq[i, 1].contiguous()) for i in range(layers)]
-    return DynamicCache(data, config=config)
-
+    cache = DynamicCache(config=config)
+    for layer, (keys, values) in zip(cache.layers, zip(seq[:, 0], seq[:, 1])):
+        # set the layer's tensors directly: DynamicLayer.update would cat them onto an
+        # empty tensor, a second full copy of the prefix
+        layer.lazy_initialization(keys, values)
+        layer.keys, layer.values = keys, values
+    return cache
 
 def cache_to_pages(cache: DynamicCache, num_pages: int, page_size: int) -> torch.Tensor:
     """Copy the first ``num_pages`` full pages out of ``cache``.

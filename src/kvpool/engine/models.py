@@ -166,11 +166,11 @@ def converted_folder(gguf: Path, name: str, progress=print) -> Path:
         model.save_pretrained(tmp)
         tokenizer.save_pretrained(tmp)
 
-    _write_folder_atomically(target, fingerprint, write)
+    write_folder_atomically(target, fingerprint, write)
     return target
 
 
-def _write_folder_atomically(target: Path, fingerprint: str, write) -> None:
+def write_folder_atomically(target: Path, fingerprint: str, write) -> None:
     """Fill a temporary sibling folder with ``write(tmp)`` and rename it to ``target``.
 
     The fingerprint file is written last: its presence marks a complete folder. When
@@ -294,7 +294,7 @@ def _smollm2_tokenizer(progress=print):
     target = cache_root() / f"{SMOLLM2_NAME}-tokenizer-{fingerprint[:16]}"
     if not (target / _FINGERPRINT_FILE).is_file():
         progress(f"extracting the SmolLM2 tokenizer once -> {target}")
-        _write_folder_atomically(target, fingerprint, lambda tmp: AutoTokenizer.from_pretrained(
+        write_folder_atomically(target, fingerprint, lambda tmp: AutoTokenizer.from_pretrained(
             gguf.parent, gguf_file=gguf.name).save_pretrained(tmp))
     return AutoTokenizer.from_pretrained(target)
 

@@ -71,15 +71,15 @@ def start_engine(args, progress):
     from kvpool.engine.models import load_model, model_summary
 
     torch.set_num_threads(args.threads)
-    progress(f"loading model {args.model} ({args.dtype})")
-    loaded = load_model(args.model, args.dtype, progress=progress)
-    engine = Engine(loaded)
     l3 = None
-    if args.master:
+    if args.master:  # connect first: an unreachable master fails before the model loads
         from kvpool.cache import StoreBackend
         from kvpool.client import Client
 
         l3 = StoreBackend(Client(args.master, force_tcp=args.force_tcp))
+    progress(f"loading model {args.model} ({args.dtype})")
+    loaded = load_model(args.model, args.dtype, progress=progress)
+    engine = Engine(loaded)
     engine.build_cache(args.page_size, parse_size(args.l1_size), l3=l3)
     return engine, model_summary(loaded)
 

@@ -58,6 +58,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     pf.add_argument("--repeats", type=int, default=3, help="--measure rounds (median; default 3)")
     pf.add_argument("--threads", type=int, default=0,
                     help="torch threads for --measure (default 0 = torch's default)")
+    pf.add_argument("--clock", default="wall", choices=("wall", "cpu"),
+                    help="--measure TTFT clock: wall (default), or this thread's CPU time "
+                    "to the first token (needs --threads 1; for a busy shared machine)")
+    pf.add_argument("--stat", default="min", choices=("min", "median"),
+                    help="--measure figure per point over the rounds (default min)")
     pf.add_argument("--out", default="kvpool-plan-measure",
                     help="--measure writes OUT.json and OUT.png (default kvpool-plan-measure)")
     pf.set_defaults(_plan=_run_prefill)
@@ -168,17 +173,18 @@ def _run_measure(args, spec) -> int:
     if dtype is None:
         raise UserError("--measure runs the engine in fp32, bf16 or fp16 (--kv-dtype)")
     meter = measure.EngineMeter(args.model, dtype=dtype, page_size=args.page_size,
-                                max_prompt=args.prompt)
+                                max_prompt=args.prompt, clock=args.clock)
     measure.check_same_model(spec, meter.spec, args.kv_dtype)
     bandwidth = args.bandwidth * 1e9 if args.bandwidth is not None else None
-    result = measure.run_measure(meter, args.prompt, repeats=args.repeats, bandwidth=bandwidth)
+    result = measure.run_measure(meter, args.prompt, repeats=args.repeats, bandwidth=bandwidth,
+                                 stat=args.stat)
     json_path, png_path = measure.write_outputs(result, args.out)
     if args.json:
         print(json.dumps(result.to_dict(), indent=2))
         return 0
     fit = result.fit
     print(f"model {result.model}, prompt {result.prompt} tokens, torch threads {result.threads}, "
-          f"median of {result.repeats} rounds")
+          f"{result.clock} clock, {result.stat} of {result.repeats} rounds")
     print("cold runs (ms): " + ", ".join(f"N={n}: {ms:.0f}" for n, ms in
                                          result.fit_runs_ms.items()))
     print(f"fit: linear {fit['linear_gflops']:.1f} GFLOP/s, attention "

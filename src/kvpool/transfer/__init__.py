@@ -1,15 +1,22 @@
-"""Transfer engine: move value bytes between a local buffer and a replica's buffer.
+"""Transfer engine: move value bytes between local buffers and segments.
 
-Two transports behind one interface (``write(desc, src)``, ``read_into(desc, dst)``,
-batch forms): :class:`~kvpool.transfer.shm.ShmTransport` maps a same-host segment's
-POSIX shared memory and copies with one memcpy; :class:`~kvpool.transfer.tcp.TcpTransport`
-talks to the owning node's data port. :func:`local_host_id` decides which applies.
+- :mod:`~kvpool.transfer.request`: TransferRequest (op, local view, offset, segment,
+  offset, length), TransferStatus, and the Transport interface.
+- :mod:`~kvpool.transfer.engine`: TransferEngine (``submit`` -> BatchHandle, ``wait``),
+  routing, slicing of large transfers over parallel lanes.
+- transports: :class:`~kvpool.transfer.shm.LocalTransport` (segment hosted by this
+  process), :class:`~kvpool.transfer.shm.ShmTransport` (same host: mapped POSIX shared
+  memory), :class:`~kvpool.transfer.tcp.TcpTransport` (pooled connections, vectored I/O).
+- :mod:`~kvpool.transfer.buffers`: registered caller buffers (numpy, torch, CUDA staging).
+- hosting a segment: :mod:`~kvpool.transfer.segment_host`, :mod:`~kvpool.transfer.data_server`.
 """
 
 from __future__ import annotations
 
 import functools
 import socket
+
+from kvpool.errors import InvalidParams
 
 
 @functools.lru_cache(maxsize=1)
@@ -33,10 +40,13 @@ def local_host_id() -> str:
 
 def as_byte_view(buf, writable: bool = False) -> memoryview:
     """A flat unsigned-byte memoryview of ``buf`` (bytes, bytearray, memoryview, numpy
-    array or any C-contiguous buffer). Raises InvalidParams if not contiguous (or not
-    writable when ``writable``)."""
-    from kvpool.errors import InvalidParams
+    array, torch CPU tensor or any C-contiguous buffer), sharing its memory. Raises
+    InvalidParams if not contiguous (or not writable when ``writable``)."""
+    if type(buf).__module__.startswith("torch"):
+        from kvpool.transfer.buffers import is_torch_tensor, tensor_byte_view
 
+        if is_torch_tensor(buf):
+            return tensor_byte_view(buf)
     try:
         view = memoryview(buf)
     except TypeError:

@@ -4,8 +4,9 @@ Protocol in :mod:`kvpool.transfer.tcp`. Every request's offset and length are ch
 against the segment before a byte moves. A frame that does not decode, or a write that
 is out of bounds (its payload cannot be skipped safely), closes that connection only; an
 out-of-bounds read gets an error reply and the connection stays. One thread per
-connection, blocking sockets: payloads go straight between socket and segment with
-``recv_into`` / ``sendall`` on memoryviews.
+connection, blocking sockets: payloads go straight between socket and segment, scattered
+with ``recvmsg_into`` and gathered (reply header included) with ``sendmsg``
+(:mod:`kvpool.transfer.iov`).
 """
 
 from __future__ import annotations
@@ -17,8 +18,8 @@ import msgspec
 
 from kvpool import protocol as P
 from kvpool.errors import ErrorCode
+from kvpool.transfer.iov import recv_views, send_views
 from kvpool.transfer.tcp import tune_data_socket
-
 
 
 class DataServer:
@@ -57,7 +58,13 @@ class DataServer:
                 while self._handle(conn):
                     pass
             except (OSError, P.FrameError):
-                pass  # the peer left or broke framing: this connection only
+                pass  # the peer left or broke framing (OSError covers EOF): this connection only
+
+    def _ranges(self, offsets: list[int], lengths: list[int]) -> list[memoryview] | None:
+        """Segment views for the (offset, length) pairs, or None unless all are in bounds."""
+        if len(offsets) != len(lengths) or not all(self.in_bounds(o, n) for o, n in zip(offsets, lengths)):
+            return None
+        return [self.segment[o : o + n] for o, n in zip(offsets, lengths)]
 
     def _handle(self, conn: socket.socket) -> bool:
         """Serve one request; False when the connection must close."""
@@ -65,19 +72,21 @@ class DataServer:
             req = P.data_request_decoder.decode(P.recv_frame(conn))
         except msgspec.MsgspecError:
             return False
-        if isinstance(req, P.DataWrite):
-            if not self.in_bounds(req.offset, req.length):
+        if isinstance(req, P.DataRead):
+            views = self._ranges(req.offsets, req.lengths)
+            if views is None:
                 conn.sendall(P.encode_frame(P.DataResp(ErrorCode.INVALID_PARAMS)))
-                return False
-            P.recv_exact_into(conn, self.segment[req.offset : req.offset + req.length])
-            conn.sendall(P.encode_frame(P.DataResp(ErrorCode.OK, req.length)))
+                return True
+            total = sum(req.lengths)
+            send_views(conn, [P.encode_frame(P.DataResp(ErrorCode.OK, total)), *views])
             return True
-        pairs = list(zip(req.offsets, req.lengths))
-        if len(req.offsets) != len(req.lengths) or not all(self.in_bounds(o, n) for o, n in pairs):
+        if isinstance(req, P.DataWrite):
+            views = self._ranges([req.offset], [req.length])
+        else:
+            views = self._ranges(req.offsets, req.lengths)
+        if views is None:
             conn.sendall(P.encode_frame(P.DataResp(ErrorCode.INVALID_PARAMS)))
-            return True
-        total = sum(n for _, n in pairs)
-        conn.sendall(P.encode_frame(P.DataResp(ErrorCode.OK, total)))
-        for offset, length in pairs:
-            conn.sendall(self.segment[offset : offset + length])
+            return False
+        recv_views(conn, views)
+        conn.sendall(P.encode_frame(P.DataResp(ErrorCode.OK, sum(len(v) for v in views))))
         return True

@@ -24,6 +24,7 @@ from kvpool.errors import ErrorCode, KVPoolError, RpcFailed, UserError
 from kvpool.transfer.data_server import DataServer
 from kvpool.transfer import local_host_id
 from kvpool.transfer.rpc import RpcChannel
+from kvpool.transfer.shm import register_local_segment, unregister_local_segment
 
 log = logging.getLogger("kvpool.segment")
 
@@ -80,6 +81,7 @@ class SegmentHost:
             _touch_pages(self.shm.buf)
         self.info = P.SegmentInfo(name, local_host_id(), self.shm.name, self.segment_size, self.data_addr)
         self.server = DataServer(self.listener, self.shm.buf)
+        register_local_segment(self.shm.name, self.shm.buf)  # same-process clients memcpy
         self.interval_s = self._mount()
         threading.Thread(target=self.server.serve_forever, daemon=True).start()
         threading.Thread(target=self._heartbeat_loop, daemon=True).start()
@@ -125,6 +127,7 @@ class SegmentHost:
         self.master.close()
         self.listener.close()
         if self.shm:
+            unregister_local_segment(self.shm.name)
             try:
                 self.shm.close()
             except BufferError:

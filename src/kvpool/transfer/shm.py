@@ -1,4 +1,6 @@
-"""Same-host transport: map a node's POSIX shared-memory segment and memcpy.
+"""Same-host transports: map a node's POSIX shared-memory segment and memcpy
+(:class:`ShmTransport`), or, for a segment hosted by this very process,
+copy through the host's own mapping (:class:`LocalTransport`). No socket is involved.
 
 Segments are opened by name under /dev/shm with :func:`mmap.mmap` directly rather than
 ``multiprocessing.shared_memory.SharedMemory``: on Python < 3.13 the latter registers
@@ -12,13 +14,58 @@ import mmap
 import os
 import threading
 
-from kvpool.protocol import ReplicaDesc
+from kvpool.protocol import ReplicaDesc, SegmentInfo
+from kvpool.transfer import local_host_id
+from kvpool.transfer.request import Cancel, Op, Transport, TransferRequest
 
 SHM_DIR = "/dev/shm"
 
+# shm name -> writable view of a segment hosted by this process (SegmentHost registers it)
+_IN_PROCESS: dict[str, memoryview] = {}
 
-class ShmTransport:
-    """Copies between local buffers and mapped segments; thread-safe."""
+
+def register_local_segment(shm_name: str, view: memoryview) -> None:
+    """Make ``view`` (a segment this process hosts) reachable by :class:`LocalTransport`."""
+    _IN_PROCESS[shm_name] = view
+
+
+def unregister_local_segment(shm_name: str) -> None:
+    _IN_PROCESS.pop(shm_name, None)
+
+
+def _copy(requests: list[TransferRequest], segment: memoryview) -> None:
+    for r in requests:
+        remote = segment[r.remote_offset : r.remote_offset + r.length]
+        if r.op == Op.READ:
+            r.local[r.local_offset : r.local_offset + r.length] = remote
+        else:
+            remote[:] = r.local[r.local_offset : r.local_offset + r.length]
+
+
+class LocalTransport(Transport):
+    """Same process: one memcpy through the hosting SegmentHost's own mapping."""
+
+    name, rank = "local", 0
+
+    def can_reach(self, segment: SegmentInfo) -> bool:
+        return segment.shm_name in _IN_PROCESS
+
+    def run(self, requests: list[TransferRequest], deadline: float, cancel: Cancel) -> list[bool]:
+        view = _IN_PROCESS.get(requests[0].segment.shm_name)
+        if view is None:  # unmounted meanwhile
+            return [False] * len(requests)
+        _copy(requests, view)
+        return [True] * len(requests)
+
+    def read_bytes(self, segment: SegmentInfo, offset: int, length: int, deadline: float) -> bytes | None:
+        view = _IN_PROCESS.get(segment.shm_name)
+        return None if view is None else bytes(view[offset : offset + length])
+
+
+class ShmTransport(Transport):
+    """Copies between local buffers and mapped same-host segments; thread-safe."""
+
+    name, rank = "shm", 1
 
     def __init__(self):
         self._maps: dict[str, tuple[mmap.mmap, memoryview] | None] = {}
@@ -43,8 +90,19 @@ class ShmTransport:
             if entry:
                 _close(*entry)
 
-    def can_reach(self, desc: ReplicaDesc) -> bool:
-        return self.view(desc.segment.shm_name) is not None
+    def can_reach(self, segment: SegmentInfo) -> bool:
+        return segment.host_id == local_host_id() and self.view(segment.shm_name) is not None
+
+    def run(self, requests: list[TransferRequest], deadline: float, cancel: Cancel) -> list[bool]:
+        view = self.view(requests[0].segment.shm_name)
+        if view is None:
+            return [False] * len(requests)
+        _copy(requests, view)
+        return [True] * len(requests)
+
+    def read_bytes(self, segment: SegmentInfo, offset: int, length: int, deadline: float) -> bytes | None:
+        view = self.view(segment.shm_name)
+        return None if view is None else bytes(view[offset : offset + length])
 
     def write(self, desc: ReplicaDesc, src: memoryview) -> None:
         """Copy ``src`` (``desc.length`` bytes) into the replica's buffer."""
@@ -62,6 +120,7 @@ class ShmTransport:
             _close(*entry)
 
     def close(self) -> None:
+        """Unmap every segment (views handed out keep theirs alive)."""
         with self._lock:
             entries, self._maps = list(self._maps.values()), {}
         for entry in entries:

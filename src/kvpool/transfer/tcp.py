@@ -1,29 +1,37 @@
-"""Remote transport: value bytes over TCP to the node that owns the segment.
+"""Remote transport: value bytes over TCP to the data server that hosts the segment.
 
 Data-plane exchange (frames from :mod:`kvpool.protocol`)::
 
-    write: DataWrite(offset, length) + payload  ->  DataResp(code)
-    read:  DataRead(offsets, lengths)           ->  DataResp(code, total) + payload
+    write: DataWriteMany(offsets, lengths) + payloads  ->  DataResp(code, total)
+           (DataWrite(offset, length) + payload: the single form, still served)
+    read:  DataRead(offsets, lengths)                   ->  DataResp(code, total) + payloads
 
-Payloads go out with ``sendall`` on memoryviews and arrive with ``recv_into`` straight
-into the destination, so no byte is touched by Python code. Each thread keeps its own
-connection per node, so concurrent transfers never interleave on one socket.
+Payloads leave with one ``sendmsg`` gathering the header and every source memoryview,
+and arrive with ``recvmsg_into`` / ``recv_into`` scattering straight into the
+destinations (:mod:`kvpool.transfer.iov`): no byte is touched by Python code and there is
+no intermediate buffer. Connections are pooled per peer: a batch borrows one, several
+threads or the engine's lanes borrow several, so concurrent transfers never interleave
+on one socket. A connection that fails or times out is closed, never reused.
 """
 
 from __future__ import annotations
 
 import socket
 import threading
+import time
 
 import msgspec
 
 from kvpool import protocol as P
 from kvpool.config import parse_addr
-from kvpool.errors import ErrorCode, TransferFailed
-from kvpool.protocol import ReplicaDesc
-
+from kvpool.errors import ErrorCode
+from kvpool.protocol import SegmentInfo
+from kvpool.transfer.iov import recv_bytes, recv_views, send_views, set_kernel_timeouts
+from kvpool.transfer.request import Cancel, Op, Transport, TransferRequest
 
 SOCKET_BUFFER = 4 << 20  # bytes; larger kernel buffers keep loopback/LAN transfers streaming
+LANES = 4  # connections per peer the engine may use in parallel for one large batch
+_FAILURES = (OSError, P.FrameError, msgspec.MsgspecError)  # OSError covers timeouts and EOF
 
 
 def tune_data_socket(sock: socket.socket) -> None:
@@ -33,90 +41,134 @@ def tune_data_socket(sock: socket.socket) -> None:
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, SOCKET_BUFFER)
 
 
-class TcpTransport:
-    """Blocking TCP transfers to nodes' data ports; one connection per (thread, node)."""
+def read_reply(sock: socket.socket, deadline: float | None) -> P.DataResp:
+    """One DataResp frame. Raises FrameError, TimeoutError, ConnectionError."""
+    header = bytearray(P.HEADER.size)
+    recv_views(sock, [memoryview(header)], deadline)
+    body = bytearray(P.parse_header(bytes(header)))
+    recv_views(sock, [memoryview(body)], deadline)
+    return P.data_reply_decoder.decode(body)
+
+
+class _Pool:
+    """Idle connections per peer address; thread-safe."""
+
+    def __init__(self):
+        self.idle: dict[str, list[socket.socket]] = {}
+        self.lock = threading.Lock()
+        self.closed = False
+
+    def take(self, addr: str) -> socket.socket | None:
+        with self.lock:
+            free = self.idle.get(addr)
+            return free.pop() if free else None
+
+    def give(self, addr: str, sock: socket.socket) -> None:
+        with self.lock:
+            if not self.closed:
+                self.idle.setdefault(addr, []).append(sock)
+                return
+        sock.close()
+
+    def close(self) -> None:
+        with self.lock:
+            self.closed = True
+            socks = [s for free in self.idle.values() for s in free]
+            self.idle.clear()
+        for sock in socks:
+            sock.close()
+
+
+class TcpTransport(Transport):
+    """Pooled blocking TCP connections to segments' data servers (any host).
+
+    Args: timeout_s bounds connecting (each request's own deadline bounds the rest).
+    """
+
+    name, rank, lanes = "tcp", 2, LANES
 
     def __init__(self, timeout_s: float = 10.0):
         self.timeout_s = timeout_s
-        self._local = threading.local()
-        self._all: list[socket.socket] = []
-        self._lock = threading.Lock()
+        self._pool = _Pool()
 
-    def _conn(self, addr: str) -> socket.socket:
-        conns = self._local.__dict__.setdefault("conns", {})
-        sock = conns.get(addr)
-        if sock is None:
-            try:
-                sock = socket.create_connection(parse_addr(addr), timeout=self.timeout_s)
-            except OSError as exc:
-                raise TransferFailed(f"cannot reach node {addr}: {exc}") from None
-            tune_data_socket(sock)
-            conns[addr] = sock
-            with self._lock:
-                self._all.append(sock)
+    def can_reach(self, segment: SegmentInfo) -> bool:
+        return bool(segment.data_addr)
+
+    def _connect(self, addr: str, deadline: float) -> socket.socket:
+        limit = max(0.001, min(self.timeout_s, deadline - time.monotonic()))
+        sock = socket.create_connection(parse_addr(addr), timeout=limit)
+        tune_data_socket(sock)
+        set_kernel_timeouts(sock)
         return sock
 
-    def _drop(self, addr: str) -> None:
-        sock = self._local.__dict__.get("conns", {}).pop(addr, None)
-        if sock is not None:
-            sock.close()
+    def _with_conn(self, addr: str, deadline: float, cancel: Cancel, work):
+        """Run ``work(sock)`` on a pooled (else new) connection to ``addr``; a failure on a
+        reused connection (the peer may have dropped it while idle) is retried once on a
+        fresh one, which is safe because reads and writes of fixed ranges are idempotent.
+        Returns work's result; raises the _FAILURES of the last attempt."""
+        sock = self._pool.take(addr)
+        reused = sock is not None
+        while True:
+            if sock is None:
+                sock = self._connect(addr, deadline)
+            cancel.track(sock)
+            try:
+                result = work(sock)
+            except _FAILURES:
+                cancel.untrack(sock)
+                sock.close()
+                if not reused or cancel.fired or time.monotonic() > deadline:
+                    raise
+                sock, reused = None, False
+                continue
+            cancel.untrack(sock)
+            if cancel.fired:
+                sock.close()  # it may have been shut down under us
+            else:
+                self._pool.give(addr, sock)
+            return result
 
-    def _reply(self, sock: socket.socket) -> P.DataResp:
+    def run(self, requests: list[TransferRequest], deadline: float, cancel: Cancel) -> list[bool]:
+        """Writes (one DataWriteMany), then reads (one DataRead), on one connection."""
+        writes = [r for r in requests if r.op == Op.WRITE]
+        reads = [r for r in requests if r.op == Op.READ]
+        addr = requests[0].segment.data_addr
         try:
-            return P.data_reply_decoder.decode(P.recv_frame(sock))
-        except msgspec.MsgspecError as exc:
-            raise P.FrameError(f"bad data reply: {exc}") from None
+            ok_w = self._with_conn(addr, deadline, cancel, lambda s: _write(s, writes, deadline)) if writes else True
+            ok_r = self._with_conn(addr, deadline, cancel, lambda s: _read(s, reads, deadline)) if reads else True
+        except _FAILURES:
+            return [False] * len(requests)
+        return [ok_w if r.op == Op.WRITE else ok_r for r in requests]
 
-    def write(self, desc: ReplicaDesc, src: memoryview) -> None:
-        """Send ``src`` into the replica's buffer. Raises TransferFailed."""
-        self.write_many([(desc, src)])
+    def read_bytes(self, segment: SegmentInfo, offset: int, length: int, deadline: float) -> bytes | None:
+        """One read into a new bytes object that the kernel fills directly (one copy)."""
+        def work(sock):
+            send_views(sock, [P.encode_frame(P.DataRead([offset], [length]))], deadline)
+            if read_reply(sock, deadline).code != ErrorCode.OK:
+                return None
+            return recv_bytes(sock, length, deadline)
 
-    def write_many(self, items: list[tuple[ReplicaDesc, memoryview]]) -> list[int]:
-        """Pipelined writes (all sent, then all acks read). Returns one code per item;
-        raises TransferFailed when a node cannot be reached or the stream breaks."""
-        by_addr: dict[str, list[int]] = {}
-        for i, (desc, _) in enumerate(items):
-            by_addr.setdefault(desc.segment.data_addr, []).append(i)
-        codes: list[int] = [ErrorCode.TRANSFER_FAIL] * len(items)
-        for addr, idx in by_addr.items():
-            sock = self._conn(addr)
-            try:
-                for i in idx:
-                    desc, src = items[i]
-                    sock.sendall(P.encode_frame(P.DataWrite(desc.offset, desc.length)))
-                    sock.sendall(src)
-                for i in idx:
-                    codes[i] = self._reply(sock).code
-            except (OSError, P.FrameError) as exc:
-                self._drop(addr)
-                raise TransferFailed(f"write to node {addr} failed: {exc}") from None
-        return codes
-
-    def read_into(self, desc: ReplicaDesc, dst: memoryview) -> None:
-        """Receive the replica's bytes into ``dst[:desc.length]``. Raises TransferFailed."""
-        self.read_many([(desc, dst)])
-
-    def read_many(self, items: list[tuple[ReplicaDesc, memoryview]]) -> None:
-        """One DataRead per node for all ``items``; each lands in its destination."""
-        by_addr: dict[str, list[tuple[ReplicaDesc, memoryview]]] = {}
-        for desc, dst in items:
-            by_addr.setdefault(desc.segment.data_addr, []).append((desc, dst))
-        for addr, group in by_addr.items():
-            sock = self._conn(addr)
-            req = P.DataRead([d.offset for d, _ in group], [d.length for d, _ in group])
-            try:
-                sock.sendall(P.encode_frame(req))
-                reply = self._reply(sock)
-                if reply.code != ErrorCode.OK:
-                    raise TransferFailed(f"node {addr} refused read (code {reply.code})")
-                for desc, dst in group:
-                    P.recv_exact_into(sock, dst[: desc.length])
-            except (OSError, P.FrameError) as exc:
-                self._drop(addr)
-                raise TransferFailed(f"read from node {addr} failed: {exc}") from None
+        try:
+            return self._with_conn(segment.data_addr, deadline, Cancel(), work)
+        except _FAILURES:
+            return None
 
     def close(self) -> None:
-        with self._lock:
-            socks, self._all = self._all, []
-        for sock in socks:
-            sock.close()
+        self._pool.close()
+
+
+def _write(sock: socket.socket, reqs: list[TransferRequest], deadline: float) -> bool:
+    head = P.encode_frame(P.DataWriteMany([r.remote_offset for r in reqs], [r.length for r in reqs]))
+    send_views(sock, [head, *(r.local_view() for r in reqs)], deadline)
+    if read_reply(sock, deadline).code != ErrorCode.OK:
+        # the server closes after a refused write (its payload cannot be skipped)
+        raise ConnectionAbortedError("the node refused the write")
+    return True
+
+
+def _read(sock: socket.socket, reqs: list[TransferRequest], deadline: float) -> bool:
+    send_views(sock, [P.encode_frame(P.DataRead([r.remote_offset for r in reqs], [r.length for r in reqs]))], deadline)
+    if read_reply(sock, deadline).code != ErrorCode.OK:
+        return False  # refused before any payload: the connection stays in step
+    recv_views(sock, [r.local_view() for r in reqs], deadline)
+    return True

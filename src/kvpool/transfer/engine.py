@@ -1,0 +1,220 @@
+"""The transfer engine: batches of transfer requests, routed to transports, run
+asynchronously, with a completion status per request and a deadline.
+
+``submit(requests) -> BatchHandle``; ``handle.wait(timeout) -> list[TransferStatus]``.
+Each request is checked first (length > 0, both ranges in bounds: INVALID otherwise, no
+byte moves), then routed to the preferred transport that reaches its segment (local
+memcpy in this process, shared memory on this host, TCP anywhere; a transport added
+with :meth:`TransferEngine.add_transport` — RDMA, NIXL — needs no change elsewhere).
+Requests to one segment form one task, so a batch of small objects is one exchange per
+peer. For a transport with several lanes, a large batch is cut into slices
+(:func:`plan_slices`, ≥ :data:`SLICE_BYTES` each) spread over up to ``lanes`` parallel
+connections. A request is COMPLETED only if every slice of it was.
+
+Timeouts: every transport honours the batch deadline; ``wait(timeout)`` that runs out
+first cancels the batch (shuts its sockets down) and joins its tasks, so when ``wait``
+returns no thread of the batch is still touching the caller's buffers.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import wait as wait_futures
+
+from kvpool.protocol import SegmentInfo
+from kvpool.transfer.request import Cancel, TransferRequest, TransferStatus, Transport
+
+log = logging.getLogger("kvpool.transfer")
+
+SLICE_BYTES = 4 << 20  # smallest slice of a large transfer given its own lane
+JOIN_S = 2.0  # after a cancel, how long wait() joins the batch's tasks
+
+
+def plan_slices(length: int, lanes: int, min_slice: int = SLICE_BYTES) -> list[tuple[int, int]]:
+    """Cut ``length`` bytes into n = min(lanes, length // min_slice) (at least 1) slices
+    of near-equal size; returns [(offset, length)], contiguous, covering every byte.
+    Pure integer arithmetic: exact for any length up to 2**64."""
+    n = max(1, min(lanes, length // min_slice))
+    base, extra = divmod(length, n)
+    out, offset = [], 0
+    for i in range(n):
+        size = base + (1 if i < extra else 0)
+        out.append((offset, size))
+        offset += size
+    return out
+
+
+def spread(requests: list[tuple[int, TransferRequest]], lanes: int,
+           min_slice: int = SLICE_BYTES) -> list[list[tuple[int, TransferRequest]]]:
+    """Slice large requests and spread (parent index, slice) pairs over up to ``lanes``
+    lanes, each to the least-loaded lane; one lane when the total is under two slices."""
+    total = sum(r.length for _, r in requests)
+    if lanes <= 1 or total < 2 * min_slice:
+        return [requests]
+    pieces = [(i, r.slice(off, n) if n != r.length else r)
+              for i, r in requests for off, n in plan_slices(r.length, lanes, min_slice)]
+    bins: list[list[tuple[int, TransferRequest]]] = [[] for _ in range(lanes)]
+    load = [0] * lanes
+    for i, piece in sorted(pieces, key=lambda p: -p[1].length):
+        k = load.index(min(load))
+        bins[k].append((i, piece))
+        load[k] += piece.length
+    return [b for b in bins if b]
+
+
+class BatchHandle:
+    """Completion of one submitted batch (see the module docstring)."""
+
+    def __init__(self, statuses: list[TransferStatus | None], deadline: float):
+        self._statuses = statuses
+        self._deadline = deadline
+        self._cancel = Cancel()
+        self._tasks: list[tuple[Future, list[int]]] = []
+        self._failed: set[int] = set()
+        self._lock = threading.Lock()
+
+    def _record(self, parents: list[int], oks: list[bool]) -> None:
+        with self._lock:
+            for i, ok in zip(parents, oks):
+                if not ok:
+                    self._failed.add(i)
+
+    def done(self) -> bool:
+        return all(f.done() for f, _ in self._tasks)
+
+    def wait(self, timeout: float | None = None) -> list[TransferStatus]:
+        """Statuses, one per request in submission order, once every task has ended.
+
+        ``timeout`` (seconds; None = until the batch deadline) that expires first
+        cancels the rest: unfinished requests are TIMEOUT. Raises what a transport
+        raised unexpectedly (a bug, never a failed peer)."""
+        limit = self._deadline - time.monotonic() + JOIN_S if timeout is None else timeout
+        futures = [f for f, _ in self._tasks]
+        _, pending = wait_futures(futures, timeout=max(0.0, limit))
+        timed_out = bool(pending)
+        if pending:
+            self._cancel.fire()
+            _, still = wait_futures(pending, timeout=JOIN_S)
+            if still:
+                log.error("transfer tasks ignored cancellation for %.1f s", JOIN_S)
+        for f in futures:
+            if f.done() and f.exception() is not None:
+                raise f.exception()
+        return self._result(timed_out)
+
+    def _result(self, timed_out: bool) -> list[TransferStatus]:
+        """The statuses once every task has ended (``timed_out``: wait() cancelled)."""
+        out = list(self._statuses)
+        for k, status in enumerate(out):
+            if status is None:
+                if k in self._failed:
+                    out[k] = TransferStatus.TIMEOUT if timed_out or time.monotonic() > self._deadline \
+                        else TransferStatus.FAILED
+                else:
+                    out[k] = TransferStatus.COMPLETED
+        return out
+
+
+class TransferEngine:
+    """Routes and runs batches of :class:`TransferRequest`.
+
+    Args: transports (any order; ranked by their ``rank``), timeout_s (default batch
+    deadline), workers (threads for lanes and asynchronous batches; started lazily).
+    """
+
+    def __init__(self, transports: list[Transport], timeout_s: float = 10.0, workers: int = 8):
+        self.transports = sorted(transports, key=lambda t: t.rank)
+        self.timeout_s = timeout_s
+        self.workers = workers
+        self._executor: ThreadPoolExecutor | None = None
+        self._lock = threading.Lock()
+
+    def add_transport(self, transport: Transport) -> None:
+        """Plug in a transport (e.g. RDMA); it serves the segments it can reach, by rank."""
+        self.transports = sorted([*self.transports, transport], key=lambda t: t.rank)
+
+    def route(self, segment: SegmentInfo) -> Transport | None:
+        """The preferred transport that reaches ``segment``, or None."""
+        return next((t for t in self.transports if t.can_reach(segment)), None)
+
+    def _pool(self) -> ThreadPoolExecutor:
+        with self._lock:
+            if self._executor is None:
+                self._executor = ThreadPoolExecutor(self.workers, thread_name_prefix="kvpool-xfer")
+            return self._executor
+
+    def _plan(self, requests: list[TransferRequest], timeout_s: float | None):
+        """A handle with INVALID statuses set, and the tasks: (transport, [(parent, req)])."""
+        deadline = time.monotonic() + (self.timeout_s if timeout_s is None else timeout_s)
+        statuses: list[TransferStatus | None] = [None] * len(requests)
+        groups: dict[tuple[str, str], tuple[Transport, list]] = {}
+        routes: dict[str, Transport | None] = {}
+        for i, req in enumerate(requests):
+            name = req.segment.name
+            if name not in routes:
+                routes[name] = self.route(req.segment)
+            transport = None if req.problem() else routes[name]
+            if transport is None:
+                statuses[i] = TransferStatus.INVALID
+                continue
+            groups.setdefault((transport.name, name), (transport, []))[1].append((i, req))
+        tasks = [(t, lane) for t, group in groups.values() for lane in spread(group, t.lanes)]
+        return BatchHandle(statuses, deadline), tasks
+
+    def _start(self, handle: BatchHandle, transport: Transport, lane: list, inline: bool) -> None:
+        parents = [i for i, _ in lane]
+
+        def task():
+            oks = transport.run([r for _, r in lane], handle._deadline, handle._cancel)
+            handle._record(parents, oks)
+
+        if inline:
+            future: Future = Future()
+            try:
+                task()
+                future.set_result(None)
+            except BaseException as exc:  # handed to wait(), which re-raises it
+                future.set_exception(exc)
+        else:
+            future = self._pool().submit(task)
+        handle._tasks.append((future, parents))
+
+    def submit(self, requests: list[TransferRequest], timeout_s: float | None = None) -> BatchHandle:
+        """Start ``requests`` on the worker threads; returns at once."""
+        handle, tasks = self._plan(requests, timeout_s)
+        for transport, lane in tasks:
+            self._start(handle, transport, lane, inline=False)
+        return handle
+
+    def transfer(self, requests: list[TransferRequest], timeout_s: float | None = None) -> list[TransferStatus]:
+        """Run ``requests`` and wait: the first task in the calling thread (no thread
+        hand-off for the common one-peer batch), the others on worker threads."""
+        handle, tasks = self._plan(requests, timeout_s)
+        if len(tasks) == 1:  # the common case: no future, no thread
+            transport, lane = tasks[0]
+            handle._record([i for i, _ in lane], transport.run([r for _, r in lane], handle._deadline, handle._cancel))
+            return handle._result(timed_out=False)
+        for k, (transport, lane) in enumerate(tasks):
+            if k:
+                self._start(handle, transport, lane, inline=False)
+        if tasks:
+            self._start(handle, *tasks[0], inline=True)
+        return handle.wait()
+
+    def __enter__(self) -> "TransferEngine":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def close(self) -> None:
+        """Stop the worker threads (after their tasks) and close every transport."""
+        with self._lock:
+            executor, self._executor = self._executor, None
+        if executor is not None:
+            executor.shutdown(wait=True)
+        for transport in self.transports:
+            transport.close()

@@ -1,0 +1,111 @@
+"""Vectored socket I/O on blocking sockets with a deadline: payloads move between the
+kernel and the caller's memoryviews with ``sendmsg`` (gather) and ``recvmsg_into`` /
+``recv_into`` with ``MSG_WAITALL`` (scatter), one Python iteration per system call,
+never per byte or per small chunk, and no intermediate buffer.
+
+Sockets used here are in blocking mode with a short kernel timeout
+(``SO_RCVTIMEO`` / ``SO_SNDTIMEO`` = :data:`POLL_S`): a call that waits longer returns
+what it moved so far (or EAGAIN), and the loop checks the caller's deadline, so a silent
+peer costs at most the deadline plus :data:`POLL_S`. A peer that dies gives EOF or a reset
+at once. Linux caps one call at about 2 GiB; the loops resume, so lengths above 2**32
+work. Raises :class:`TimeoutError` past the deadline and :class:`ConnectionError` on EOF.
+"""
+
+from __future__ import annotations
+
+import errno
+import socket
+import struct
+import time
+
+IOV_MAX = 1024  # buffers per sendmsg/recvmsg_into call (Linux UIO_MAXIOV)
+POLL_S = 0.2  # seconds a single blocking call may wait before the deadline is checked
+_WAITALL = getattr(socket, "MSG_WAITALL", 0)
+_AGAIN = (errno.EAGAIN, errno.EWOULDBLOCK, errno.EINTR)
+
+
+def set_kernel_timeouts(sock: socket.socket, seconds: float = POLL_S) -> None:
+    """Blocking mode, with SO_RCVTIMEO/SO_SNDTIMEO of ``seconds`` (see module docstring)."""
+    sock.settimeout(None)
+    tv = struct.pack("ll", int(seconds), int((seconds % 1) * 1e6))
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, tv)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, tv)
+
+
+def _check(deadline: float | None, what: str) -> None:
+    if deadline is not None and time.monotonic() > deadline:
+        raise TimeoutError(f"{what} did not finish before its deadline")
+
+
+def _advance(views: list[memoryview], n: int) -> list[memoryview]:
+    """Drop the first ``n`` bytes of the view list."""
+    i = 0
+    while i < len(views) and n >= len(views[i]):
+        n -= len(views[i])
+        i += 1
+    rest = views[i:]
+    if n:
+        rest[0] = rest[0][n:]
+    return rest
+
+
+def send_views(sock: socket.socket, views: list, deadline: float | None = None) -> None:
+    """Send every byte of ``views`` (bytes or byte memoryviews) in order.
+
+    One ``sendmsg`` per call gathers up to IOV_MAX views. Raises TimeoutError,
+    ConnectionError, OSError; the stream is then unusable (part may have gone).
+    """
+    pending = [v if isinstance(v, memoryview) else memoryview(v) for v in views if len(v)]
+    while pending:
+        try:
+            n = sock.sendmsg(pending[:IOV_MAX])
+        except OSError as exc:
+            if exc.errno not in _AGAIN:
+                raise
+            n = 0
+        pending = _advance(pending, n)
+        if pending and not n:
+            _check(deadline, "send")
+
+
+def recv_views(sock: socket.socket, views: list[memoryview], deadline: float | None = None) -> None:
+    """Fill every view of ``views`` from ``sock``, in order (scatter, MSG_WAITALL).
+
+    Raises ConnectionError on EOF (the peer closed or died), TimeoutError past
+    ``deadline``; the views' content is then undefined.
+    """
+    pending = [v for v in views if len(v)]
+    while pending:
+        try:
+            if len(pending) == 1:
+                n = sock.recv_into(pending[0], len(pending[0]), _WAITALL)
+            else:
+                n = sock.recvmsg_into(pending[:IOV_MAX], 0, _WAITALL)[0]
+            if n == 0:
+                raise ConnectionError("peer closed the connection mid-transfer")
+        except OSError as exc:
+            if exc.errno not in _AGAIN:
+                raise
+            n = 0
+        pending = _advance(pending, n)
+        if pending and not n:
+            _check(deadline, "receive")
+
+
+def recv_bytes(sock: socket.socket, length: int, deadline: float | None = None) -> bytes:
+    """``length`` bytes from ``sock`` as a new bytes object, filled by the kernel directly
+    (one copy) in the usual case; a cut-short receive finishes through a bytearray."""
+    try:
+        first = sock.recv(length, _WAITALL)
+    except OSError as exc:
+        if exc.errno not in _AGAIN:
+            raise
+        first = b""
+    if len(first) == length:
+        return first
+    if not first:
+        _check(deadline, "receive")
+    out = bytearray(length)
+    out[: len(first)] = first
+    recv_views(sock, [memoryview(out)[len(first):]], deadline)
+    return bytes(out)

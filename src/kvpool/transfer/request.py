@@ -1,0 +1,128 @@
+"""Transfer requests and their completion statuses, and the interface every transport
+implements (local memcpy, shared memory, TCP; a verbs or NIXL transport later).
+
+A request moves ``length`` bytes between ``local[local_offset:]`` (a byte memoryview of
+the caller's memory) and ``segment`` at ``remote_offset``: READ copies segment → local,
+WRITE copies local → segment. Statuses follow Mooncake's transfer engine
+(``TransferStatusEnum``: COMPLETED, FAILED, TIMEOUT, INVALID).
+"""
+
+from __future__ import annotations
+
+import enum
+import threading
+from dataclasses import dataclass
+
+from kvpool.protocol import SegmentInfo
+
+
+class Op(enum.IntEnum):
+    READ = 0  # segment -> local buffer
+    WRITE = 1  # local buffer -> segment
+
+
+class TransferStatus(enum.IntEnum):
+    COMPLETED = 0
+    FAILED = 1  # the transport failed (peer gone, stream broken, mapping lost)
+    TIMEOUT = 2  # not finished before the batch's deadline
+    INVALID = 3  # refused before any byte moved (0 length, out of bounds, no transport)
+
+
+@dataclass(slots=True)
+class TransferRequest:
+    """One contiguous copy; sizes and offsets in bytes, any size up to 2**64 - 1."""
+
+    op: Op
+    local: memoryview
+    local_offset: int
+    segment: SegmentInfo
+    remote_offset: int
+    length: int
+
+    def problem(self) -> str | None:
+        """Why this request cannot run (checked before a byte moves), or None."""
+        if self.length <= 0:
+            return "length must be > 0"
+        if self.local_offset < 0 or self.local_offset + self.length > len(self.local):
+            return (f"local range [{self.local_offset}, +{self.length}) exceeds the "
+                    f"{len(self.local)}-byte buffer")
+        if self.remote_offset < 0 or self.remote_offset + self.length > self.segment.size:
+            return f"remote range exceeds segment {self.segment.name} ({self.segment.size} bytes)"
+        if self.op == Op.READ and self.local.readonly:
+            return "READ into a read-only buffer"
+        return None
+
+    def local_view(self) -> memoryview:
+        return self.local[self.local_offset : self.local_offset + self.length]
+
+    def slice(self, offset: int, length: int) -> "TransferRequest":
+        """The part ``[offset, offset + length)`` of this request (same direction)."""
+        return TransferRequest(self.op, self.local, self.local_offset + offset, self.segment,
+                               self.remote_offset + offset, length)
+
+
+class Cancel:
+    """Cancels the socket work of one batch: a flag plus shutdown() of every socket the
+    batch's tasks registered, which wakes a thread blocked in recv or send. Cheap to
+    create (one per batch, on the hot path)."""
+
+    def __init__(self):
+        self.fired = False
+        self._socks: set = set()
+        self._lock = threading.Lock()
+
+    def track(self, sock) -> None:
+        with self._lock:
+            self._socks.add(sock)
+        if self.fired:
+            _shutdown(sock)
+
+    def untrack(self, sock) -> None:
+        with self._lock:
+            self._socks.discard(sock)
+
+    def fire(self) -> None:
+        self.fired = True
+        with self._lock:
+            socks = list(self._socks)
+        for sock in socks:
+            _shutdown(sock)
+
+
+def _shutdown(sock) -> None:
+    try:
+        sock.shutdown(2)  # SHUT_RDWR
+    except OSError:
+        pass  # already closed
+
+
+class Transport:
+    """Interface of a transport. Subclasses set ``name``, ``rank`` (lower = preferred
+    when a replica is reachable several ways) and ``lanes`` (parallel connections per
+    peer the engine may use for one large batch; 1 = no slicing).
+
+    ``run`` executes requests that all target one segment, blocking until done or
+    ``deadline`` (time.monotonic seconds), and returns one bool (success) per request.
+    It must not raise for a failed peer (return False), must stop touching the
+    requests' buffers before it returns, and must honour ``cancel``.
+    """
+
+    name = "abstract"
+    rank = 100
+    lanes = 1
+
+    def can_reach(self, segment: SegmentInfo) -> bool:
+        raise NotImplementedError
+
+    def run(self, requests: list[TransferRequest], deadline: float, cancel: Cancel) -> list[bool]:
+        raise NotImplementedError
+
+    def read_bytes(self, segment: SegmentInfo, offset: int, length: int, deadline: float) -> bytes | None:
+        """``length`` bytes at ``offset`` of ``segment`` as bytes, or None on failure.
+        Transports override this with a one-copy path; this default copies twice."""
+        buf = bytearray(length)
+        req = TransferRequest(Op.READ, memoryview(buf), 0, segment, offset, length)
+        return bytes(buf) if self.run([req], deadline, Cancel())[0] else None
+
+    def close(self) -> None:
+        pass

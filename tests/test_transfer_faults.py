@@ -1,0 +1,149 @@
+"""Transfer faults on real processes: a node killed mid-transfer, malformed frames on a
+node's data port. Nothing hangs, no partial bytes count as success, one bad connection
+never harms another."""
+
+from __future__ import annotations
+
+import os
+import socket
+import struct
+import threading
+import time
+
+import numpy as np
+import pytest
+
+from kvpool import protocol as P
+from kvpool.client import Client
+from kvpool.config import parse_addr
+from kvpool.errors import TransferFailed
+from kvpool.transfer import local_host_id
+from kvpool.transfer.engine import TransferEngine
+from kvpool.transfer.request import Op, TransferRequest, TransferStatus
+from kvpool.transfer.tcp import TcpTransport
+
+BIG = 192 << 20
+
+
+def _wait_for(cond, timeout=10.0):
+    deadline = time.monotonic() + timeout
+    while not cond():
+        assert time.monotonic() < deadline, "condition not reached in time"
+        time.sleep(0.001)
+
+
+@pytest.mark.cluster(segment_size="256MiB")
+def test_node_killed_mid_tcp_transfer_fails_within_timeout_and_reports_no_success(cluster):
+    node = cluster.nodes[0]
+    segment = P.SegmentInfo(node["segment"], local_host_id(), node["shm_name"], 256 << 20, node["addr"])
+    src = np.full(BIG, 0xAB, np.uint8)
+    with TransferEngine([TcpTransport()], timeout_s=20) as engine:
+        assert engine.transfer([TransferRequest(Op.WRITE, memoryview(src), 0, segment, 0, BIG)]) == [0]
+        dst = np.zeros(BIG, np.uint8)
+        t0 = time.monotonic()
+        handle = engine.submit([TransferRequest(Op.READ, memoryview(dst), 0, segment, 0, BIG)], timeout_s=15)
+        # the first bytes of some slice have landed: the transfer is under way
+        _wait_for(lambda: dst[:: 1 << 20].any() or handle.done())
+        cluster.stop_node(0, kill=True)
+        statuses = handle.wait()
+        assert time.monotonic() - t0 < 15
+        if statuses == [TransferStatus.COMPLETED]:  # finished before the kill landed
+            assert (dst == 0xAB).all()
+        else:
+            assert statuses == [TransferStatus.FAILED]
+
+
+@pytest.mark.cluster(segment_size="256MiB")
+def test_client_get_from_a_killed_node_raises_instead_of_returning_partial_bytes(cluster):
+    with Client(cluster.master_addr, force_tcp=True, timeout_s=10) as c:
+        c.put("big", np.full(BIG, 7, np.uint8))
+        dst = np.zeros(BIG, np.uint8)
+        outcome = []
+
+        def reader():
+            try:
+                outcome.append(c.get_into("big", dst))
+            except TransferFailed as exc:
+                outcome.append(exc)
+
+        t = threading.Thread(target=reader)
+        t0 = time.monotonic()
+        t.start()
+        _wait_for(lambda: dst[:: 1 << 20].any() or outcome)
+        cluster.stop_node(0, kill=True)
+        t.join(15)
+        assert not t.is_alive() and time.monotonic() - t0 < 15
+        assert isinstance(outcome[0], TransferFailed) or (outcome[0] == BIG and (dst == 7).all())
+
+
+def _raw(addr: str) -> socket.socket:
+    s = socket.create_connection(parse_addr(addr), timeout=5)
+    return s
+
+
+def _closed_by_peer(s: socket.socket) -> bool:
+    """True when the server closed the connection (EOF or reset) within the timeout."""
+    try:
+        while True:
+            if not s.recv(65536):
+                return True
+    except ConnectionResetError:
+        return True
+    except TimeoutError:
+        return False
+
+
+def _frame(body: bytes) -> bytes:
+    return P.HEADER.pack(P.MAGIC, len(body)) + body
+
+
+MALFORMED = {
+    "wrong magic": P.HEADER.pack(b"XXXX", 4) + b"abcd",
+    "huge length": P.HEADER.pack(P.MAGIC, 0xFFFFFFFF),
+    "length just over the limit": P.HEADER.pack(P.MAGIC, P.MAX_FRAME + 1),
+    "truncated header": P.MAGIC + b"\x05",
+    "truncated body": P.HEADER.pack(P.MAGIC, 100) + b"abc",
+    "random bytes": os.urandom(4096),
+    "body that is not msgpack": _frame(b"\xc1\xc1\xc1\xc1"),
+    "control message on the data port": P.encode_frame(P.Ping()),
+    "write lists of different lengths": P.encode_frame(P.DataWriteMany([0, 8], [8])),
+    "write past the segment": P.encode_frame(P.DataWriteMany([0], [2**40])),
+    "negative write offset": P.encode_frame(P.DataWrite(-5, 8)),
+    "wrong field types": _frame(b"\x93\xa8DataRead\xa1x\xa1y"),
+}
+
+
+@pytest.mark.parametrize("name", sorted(MALFORMED))
+def test_malformed_frames_close_that_connection_and_nothing_else(name, module_cluster):
+    addr = module_cluster.node_addrs[0]
+    with Client(module_cluster.master_addr, force_tcp=True) as healthy:
+        healthy.put(f"keep-{name}", b"still here")
+        assert healthy.get(f"keep-{name}") == b"still here"  # its pooled connection is open
+        with _raw(addr) as bad:
+            bad.sendall(MALFORMED[name])
+            if name.startswith("truncated"):
+                bad.shutdown(socket.SHUT_WR)  # the rest never comes
+            assert _closed_by_peer(bad)
+        assert healthy.get(f"keep-{name}") == b"still here"
+        buf = bytearray(10)
+        assert healthy.get_into(f"keep-{name}", buf) == 10 and buf == b"still here"
+        healthy.remove(f"keep-{name}", force=True)
+
+
+def test_refused_read_keeps_the_connection_and_a_stream_of_garbage_does_not_kill_the_node(module_cluster):
+    addr = module_cluster.node_addrs[0]
+    with _raw(addr) as s:
+        s.sendall(P.encode_frame(P.DataRead([2**33], [1])))
+        reply = P.data_reply_decoder.decode(P.recv_frame(s))
+        assert reply.code != 0
+        s.sendall(P.encode_frame(P.DataRead([0, 100], [4, 4])))
+        assert P.data_reply_decoder.decode(P.recv_frame(s)).length == 8
+        assert len(s.recv(8, socket.MSG_WAITALL)) == 8
+    for seed in range(20):  # many hostile connections in a row
+        with _raw(addr) as s:
+            s.sendall(np.random.default_rng(seed).bytes(512))
+            assert _closed_by_peer(s)
+    with Client(module_cluster.master_addr, force_tcp=True) as c:
+        c.put("after-garbage", struct.pack("<Q", 42))
+        assert c.get("after-garbage") == struct.pack("<Q", 42)
+        c.remove("after-garbage", force=True)
