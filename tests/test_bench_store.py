@@ -8,6 +8,7 @@ never timings.
 from __future__ import annotations
 
 import json
+import time
 
 import pytest
 
@@ -192,3 +193,26 @@ def test_a_benchmark_module_not_in_the_build_is_a_clear_error():
     args.bench = "nope"
     with pytest.raises(UserError, match="not in this build"):
         bench_cli.run(args)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
+
+
+def test_a_worker_whose_controller_vanishes_stops_its_cluster(tmp_path):
+    w = Worker("kvpool shm", "kvpool.bench.anchors_kvpool:KvpoolTarget",
+               {"segment_size": 16 << 20, "log_dir": str(tmp_path)}, log_path=str(tmp_path / "w.log"))
+    assert w.start(), w.absent
+    pids = w.info["pids"]
+    assert pids and all(_alive(p) for p in pids)
+    w.proc.stdin.close()  # what the worker sees when the controller is killed
+    w.proc.wait(timeout=30)
+    deadline = time.monotonic() + 15
+    while any(_alive(p) for p in pids) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not any(_alive(p) for p in pids)
+    w.proc.stdout.close()

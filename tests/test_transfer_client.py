@@ -160,3 +160,34 @@ def test_cuda_tensor_is_staged_through_pinned_memory(module_cluster):
         assert torch.equal(out, src)
         c.remove("cuda", force=True)
 
+
+
+@pytest.mark.cluster(segment_size="256MiB")
+def test_threads_sharing_a_client_share_its_connection_pool_safely(cluster):
+    """Four threads, small and sliced (≥ 8 MiB) values, one force_tcp client: every
+    byte lands where it belongs (no two transfers ever share a socket)."""
+    import threading
+
+    sizes = [4096, 300_000, 9 << 20]
+    errors = []
+    with Client(cluster.master_addr, force_tcp=True) as c:
+        def worker(t):
+            rng = random.Random(t)
+            try:
+                for j, size in enumerate(sizes * 2):
+                    value = np.frombuffer(rng.randbytes(size), np.uint8)
+                    key = f"thr-{t}-{j}"
+                    c.put(key, value)
+                    dst = np.empty(size, np.uint8)
+                    assert c.get_into(key, dst) == size and np.array_equal(dst, value)
+                    assert c.get(key) == value.tobytes()
+                    c.remove(key, force=True)
+            except Exception as exc:  # reported to the main thread below
+                errors.append(exc)
+
+        threads = [threading.Thread(target=worker, args=(t,)) for t in range(4)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(60)
+        assert not errors and not any(t.is_alive() for t in threads)

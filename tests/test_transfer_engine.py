@@ -182,3 +182,18 @@ def test_silent_peer_times_out_within_the_deadline_and_wait_cancels():
         assert handle.wait(timeout=0.3) == [TransferStatus.TIMEOUT]  # cancelled long before 60 s
         assert time.monotonic() - t0 < 3 and handle.done()
     listener.close()
+
+
+def test_a_batch_wider_than_one_sendmsg_is_byte_exact_over_tcp(node_segment):
+    """1500 slices: more than IOV_MAX (1024) buffers per gather/scatter call."""
+    n, size = 1500, 97
+    src = np.frombuffer(random.Random(4).randbytes(n * size), np.uint8)
+    with _engine("tcp") as engine:
+        writes = [TransferRequest(Op.WRITE, memoryview(src), i * size, node_segment, 1_000_000 + i * 128, size)
+                  for i in range(n)]
+        assert engine.transfer(writes) == [TransferStatus.COMPLETED] * n
+        dst = np.zeros(n * size, np.uint8)
+        reads = [TransferRequest(Op.READ, memoryview(dst), i * size, node_segment, 1_000_000 + i * 128, size)
+                 for i in range(n)]
+        assert engine.transfer(reads) == [TransferStatus.COMPLETED] * n
+        assert np.array_equal(dst, src)

@@ -3,12 +3,13 @@
 Every system under test runs in its own *worker* process, driven by the controller
 (:mod:`kvpool.bench.store`) over a pipe with one JSON object per line. The controller
 asks the workers in turn for one cell at a time, so kvpool and its anchors are measured
-interleaved in the same minutes of the same run (the machine is shared and noisy; ratios
-of interleaved medians stay fair). A worker that cannot start or that crashes costs its
-column, never the run.
+interleaved in the same seconds of the same run (the machine is shared and noisy; ratios
+of measurements taken side by side stay fair). A worker that cannot start or that
+crashes costs its column, never the run.
 
-A :class:`Target` adapts one system to five operations on numpy byte buffers; the worker
-times them (:func:`measure`) and returns a :class:`CellResult`.
+A :class:`Target` adapts one system to a few operations on numpy byte buffers (bytes
+put/get, zero-copy put/get, batches); :class:`Bench` times them in the worker
+(:func:`timed_loop`) and returns a :class:`CellResult` per cell.
 """
 
 from __future__ import annotations
@@ -25,11 +26,6 @@ from dataclasses import asdict, dataclass, field
 
 import numpy as np
 
-# APIs of a cell: plain bytes objects, zero-copy (put from / get into a preallocated
-# buffer), batches of zero-copy ops; "copy" is the physical limits' only API.
-APIS = ("bytes", "zero_copy", "batch", "copy")
-
-
 class Unavailable(Exception):
     """The system cannot run here (package absent, binary missing, refused to start)."""
 
@@ -37,6 +33,9 @@ class Unavailable(Exception):
 @dataclass
 class CellSpec:
     """One measurement: ``op`` ("put" | "get" | "copy") of ``api`` on values of ``size`` bytes.
+
+    APIs: "bytes" (plain bytes objects), "zero_copy" (put from / get into a preallocated
+    buffer), "batch" (zero-copy, ``batch`` keys per call), "copy" (the limits' only API).
 
     ``batch`` keys per call (1 for single ops). The timed loop stops after
     ``budget_s`` seconds or ``max_ops`` calls (at least ``min_ops``); puts also stop
@@ -333,40 +332,48 @@ def worker_main() -> None:
     """Entry of a worker process: JSON commands on stdin, JSON replies on the original stdout.
 
     Native libraries (Mooncake's glog) may print on stdout, so fd 1 is pointed at stderr
-    and replies go to a private duplicate of the original stdout.
+    and replies go to a private duplicate of the original stdout. Whatever the target
+    started (servers, clusters, namespaces) is stopped on "close", on a failed "open" and
+    when stdin ends (the controller died).
     """
     reply_fd = os.dup(1)
     os.dup2(2, 1)
     out = os.fdopen(reply_fd, "w", buffering=1)
-    bench: Bench | None = None
-    for line in sys.stdin:
-        msg = json.loads(line)
-        cmd = msg["cmd"]
-        try:
-            if cmd == "open":
-                target = _load_target(msg["target"])
-                info = target.open(msg.get("cfg", {}))
-                bench = Bench(target)
-                reply = {"ok": True, "info": info}
-            elif cmd == "cell":
-                reply = {"ok": True, "result": asdict(bench.run(CellSpec(**msg["spec"])))}
-            elif cmd == "drop":
-                bench.drop(msg["size"])
-                reply = {"ok": True}
-            elif cmd == "stats":
-                reply = {"ok": True, "stats": bench.target.stats()}
-            elif cmd == "close":
-                if bench:
-                    bench.target.close()
-                out.write(json.dumps({"ok": True}) + "\n")
-                return
-            else:
-                reply = {"ok": False, "reason": f"unknown command {cmd!r}"}
-        except Unavailable as exc:
-            reply = {"ok": False, "reason": str(exc)}
-        except Exception as exc:  # reported to the controller, which records it
-            reply = {"ok": False, "reason": f"{type(exc).__name__}: {exc}"[:500]}
-        out.write(json.dumps(reply) + "\n")
+    state: dict = {}
+    try:
+        for line in sys.stdin:
+            msg = json.loads(line)
+            if msg["cmd"] == "close":
+                break
+            out.write(json.dumps(_serve(msg, state)) + "\n")
+    finally:
+        if "target" in state:
+            state.pop("target").close()
+    out.write(json.dumps({"ok": True}) + "\n")
+
+
+def _serve(msg: dict, state: dict) -> dict:
+    """Answer one command; ``state`` holds the target and its :class:`Bench` once open."""
+    cmd = msg["cmd"]
+    try:
+        if cmd == "open":
+            state["target"] = _load_target(msg["target"])
+            info = state["target"].open(msg.get("cfg", {}))
+            state["bench"] = Bench(state["target"])
+            return {"ok": True, "info": info}
+        bench: Bench = state["bench"]
+        if cmd == "cell":
+            return {"ok": True, "result": asdict(bench.run(CellSpec(**msg["spec"])))}
+        if cmd == "drop":
+            bench.drop(msg["size"])
+            return {"ok": True}
+        if cmd == "stats":
+            return {"ok": True, "stats": bench.target.stats()}
+        return {"ok": False, "reason": f"unknown command {cmd!r}"}
+    except Unavailable as exc:
+        return {"ok": False, "reason": str(exc)}
+    except Exception as exc:  # reported to the controller, which records it
+        return {"ok": False, "reason": f"{type(exc).__name__}: {exc}"[:500]}
 
 
 # --------------------------------------------------------------------------- controller side

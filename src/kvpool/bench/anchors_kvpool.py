@@ -41,7 +41,8 @@ class KvpoolTarget(Target):
         self.force_tcp = bool(cfg.get("force_tcp"))
         self.client = Client(self.master_addr, force_tcp=self.force_tcp, global_segment_size=own)
         return {"master": self.master_addr, "force_tcp": self.force_tcp,
-                "segment_size": own or self.cluster.segment_size, "nodes": self.cluster.node_addrs}
+                "segment_size": own or self.cluster.segment_size, "nodes": self.cluster.node_addrs,
+                "pids": [self.cluster.master.proc.pid] + [c.proc.pid for c in self.cluster.node_children]}
 
     def put_bytes(self, key: str, value: bytes) -> None:
         self.client.put(key, value)

@@ -44,7 +44,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                     "with --measure, measured on the engine's load path)")
     pf.add_argument("--linear-flops", type=float, default=DEFAULT_LINEAR_FLOPS / 1e9,
                     help="effective FLOP/s of the linear part, in GFLOP/s (default "
-                    f"{DEFAULT_LINEAR_FLOPS / 1e9:g}, this 2-core CPU's SmolLM2 fit)")
+                    f"{DEFAULT_LINEAR_FLOPS / 1e9:g}: SmolLM2 on one core of the dev machine)")
     pf.add_argument("--attention-flops", type=float, default=DEFAULT_ATTENTION_FLOPS / 1e9,
                     help="effective FLOP/s of attention, in GFLOP/s (default "
                     f"{DEFAULT_ATTENTION_FLOPS / 1e9:g})")
@@ -55,7 +55,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                     "and measured TTFT at hits 0, 25, 50, 75, 90%%")
     pf.add_argument("--model", default="smollm2",
                     help="engine model for --measure (default smollm2; must match CONFIG)")
-    pf.add_argument("--repeats", type=int, default=3, help="--measure rounds (median; default 3)")
+    pf.add_argument("--repeats", type=int, default=3,
+                    help="--measure rounds, each measuring every point once (default 3)")
     pf.add_argument("--threads", type=int, default=0,
                     help="torch threads for --measure (default 0 = torch's default)")
     pf.add_argument("--clock", default="wall", choices=("wall", "cpu"),

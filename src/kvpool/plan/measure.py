@@ -69,7 +69,9 @@ class EngineMeter:
         self.kv_dtype = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16"}[dtype]
         config = self.engine.config
         self.vocab = config.vocab_size
-        self.spec = spec_from_config(config.to_dict(), source=f"{self.engine.loaded.name} config")
+        name = self.engine.loaded.name
+        self.spec = spec_from_config({**config.to_dict(), "_name_or_path": name},
+                                     source=f"{name} config")
         # room for one whole prompt plus a primed prefix; older pages are evicted (LRU)
         pages = 2 * (-(-max_prompt // page_size)) + 8
         self.cache = PrefixCache(self.engine.namespace(page_size),
@@ -201,8 +203,8 @@ def run_measure(meter, prompt: int, hits=HITS, repeats: int = 3, bandwidth: floa
                                   "attention": t.attention * 1e3, "load": t.load * 1e3}))
     worst = max(abs(r.error) for r in rows)
     return MeasureResult(
-        model=meter.spec.name, prompt=prompt, threads=torch.get_num_threads(), clock=getattr(meter, "clock", "wall"),
-        repeats=repeats, stat=stat,
+        model=meter.spec.name, prompt=prompt, threads=torch.get_num_threads(),
+        clock=getattr(meter, "clock", "wall"), repeats=repeats, stat=stat,
         fit_runs_ms={str(n): ms for n, ms in cold}, fit=_fit_dict(fit),
         bandwidth_gbps=bandwidth / 1e9, bandwidth_source=source, rows=[asdict(r) for r in rows],
         max_error=float(worst), within_tolerance=bool(worst <= TOLERANCE))

@@ -29,11 +29,13 @@ from kvpool.errors import UserError
 from kvpool.plan.kv import plan_kv
 from kvpool.plan.spec import ModelSpec
 
-# Defaults of `kvpool plan prefill`, fitted with `--measure` on the 2-core CPU
-# development machine (SmolLM2-135M, fp32, torch default threads): see docs/plan.md.
-DEFAULT_LINEAR_FLOPS = 30e9
-DEFAULT_ATTENTION_FLOPS = 30e9
-DEFAULT_OVERHEAD_MS = 10.0
+# Defaults of `kvpool plan prefill`: the speeds are the `--measure` fit of SmolLM2-135M
+# fp32 on one thread of the development machine's CPU (docs/plan.md); the bandwidth is
+# in the range DESIGN.md measured for kvpool's data paths (TCP loopback 2.4-4.5 GB/s,
+# shared memory 8-10 GB/s). Give a deployment's own figures, or fit them with --measure.
+DEFAULT_LINEAR_FLOPS = 90e9
+DEFAULT_ATTENTION_FLOPS = 45e9
+DEFAULT_OVERHEAD_MS = 75.0
 DEFAULT_BANDWIDTH_GBPS = 5.0
 
 

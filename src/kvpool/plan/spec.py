@@ -297,7 +297,8 @@ def _linear_attention(f: _Fields, i: int, hidden: int) -> dict:
         nv = nk = sub.int(names[0], "linear-attention heads")
         dk = dv = sub.int(names[1], "the linear-attention state")
         conv = sub.int(names[2], "the short-convolution state")
-        proj = hidden * nk * dk * 4 + 2 * hidden * dk + 2 * dk * nk * dk + hidden * nk  # q,k,v,o; gates
+        # q, k, v, o; then the forget and output gates (low rank through head_dim), beta
+        proj = hidden * nk * dk * 4 + 2 * hidden * dk + 2 * dk * nk * dk + hidden * nk
     else:
         nk = f.int("linear_num_key_heads", "linear-attention key heads")
         nv = f.int("linear_num_value_heads", "linear-attention value heads")

@@ -29,7 +29,7 @@ from kvpool.transfer.request import Cancel, TransferRequest, TransferStatus, Tra
 
 log = logging.getLogger("kvpool.transfer")
 
-SLICE_BYTES = 4 << 20  # smallest slice of a large transfer given its own lane
+SLICE_BYTES = Transport.slice_bytes  # default smallest slice given a lane of its own
 JOIN_S = 2.0  # after a cancel, how long wait() joins the batch's tasks
 
 
@@ -83,6 +83,7 @@ class BatchHandle:
                     self._failed.add(i)
 
     def done(self) -> bool:
+        """True once every task of the batch has ended (wait() then returns at once)."""
         return all(f.done() for f, _ in self._tasks)
 
     def wait(self, timeout: float | None = None) -> list[TransferStatus]:
@@ -161,7 +162,7 @@ class TransferEngine:
                 statuses[i] = TransferStatus.INVALID
                 continue
             groups.setdefault((transport.name, name), (transport, []))[1].append((i, req))
-        tasks = [(t, lane) for t, group in groups.values() for lane in spread(group, t.lanes)]
+        tasks = [(t, lane) for t, group in groups.values() for lane in spread(group, t.lanes, t.slice_bytes)]
         return BatchHandle(statuses, deadline), tasks
 
     def _start(self, handle: BatchHandle, transport: Transport, lane: list, inline: bool) -> None:

@@ -98,8 +98,9 @@ def _shutdown(sock) -> None:
 
 class Transport:
     """Interface of a transport. Subclasses set ``name``, ``rank`` (lower = preferred
-    when a replica is reachable several ways) and ``lanes`` (parallel connections per
-    peer the engine may use for one large batch; 1 = no slicing).
+    when a replica is reachable several ways), ``lanes`` (parallel connections per
+    peer the engine may use for one large batch; 1 = no slicing) and ``slice_bytes``
+    (the smallest slice worth a lane of its own).
 
     ``run`` executes requests that all target one segment, blocking until done or
     ``deadline`` (time.monotonic seconds), and returns one bool (success) per request.
@@ -110,6 +111,7 @@ class Transport:
     name = "abstract"
     rank = 100
     lanes = 1
+    slice_bytes = 4 << 20
 
     def can_reach(self, segment: SegmentInfo) -> bool:
         raise NotImplementedError
