@@ -142,3 +142,23 @@ def test_cli_prefill_text_explains(capsys):
     out = capsys.readouterr().out
     assert "break-even bandwidth" in out and "whole cached prefix" in out
     assert main(["plan", "prefill", "llama-3-8b", "--prompt", "100", "--hit", "1.5"]) == 2
+
+
+def test_masked_kernel_computes_the_whole_rectangle_after_a_prefix():
+    n, p = 2048, 1024
+    masked = prefill_flops(SMOL, n, p, kernel="masked")
+    assert masked.attention == SMOL_PAIR * (n - p) * n
+    # at a 50% hit such a kernel saves no attention work at all
+    assert masked.attention == pytest.approx(prefill_flops(SMOL, n, 0).attention, rel=1e-3)
+    # a cold prefill runs the causal kernel either way
+    assert prefill_flops(SMOL, n, 0, kernel="masked") == prefill_flops(SMOL, n, 0)
+
+
+def test_masked_kernel_report_keeps_the_ideal_speedup():
+    causal = prefill_report(SMOL, 2048, 0.5, Rates())
+    masked = prefill_report(SMOL, 2048, 0.5, Rates(attention_kernel="masked"))
+    assert masked.ideal_speedup == causal.ideal_speedup
+    assert masked.predicted_speedup < causal.predicted_speedup
+    assert masked.attention_fraction_left == pytest.approx(1.0, rel=1e-3)
+    with pytest.raises(UserError):
+        Rates(attention_kernel="flash")

@@ -12,8 +12,8 @@ import json
 from kvpool.errors import UserError
 from kvpool.plan.kv import DTYPE_BYTES, KVPlan, plan_kv
 from kvpool.plan.prefill import (DEFAULT_ATTENTION_FLOPS, DEFAULT_BANDWIDTH_GBPS,
-                                 DEFAULT_LINEAR_FLOPS, DEFAULT_OVERHEAD_MS, PrefillReport, Rates,
-                                 prefill_report)
+                                 DEFAULT_LINEAR_FLOPS, DEFAULT_OVERHEAD_MS, KERNELS,
+                                 PrefillReport, Rates, prefill_report)
 from kvpool.plan.spec import configs_dir, load_spec
 
 HELP = "size a KV pool from a model's config.json, and predict what a prefix hit saves"
@@ -50,6 +50,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                     f"{DEFAULT_ATTENTION_FLOPS / 1e9:g})")
     pf.add_argument("--overhead-ms", type=float, default=DEFAULT_OVERHEAD_MS,
                     help=f"fixed per-request overhead in ms (default {DEFAULT_OVERHEAD_MS:g})")
+    pf.add_argument("--attention-kernel", choices=KERNELS, default=None,
+                    help="causal: skips masked pairs after cached tokens (FlashAttention, "
+                    "vLLM, SGLang; default); masked: computes all (N-P)*N pairs (PyTorch SDPA "
+                    "with a mask, as transformers and the reference engine; --measure's default)")
     pf.add_argument("--measure", action="store_true",
                     help="fit the speeds on the reference engine here, then compare predicted "
                     "and measured TTFT at hits 0, 25, 50, 75, 90%%")
@@ -129,7 +133,8 @@ def _run_prefill(args) -> int:
         return _run_measure(args, spec)
     bandwidth = args.bandwidth if args.bandwidth is not None else DEFAULT_BANDWIDTH_GBPS
     rates = Rates(linear=args.linear_flops * 1e9, attention=args.attention_flops * 1e9,
-                  overhead_s=args.overhead_ms / 1e3, bandwidth=bandwidth * 1e9)
+                  overhead_s=args.overhead_ms / 1e3, bandwidth=bandwidth * 1e9,
+                  attention_kernel=args.attention_kernel or "causal")
     report = prefill_report(spec, args.prompt, args.hit, rates, args.kv_dtype, args.tp, args.pp)
     print(json.dumps(report.to_dict(), indent=2) if args.json else format_prefill(report))
     return 0
@@ -143,7 +148,7 @@ def format_prefill(r: PrefillReport) -> str:
         f"KV {r.kv_dtype}",
         f"rates: linear {rates['linear'] / 1e9:g} GFLOP/s, attention "
         f"{rates['attention'] / 1e9:g} GFLOP/s, overhead {rates['overhead_s'] * 1e3:g} ms, "
-        f"load {rates['bandwidth'] / 1e9:g} GB/s",
+        f"load {rates['bandwidth'] / 1e9:g} GB/s, {rates['attention_kernel']} attention kernel",
         f"FLOPs cold: linear {r.flops_cold['linear']:.3e}  attention "
         f"{r.flops_cold['attention']:.3e}",
         f"FLOPs hit:  linear {r.flops_hit['linear']:.3e} ({r.linear_fraction_left:.0%})  "
@@ -178,7 +183,7 @@ def _run_measure(args, spec) -> int:
     measure.check_same_model(spec, meter.spec, args.kv_dtype)
     bandwidth = args.bandwidth * 1e9 if args.bandwidth is not None else None
     result = measure.run_measure(meter, args.prompt, repeats=args.repeats, bandwidth=bandwidth,
-                                 stat=args.stat)
+                                 stat=args.stat, kernel=args.attention_kernel)
     json_path, png_path = measure.write_outputs(result, args.out)
     if args.json:
         print(json.dumps(result.to_dict(), indent=2))
@@ -191,7 +196,8 @@ def _run_measure(args, spec) -> int:
     print(f"fit: linear {fit['linear_gflops']:.1f} GFLOP/s, attention "
           f"{fit['attention_gflops']:.1f} GFLOP/s, overhead {fit['overhead_ms']:.1f} ms "
           f"(worst error on the fit runs {fit['max_rel_error_on_fit_runs']:.1%})")
-    print(f"load bandwidth {result.bandwidth_gbps:.2f} GB/s ({result.bandwidth_source})")
+    print(f"load bandwidth {result.bandwidth_gbps:.2f} GB/s ({result.bandwidth_source}); "
+          f"attention kernel {result.attention_kernel}")
     print(measure.format_table(result))
     verdict = "within" if result.within_tolerance else "NOT within"
     print(f"worst error {result.max_error:.1%}: {verdict} {measure.TOLERANCE:.0%}")

@@ -1,6 +1,7 @@
 """Fit the prefill model's effective speeds to measured cold prefills.
 
-A cold run (nothing cached) of ``N`` tokens takes, by :mod:`kvpool.plan.prefill`,
+A cold run (nothing cached) of ``N`` tokens takes, by :mod:`kvpool.plan.prefill`
+(every attention kernel runs a cold prefill as the causal triangle),
 
     t(N) = overhead + F_lin(N) · a + F_attn(N) · b,   a = 1/R_lin, b = 1/R_attn.
 
@@ -35,9 +36,11 @@ class Fit:
     overhead_s: float
     max_rel_error: float
 
-    def rates(self, bandwidth: float) -> Rates:
+    def rates(self, bandwidth: float, attention_kernel: str = "causal") -> Rates:
+        """These speeds with a load ``bandwidth`` (bytes/s) and an attention kernel."""
         return Rates(linear=self.linear_flops, attention=self.attention_flops,
-                     overhead_s=self.overhead_s, bandwidth=bandwidth)
+                     overhead_s=self.overhead_s, bandwidth=bandwidth,
+                     attention_kernel=attention_kernel)
 
 
 def fit_cold(spec: ModelSpec, runs: list[tuple[int, float]]) -> Fit:

@@ -6,7 +6,9 @@
    lookup, page gather, pages -> transformers cache) for pages the cold runs stored,
    unless ``--bandwidth`` is given.
 3. For each hit ratio, a prompt's first ``P`` tokens are cached by a priming request,
-   then the whole prompt runs and its TTFT is compared with the prediction.
+   then the whole prompt runs and its TTFT is compared with the prediction, made for
+   the engine's attention kernel (``masked``: transformers' SDPA with an explicit
+   mask; see :mod:`kvpool.plan.prefill`) and, for reference, for a causal one.
 
 Every run uses a fresh random prompt (its own prefix chain), so a run only ever reuses
 what its own priming stored. Rounds interleave all points, so a slow spell of the
@@ -60,6 +62,9 @@ class EngineMeter:
         if clock == "cpu" and torch.get_num_threads() != 1:
             raise UserError("--clock cpu counts one thread's CPU time: use --threads 1")
         self.clock = clock
+        # transformers runs a prefill after cached tokens through SDPA with an explicit
+        # mask, which computes the whole (new tokens x all tokens) rectangle
+        self.attention_kernel = "masked"
 
         from kvpool.cache import PrefixCache
         from kvpool.engine import Engine
@@ -115,12 +120,14 @@ class EngineMeter:
 
 @dataclass(frozen=True)
 class Row:
-    """One hit ratio: predicted and measured TTFT (ms) and the relative error."""
+    """One hit ratio: predicted and measured TTFT (ms) and the relative error;
+    ``causal_kernel_ms`` is the prediction had the engine a causal attention kernel."""
 
     hit: float
     cached: int
     predicted_ms: float
     measured_ms: float
+    causal_kernel_ms: float
     samples_ms: list
     error: float
     parts_ms: dict
@@ -138,6 +145,7 @@ class MeasureResult:
     fit: dict
     bandwidth_gbps: float
     bandwidth_source: str
+    attention_kernel: str
     rows: list
     max_error: float
     within_tolerance: bool
@@ -155,7 +163,8 @@ def fit_lengths(prompt: int, page_size: int) -> list[int]:
 
 
 def run_measure(meter, prompt: int, hits=HITS, repeats: int = 3, bandwidth: float | None = None,
-                stat: str = "min", seed: int = 0, progress=print) -> MeasureResult:
+                stat: str = "min", kernel: str | None = None, seed: int = 0,
+                progress=print) -> MeasureResult:
     """Fit on cold runs, then predict and measure TTFT at each hit ratio (module doc).
 
     Args:
@@ -165,6 +174,7 @@ def run_measure(meter, prompt: int, hits=HITS, repeats: int = 3, bandwidth: floa
         repeats: rounds, each measuring every point once.
         bandwidth: KV load bytes/s; None = measure the engine's load path.
         stat: "min" or "median" of the rounds, for the fit and the comparison alike.
+        kernel: attention kernel of the prediction; None = the meter's own.
     """
     import torch
 
@@ -192,11 +202,14 @@ def run_measure(meter, prompt: int, hits=HITS, repeats: int = 3, bandwidth: floa
         meter.measure_ttft(ids, 0)  # stores the prompt's pages
         bandwidth = statistics.median([meter.load_bandwidth(ids) for _ in range(3)])
         source = "measured: engine load path (L1 gather + pages -> cache)"
-    rates = fit.rates(bandwidth)
+    kernel = kernel or meter.attention_kernel
+    rates, causal = fit.rates(bandwidth, kernel), fit.rates(bandwidth, "causal")
     rows = []
     for h, (n, cached), measured in zip(hits, points[len(lengths):], figure[len(lengths):]):
         t = predict_ttft(meter.spec, n, cached, rates, meter.kv_dtype)
+        ideal = predict_ttft(meter.spec, n, cached, causal, meter.kv_dtype)
         rows.append(Row(hit=h, cached=cached, predicted_ms=t.total * 1e3, measured_ms=measured,
+                        causal_kernel_ms=ideal.total * 1e3,
                         samples_ms=samples[len(lengths) + len(rows)],
                         error=t.total * 1e3 / measured - 1,
                         parts_ms={"overhead": t.overhead * 1e3, "linear": t.linear * 1e3,
@@ -206,7 +219,8 @@ def run_measure(meter, prompt: int, hits=HITS, repeats: int = 3, bandwidth: floa
         model=meter.spec.name, prompt=prompt, threads=torch.get_num_threads(),
         clock=getattr(meter, "clock", "wall"), repeats=repeats, stat=stat,
         fit_runs_ms={str(n): ms for n, ms in cold}, fit=_fit_dict(fit),
-        bandwidth_gbps=bandwidth / 1e9, bandwidth_source=source, rows=[asdict(r) for r in rows],
+        bandwidth_gbps=bandwidth / 1e9, bandwidth_source=source, attention_kernel=kernel,
+        rows=[asdict(r) for r in rows],
         max_error=float(worst), within_tolerance=bool(worst <= TOLERANCE))
 
 
@@ -231,11 +245,13 @@ def check_same_model(config_spec: ModelSpec, engine_spec: ModelSpec, kv_dtype: s
 
 def format_table(result: MeasureResult) -> str:
     """The predicted-vs-measured table as Markdown."""
-    lines = ["| hit | cached tokens | predicted TTFT ms | measured TTFT ms | error |",
-             "|---:|---:|---:|---:|---:|"]
+    lines = ["| hit | cached tokens | predicted TTFT ms | measured TTFT ms | error "
+             "| with a causal kernel ms |",
+             "|---:|---:|---:|---:|---:|---:|"]
     for r in result.rows:
         lines.append(f"| {r['hit']:.0%} | {r['cached']} | {r['predicted_ms']:.0f} | "
-                     f"{r['measured_ms']:.0f} | {r['error']:+.1%} |")
+                     f"{r['measured_ms']:.0f} | {r['error']:+.1%} | "
+                     f"{r['causal_kernel_ms']:.0f} |")
     return "\n".join(lines)
 
 
@@ -252,9 +268,13 @@ def write_outputs(result: MeasureResult, out: str) -> tuple[Path, Path]:
     json_path.write_text(json.dumps(result.to_dict(), indent=2) + "\n")
     hits = [r["hit"] * 100 for r in result.rows]
     fig, ax = plt.subplots(figsize=(6.4, 4.2))
-    ax.plot(hits, [r["predicted_ms"] for r in result.rows], "o-", label="predicted")
+    ax.plot(hits, [r["predicted_ms"] for r in result.rows], "o-",
+            label=f"predicted ({result.attention_kernel} attention kernel)")
     ax.plot(hits, [r["measured_ms"] for r in result.rows], "s",
             label=f"measured ({result.stat} of {result.repeats})")
+    if result.attention_kernel != "causal":
+        ax.plot(hits, [r["causal_kernel_ms"] for r in result.rows], "--", color="tab:green",
+                label="predicted with a causal attention kernel")
     cold = result.rows[0]["measured_ms"] if result.rows[0]["hit"] == 0 else None
     if cold is not None:
         ax.plot(hits, [cold * (1 - h / 100) for h in hits], ":", color="grey",

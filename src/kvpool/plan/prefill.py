@@ -19,6 +19,15 @@ Time adds a fixed per-request overhead and the load of the cached KV
 
 Fetching beats recomputing when ``bytes(P)/B`` is below the compute time saved, so the
 break-even bandwidth is ``B* = bytes(P) / (T_compute(N, 0) − T_compute(N, P))``.
+
+Attention kernels (:data:`KERNELS`) differ in the pairs they really compute after a
+cached prefix. ``causal``: a kernel with a bottom-right causal mask (FlashAttention,
+FlashInfer, as vLLM and SGLang run it) skips the masked pairs, as above. ``masked``: a
+kernel handed an explicit mask computes every (new query, key) pair, ``(N − P) · N``,
+and masks afterwards; PyTorch's ``scaled_dot_product_attention`` with ``attn_mask``
+does this, and it is how transformers runs a prefill after cached tokens (kvpool's
+reference engine). There a 50% hit saves no attention work at all. A cold prefill
+(``P = 0``) runs the causal kernel in both.
 """
 
 from __future__ import annotations
@@ -37,20 +46,26 @@ DEFAULT_LINEAR_FLOPS = 90e9
 DEFAULT_ATTENTION_FLOPS = 45e9
 DEFAULT_OVERHEAD_MS = 75.0
 DEFAULT_BANDWIDTH_GBPS = 5.0
+KERNELS = ("causal", "masked")
 
 
 @dataclass(frozen=True)
 class Rates:
     """Effective speeds of one deployment: ``linear`` and ``attention`` FLOP/s,
-    ``overhead_s`` per request (seconds), ``bandwidth`` of the KV load (bytes/s, per rank).
+    ``overhead_s`` per request (seconds), ``bandwidth`` of the KV load (bytes/s, per
+    rank), and its ``attention_kernel`` (one of :data:`KERNELS`, module docstring).
     """
 
     linear: float = DEFAULT_LINEAR_FLOPS
     attention: float = DEFAULT_ATTENTION_FLOPS
     overhead_s: float = DEFAULT_OVERHEAD_MS / 1e3
     bandwidth: float = DEFAULT_BANDWIDTH_GBPS * 1e9
+    attention_kernel: str = "causal"
 
     def __post_init__(self):
+        if self.attention_kernel not in KERNELS:
+            raise UserError(f"attention kernel must be one of {', '.join(KERNELS)}, "
+                            f"got {self.attention_kernel!r}")
         for name in ("linear", "attention", "bandwidth"):
             if not getattr(self, name) > 0:
                 raise UserError(f"{name} rate must be > 0, got {getattr(self, name)}")
@@ -87,8 +102,10 @@ def _pairs_upto(n: int, cap: int | None) -> int:
     return cap * (cap + 1) // 2 + (n - cap) * cap
 
 
-def prefill_flops(spec: ModelSpec, prompt: int, cached: int = 0) -> PrefillFlops:
-    """FLOPs to prefill ``prompt`` tokens when the first ``cached`` are reused.
+def prefill_flops(spec: ModelSpec, prompt: int, cached: int = 0,
+                  kernel: str = "causal") -> PrefillFlops:
+    """FLOPs to prefill ``prompt`` tokens when the first ``cached`` are reused, as the
+    attention ``kernel`` computes them (module docstring).
 
     Raises: UserError unless ``0 <= cached < prompt`` (the last token is always computed).
     """
@@ -96,7 +113,8 @@ def prefill_flops(spec: ModelSpec, prompt: int, cached: int = 0) -> PrefillFlops
     new = prompt - cached
     linear = sum(layer.linear_flops for layer in spec.layers) * new + spec.head_flops
     attention = sum(
-        layer.pair_flops * causal_pairs(prompt, cached, layer.pair_cap)
+        layer.pair_flops * (causal_pairs(prompt, cached, layer.pair_cap)
+                            if kernel == "causal" or not cached else new * prompt)
         + layer.index_pair_flops * causal_pairs(prompt, cached)
         for layer in spec.layers)
     return PrefillFlops(prompt, cached, float(linear), float(attention))
@@ -151,7 +169,7 @@ def kv_bytes(spec: ModelSpec, tokens: int, kv_dtype: str, tp: int = 1, pp: int =
 def predict_ttft(spec: ModelSpec, prompt: int, cached: int, rates: Rates,
                  kv_dtype: str = "bf16", tp: int = 1, pp: int = 1) -> TTFT:
     """TTFT of a ``prompt``-token prefill with ``cached`` tokens loaded (module formula)."""
-    flops = prefill_flops(spec, prompt, cached)
+    flops = prefill_flops(spec, prompt, cached, rates.attention_kernel)
     nbytes = kv_bytes(spec, cached, kv_dtype, tp, pp)
     return TTFT(prompt, cached, rates.overhead_s, flops.linear / rates.linear,
                 flops.attention / rates.attention, nbytes / rates.bandwidth, nbytes)
@@ -198,9 +216,14 @@ class PrefillReport:
 def prefill_report(spec: ModelSpec, prompt: int, hit: float, rates: Rates,
                    kv_dtype: str = "bf16", tp: int = 1, pp: int = 1,
                    page_size: int = 1) -> PrefillReport:
-    """Cold vs hit FLOPs, TTFT, ideal and predicted speedup, break-even bandwidth."""
+    """Cold vs hit FLOPs, TTFT, ideal and predicted speedup, break-even bandwidth.
+
+    ``ideal_speedup`` is the compute speedup with a causal kernel and free loading;
+    everything else follows ``rates`` (kernel included)."""
     cached = cached_tokens(prompt, hit, page_size)
-    cold, warm = prefill_flops(spec, prompt, 0), prefill_flops(spec, prompt, cached)
+    kernel = rates.attention_kernel
+    cold, warm = prefill_flops(spec, prompt, 0), prefill_flops(spec, prompt, cached, kernel)
+    ideal = prefill_flops(spec, prompt, cached, "causal")
     t_cold = predict_ttft(spec, prompt, 0, rates, kv_dtype, tp, pp)
     t_hit = predict_ttft(spec, prompt, cached, rates, kv_dtype, tp, pp)
     lin_left = warm.linear / cold.linear
@@ -212,7 +235,7 @@ def prefill_report(spec: ModelSpec, prompt: int, hit: float, rates: Rates,
         flops_cold={"linear": cold.linear, "attention": cold.attention},
         flops_hit={"linear": warm.linear, "attention": warm.attention},
         linear_fraction_left=lin_left, attention_fraction_left=attn_left,
-        ideal_speedup=cold.total / warm.total,
+        ideal_speedup=cold.total / ideal.total,
         ttft_cold_ms=t_cold.total * 1e3, ttft_hit_ms=t_hit.total * 1e3,
         ttft_hit_parts_ms={"overhead": t_hit.overhead * 1e3, "linear": t_hit.linear * 1e3,
                            "attention": t_hit.attention * 1e3, "load": t_hit.load * 1e3},
@@ -223,17 +246,21 @@ def prefill_report(spec: ModelSpec, prompt: int, hit: float, rates: Rates,
 
 def _with_explanation(r: PrefillReport, cold: PrefillFlops) -> PrefillReport:
     attn_share = cold.attention / cold.total
+    left = f"{r.attention_fraction_left:.0%} of the attention work is left"
+    attention = (
+        f"so the causal triangle loses only its cached corner: (N^2 - P^2)/N^2, {left}."
+        if r.rates["attention_kernel"] == "causal" else
+        f"and a kernel given an explicit mask computes every (new query, key) pair, "
+        f"(N - P)*N, so {left} (a causal kernel would leave (N^2 - P^2)/N^2).")
     text = (
         f"A {r.hit:.0%} hit reuses {r.cached} of {r.prompt} tokens. The linear work "
         f"(projections, MLP) is per new token, so {r.linear_fraction_left:.0%} of it is left. "
-        f"Attention is not: each new token still attends to the whole cached prefix, so the "
-        f"causal triangle loses only its cached corner, (N^2 - P^2)/N^2 = "
-        f"{r.attention_fraction_left:.0%} of the attention work is left. Attention is "
-        f"{attn_share:.0%} of this cold prefill, so the ideal compute speedup is "
-        f"{r.ideal_speedup:.2f}x, not {1 / (1 - r.hit):.2f}x. Loading the cached KV "
-        f"({r.load_bytes / 1e6:.1f} MB) adds {r.ttft_hit_parts_ms['load']:.1f} ms and the fixed "
-        f"overhead of {r.ttft_hit_parts_ms['overhead']:.1f} ms is not saved at all, so the "
-        f"predicted TTFT speedup is {r.predicted_speedup:.2f}x. Below "
+        f"Attention is not: each new token still attends to the whole cached prefix, "
+        f"{attention} Attention is {attn_share:.0%} of this cold prefill, so the ideal "
+        f"compute speedup is {r.ideal_speedup:.2f}x, not {1 / (1 - r.hit):.2f}x. Loading the "
+        f"cached KV ({r.load_bytes / 1e6:.1f} MB) adds {r.ttft_hit_parts_ms['load']:.1f} ms and "
+        f"the fixed overhead of {r.ttft_hit_parts_ms['overhead']:.1f} ms is not saved at all, "
+        f"so the predicted TTFT speedup is {r.predicted_speedup:.2f}x. Below "
         f"{r.break_even_gbps:.3g} GB/s, recomputing those tokens is faster than loading them."
     ) if r.cached else "No token is reused: the prefill runs cold."
     return PrefillReport(**{**asdict(r), "explanation": text})
