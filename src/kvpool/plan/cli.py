@@ -44,7 +44,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                     "with --measure, measured on the engine's load path)")
     pf.add_argument("--linear-flops", type=float, default=DEFAULT_LINEAR_FLOPS / 1e9,
                     help="effective FLOP/s of the linear part, in GFLOP/s (default "
-                    f"{DEFAULT_LINEAR_FLOPS / 1e9:g}: SmolLM2 on one core of the dev machine)")
+                    f"{DEFAULT_LINEAR_FLOPS / 1e9:g}: SmolLM2 on the 2-core dev machine)")
     pf.add_argument("--attention-flops", type=float, default=DEFAULT_ATTENTION_FLOPS / 1e9,
                     help="effective FLOP/s of attention, in GFLOP/s (default "
                     f"{DEFAULT_ATTENTION_FLOPS / 1e9:g})")

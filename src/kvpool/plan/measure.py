@@ -28,7 +28,7 @@ from pathlib import Path
 
 import numpy as np
 
-from kvpool.errors import UserError
+from kvpool.errors import KVPoolError, UserError
 from kvpool.plan.fit import Fit, fit_cold
 from kvpool.plan.kv import plan_kv
 from kvpool.plan.prefill import cached_tokens, predict_ttft
@@ -49,8 +49,8 @@ class EngineMeter:
     same work takes on a quiet machine.
 
     ``measure_ttft(prompt_ids, cached_tokens) -> ms`` is the interface the fit and the
-    comparison use; any object with it, ``spec``, ``page_size``, ``kv_dtype``,
-    ``vocab`` and ``load_bandwidth(prompt_ids)`` can stand in for the engine.
+    comparison use; any object with it, ``spec``, ``page_size``, ``kv_dtype``, ``vocab``,
+    ``attention_kernel`` and ``load_bandwidth(prompt_ids)`` can stand in for the engine.
     """
 
     def __init__(self, model: str = "smollm2", dtype: str = "float32", page_size: int = 16,
@@ -86,8 +86,8 @@ class EngineMeter:
 
     def measure_ttft(self, prompt_ids: list[int], cached: int) -> float:
         """TTFT in ms of ``prompt_ids`` after caching its first ``cached`` tokens (a
-        multiple of the page size; 0 = cold). Raises UserError if the engine reused
-        another number of tokens than asked."""
+        multiple of the page size; 0 = cold). Raises KVPoolError if the engine reused
+        another number of tokens than asked (the point would measure something else)."""
         if cached:
             self.engine.generate(prompt_ids[:cached], max_new_tokens=1)
         marks: list[float] = []
@@ -99,7 +99,7 @@ class EngineMeter:
         finally:
             hook.remove()
         if r.reused_tokens != cached:
-            raise UserError(f"engine reused {r.reused_tokens} tokens, expected {cached}")
+            raise KVPoolError(f"engine reused {r.reused_tokens} tokens, expected {cached}")
         return r.ttft_ms if self.clock == "wall" else (marks[0] - start) * 1e3
 
     def load_bandwidth(self, prompt_ids: list[int]) -> float:

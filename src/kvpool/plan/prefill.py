@@ -39,12 +39,12 @@ from kvpool.plan.kv import plan_kv
 from kvpool.plan.spec import ModelSpec
 
 # Defaults of `kvpool plan prefill`: the speeds are the `--measure` fit of SmolLM2-135M
-# fp32 on one thread of the development machine's CPU (docs/plan.md); the bandwidth is
-# in the range DESIGN.md measured for kvpool's data paths (TCP loopback 2.4-4.5 GB/s,
-# shared memory 8-10 GB/s). Give a deployment's own figures, or fit them with --measure.
-DEFAULT_LINEAR_FLOPS = 90e9
-DEFAULT_ATTENTION_FLOPS = 45e9
-DEFAULT_OVERHEAD_MS = 75.0
+# fp32 on the 2-core development machine, torch's default 2 threads (docs/plan.md); the
+# bandwidth is in the range DESIGN.md measured for kvpool's data paths (TCP loopback
+# 2.4-4.5 GB/s, shared memory 8-10 GB/s). Give a deployment's own figures, or --measure.
+DEFAULT_LINEAR_FLOPS = 170e9
+DEFAULT_ATTENTION_FLOPS = 150e9
+DEFAULT_OVERHEAD_MS = 50.0
 DEFAULT_BANDWIDTH_GBPS = 5.0
 KERNELS = ("causal", "masked")
 
