@@ -222,3 +222,49 @@ def test_busy_http_port_is_a_clear_error():
     assert proc.returncode != 0
     assert f"admin HTTP port {port}" in proc.stderr and "already in use" in proc.stderr
     assert "Traceback" not in proc.stderr
+
+
+def test_node_metrics_count_data_plane_requests_bytes_and_errors(admin_cluster):
+    """Reads, writes and their bytes over TCP, and a refused request, show on the node's
+    /metrics (counted by the data server itself, no master call)."""
+    node = node_http(admin_cluster)
+    before = metrics(node)
+    with Client(admin_cluster.master_addr, force_tcp=True) as c:
+        c.put("dp", b"d" * 5000)
+        assert c.get("dp") == b"d" * 5000
+        c.remove("dp", force=True)
+    host, port = admin_cluster.node_addrs[0].split(":")
+    with socket.create_connection((host, int(port)), timeout=5) as raw:
+        from kvpool import protocol as P
+
+        raw.sendall(P.encode_frame(P.DataRead([SEGMENT], [16])))  # outside the segment
+        assert P.data_reply_decoder.decode(P.recv_frame(raw)).code == -600
+    after = metrics(node)
+
+    def grew(name, **labels):
+        return value(after, name, **labels) - value(before, name, **labels)
+
+    assert grew("kvpool_node_data_requests_total", op="write") >= 1
+    assert grew("kvpool_node_data_requests_total", op="read") >= 1
+    assert grew("kvpool_node_data_bytes_total", op="write") >= 5000
+    assert grew("kvpool_node_data_bytes_total", op="read") >= 5000
+    assert grew("kvpool_node_data_errors_total", kind="refused") == 1
+    assert grew("kvpool_node_data_connections_total") >= 2
+
+
+def test_master_counts_every_op_through_its_dispatch_hook(admin_cluster, kv):
+    """Requests that do not decode are counted too (op BadRequest), next to real ops."""
+    from kvpool import protocol as P
+
+    host, port = admin_cluster.master_addr.split(":")
+    before = metrics(master_http(admin_cluster))
+    with socket.create_connection((host, int(port)), timeout=5) as raw:
+        raw.sendall(P.HEADER.pack(P.MAGIC, 3) + b"\xc1\xc1\xc1")  # not msgpack
+        assert P.reply_decoder.decode(P.recv_frame(raw)).code == -600
+    kv.ping()
+    after = metrics(master_http(admin_cluster))
+    for op, code in (("BadRequest", "INVALID_PARAMS"),):
+        assert value(after, "kvpool_master_errors_total", op=op, code=code) - value(
+            before, "kvpool_master_errors_total", op=op, code=code) == 1
+    assert value(after, "kvpool_master_requests_total", op="Ping") > value(
+        before, "kvpool_master_requests_total", op="Ping")

@@ -66,21 +66,28 @@ class ReplicaDesc(msgspec.Struct, array_like=True, frozen=True):
     length: int
 
 
+SOFT_PIN_PRESERVE, SOFT_PIN_ENABLE, SOFT_PIN_DISABLE = 0, 1, 2  # Mooncake's SoftPinAction
+
+
 class PutItem(msgspec.Struct, array_like=True):
     """One object to allocate: ``size`` bytes, ``replica_num`` copies on distinct segments.
 
     upsert: replace an existing object (readers see the old or the new value whole);
-    soft_pin / hard_pin: eviction protection (Mooncake's ReplicateConfig);
-    preferred_segment: segment name to try first ("" = strategy decides).
+    soft_pin: what PutEnd does to the soft pin (Mooncake's SoftPinAction): PRESERVE (0)
+    keeps an existing unexpired one (a new object has none), ENABLE (1) sets it for
+    ``soft_pin_ttl_ms`` from PutEnd (-1 = the master's --soft-pin-ttl; 0 clears it, as in
+    Mooncake), DISABLE (2) clears it; a TTL without ENABLE is INVALID_PARAMS;
+    hard_pin: never evicted; preferred_segment: segment name to try first ("" = strategy).
     """
 
     key: str
     size: int
     replica_num: int = 1
     upsert: bool = False
-    soft_pin: bool = False
+    soft_pin: int = SOFT_PIN_PRESERVE
     hard_pin: bool = False
     preferred_segment: str = ""
+    soft_pin_ttl_ms: int = -1
 
 
 class PutToken(msgspec.Struct, array_like=True):
@@ -205,6 +212,18 @@ class DataWriteMany(_Msg):
     lengths: list[int]
 
 
+class DataWriteEnd(_Msg):
+    """Write like :class:`DataWriteMany`, then the node sends ``PutEnd(token)`` to the
+    master itself and replies only once the master answered: DataResp(code, total
+    bytes written) where ``code`` is the master's PutEnd code (OK: the object is
+    visible to every client; RPC_FAIL: the master could not be asked). Saves the
+    writer one round trip per put; the master sees the same PutEnd as from the writer."""
+
+    offsets: list[int]
+    lengths: list[int]
+    token: PutToken
+
+
 class DataRead(_Msg):
     """Read ``lengths[i]`` bytes at ``offsets[i]``; the reply payload is their concatenation."""
 
@@ -309,7 +328,7 @@ Reply = Union[
     Resp, ErrorResp, MountResp, PutStartResp, BatchPutStartResp, GetResp, BatchGetResp,
     CodesResp, CountResp, StatsResp,
 ]
-DataRequest = Union[DataWrite, DataWriteMany, DataRead]
+DataRequest = Union[DataWrite, DataWriteMany, DataWriteEnd, DataRead]
 
 _encoder = msgspec.msgpack.Encoder()
 request_decoder = msgspec.msgpack.Decoder(Request)

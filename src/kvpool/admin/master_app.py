@@ -63,7 +63,8 @@ def code_name(code: int) -> str:
 
 
 class OpCounters:
-    """Requests and non-OK results per request type, counted around the handlers."""
+    """Requests and non-OK results per request type, fed by the master's dispatch hook
+    (:meth:`MasterServer.observe`)."""
 
     def __init__(self):
         self.requests: Counter[str] = Counter()
@@ -71,26 +72,17 @@ class OpCounters:
 
     @classmethod
     def instrument(cls, server: "MasterServer") -> "OpCounters":
-        """Wrap every handler of ``server`` (its request type -> function table) so each
-        call is counted; returns the counters. Call once, before serving."""
+        """Counters that ``server`` updates after every request; call once, before serving."""
         ops = cls()
-        server._handlers = {t: ops._wrap(t.__name__, fn) for t, fn in server._handlers.items()}
+        server.observe(ops.count)
         return ops
 
-    def _wrap(self, op: str, handler):
-        def counted(request):
-            self.requests[op] += 1
-            try:
-                reply = handler(request)
-            except Exception:  # the server logs it and answers INTERNAL_ERROR
-                self.errors[(op, ErrorCode.INTERNAL_ERROR.name)] += 1
-                raise
-            for code in reply_codes(reply):
-                if code != ErrorCode.OK:
-                    self.errors[(op, code_name(code))] += 1
-            return reply
-
-        return counted
+    def count(self, op: str, reply) -> None:
+        """Count one handled request and each non-OK code its reply carries."""
+        self.requests[op] += 1
+        for code in reply_codes(reply):
+            if code != ErrorCode.OK:
+                self.errors[(op, code_name(code))] += 1
 
     def rejections(self, code: ErrorCode) -> int:
         """How many results of any op carried ``code``."""

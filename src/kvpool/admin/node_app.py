@@ -7,7 +7,13 @@ reached the scrape still answers, with ``kvpool_node_master_reachable 0``.
 
 Metrics: ``kvpool_node_segment_capacity_bytes``, ``kvpool_node_segment_used_bytes``
 (labels segment, owner_id, data_addr), ``kvpool_node_master_reachable``,
-``kvpool_node_serving`` and the process collector's ``process_*``.
+``kvpool_node_serving``, the data plane's counters (read from the data server, no
+master call): ``kvpool_node_data_requests_total{op}`` and
+``kvpool_node_data_bytes_total{op}`` (op read / write),
+``kvpool_node_data_errors_total{kind}`` (refused, bad_frame, broken, accept),
+``kvpool_node_data_commits_total{code}`` (PutEnds sent for writers, by the master's
+answer), ``kvpool_node_data_connections_total`` and ``kvpool_node_data_connections_open``;
+and the process collector's ``process_*``.
 """
 
 from __future__ import annotations
@@ -18,7 +24,7 @@ from typing import TYPE_CHECKING
 
 from aiohttp import web
 from prometheus_client import CollectorRegistry, ProcessCollector
-from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from kvpool import protocol as P
 from kvpool.admin.http import metrics_response, start_site
@@ -68,10 +74,29 @@ class NodeCollector:
             yield fam
         yield GaugeMetricFamily("kvpool_node_serving", "1 while the data server accepts connections",
                                 value=0 if node.server.stopped.is_set() else 1)
+        yield from data_plane_metrics(node.server.counters.snapshot())
 
     def close(self) -> None:
         with self._lock:
             self._master.close()
+
+
+def data_plane_metrics(snap: dict):
+    """Prometheus families of a :class:`~kvpool.transfer.data_server.DataCounters` snapshot."""
+    for name, key, label, doc in (
+        ("requests", "requests", "op", "data-plane requests served, by op (read, write)"),
+        ("bytes", "bytes", "op", "payload bytes moved, by op (read, write)"),
+        ("errors", "errors", "kind", "data-plane failures: refused, bad_frame, broken, accept"),
+        ("commits", "commits", "code", "PutEnds sent to the master for writers, by its answer"),
+    ):
+        family = CounterMetricFamily(f"kvpool_node_data_{name}", doc, labels=[label])
+        for value, n in sorted(snap[key].items()):
+            family.add_metric([value], n)
+        yield family
+    yield CounterMetricFamily("kvpool_node_data_connections", "data connections accepted",
+                              value=snap["connections"])
+    yield GaugeMetricFamily("kvpool_node_data_connections_open", "data connections open now",
+                            value=snap["open_connections"])
 
 
 def node_app(node: "SegmentHost", collector: NodeCollector) -> web.Application:

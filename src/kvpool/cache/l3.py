@@ -6,6 +6,10 @@ Every backend has the same three batch calls, one result per key, in key order:
     put(keys, blobs) -> list[bool]      # True: stored, or was already there
     get(keys) -> list[bytes | None]     # None: not there (evicted, expired, failed)
 
+and optionally, for loads without intermediate copies:
+
+    get_into(keys, bufs) -> list[int]   # bytes written into bufs[i], or < 0: not read
+
 Keys are store key strings (``keys.store_key``); blobs are encoded pages
 (``codec.encode_page``), opaque to the backend. A backend may raise a
 :class:`~kvpool.errors.KVPoolError` when it cannot answer at all; the cache then treats
@@ -17,6 +21,9 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Protocol
 
+import numpy as np
+
+from kvpool.cache.codec import PageFormatError, PageHeader, decode_page
 from kvpool.errors import ErrorCode
 
 
@@ -58,3 +65,37 @@ class StoreBackend:
 
     def get(self, keys: Sequence[str]) -> list[bytes | None]:
         return list(self.client.batch_get(list(keys))) if keys else []
+
+    def get_into(self, keys: Sequence[str], bufs: Sequence) -> list[int]:
+        """Copy each object straight into its writable buffer (one memcpy out of the
+        shared-memory mapping, or one socket read into it); per key the bytes written
+        or a negative ErrorCode (Client.batch_get_into)."""
+        return list(self.client.batch_get_into(list(keys), list(bufs))) if keys else []
+
+
+def read_checked_into(backend, names: Sequence[str], expects: Sequence[PageHeader],
+                      raw: np.ndarray) -> tuple[int, str | None, int]:
+    """Read stored pages ``names[j]`` into ``raw[j]`` and check each header in place.
+
+    Args:
+        backend: an L3 backend with ``get_into``.
+        names: store keys, one object per page, in chain order.
+        expects: the header each object must carry (codec.PageHeader).
+        raw: writable uint8 array ``[len(names), HEADER_SIZE + payload_len]``; after the
+            call row j holds object j as stored: header, then the payload.
+    Returns: (leading pages that passed, why the next did not or None, payload bytes of
+    the good pages). Reasons: "vanished" (gone, lease expired, transfer failed), or a
+    PageFormatError reason ("length" for an object larger than its row, "checksum", ...).
+    The payload is checked where it landed: no copy of it is made.
+    """
+    sizes = backend.get_into(names, [raw[j] for j in range(len(names))])
+    for j, (size, expect) in enumerate(zip(sizes, expects, strict=True)):
+        if size == ErrorCode.BUFFER_OVERFLOW:
+            return j, "length", j * expect.payload_len
+        if size < 0:
+            return j, "vanished", j * expect.payload_len
+        try:
+            decode_page(memoryview(raw[j])[:size], expect)
+        except PageFormatError as exc:
+            return j, exc.reason, j * expect.payload_len
+    return len(names), None, sum(e.payload_len for e in expects)

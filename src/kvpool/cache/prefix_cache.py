@@ -21,11 +21,13 @@ import threading
 import time
 from collections.abc import Callable, Sequence
 
+import numpy as np
 import torch
 
+from kvpool.cache.codec import HEADER_SIZE, PageHeader
 from kvpool.cache.host_pool import HostPool
 from kvpool.cache.keys import PageChain, page_chain
-from kvpool.cache.l3 import L3Backend
+from kvpool.cache.l3 import L3Backend, read_checked_into
 from kvpool.cache.metrics import CacheMetrics
 from kvpool.cache.namespace import Namespace
 from kvpool.cache.pagestore import PageStore
@@ -180,26 +182,37 @@ class PrefixCache:
                           else len(token_ids), m)
         return m
 
-    def load(self, m: Match) -> torch.Tensor:
+    def load(self, m: Match, out: torch.Tensor | None = None) -> torch.Tensor:
         """The KV of the matched pages: tensor [m.num_pages, *page_shape], page order.
 
         L2 and L3 pages are copied into L1 too (so the next match finds them there). L3
         pages are checked against their headers first; at the first page that is missing
         or fails, ``m`` is cut to the pages before it: use ``m.num_pages`` after this call.
-        Raises InvalidParams for a released match.
+
+        ``out``: optional destination ``[m.num_pages, *page_shape]`` of this cache's dtype,
+        with any strides (e.g. a permuted view of the engine's own KV layout), filled
+        instead of a new tensor; the result is then ``out[:m.num_pages]``. Each page is
+        copied once into it: L1 pages straight from the pool, L3 pages from where the
+        store's bytes landed (and checked).
+        Raises InvalidParams for a released match or an ``out`` of another shape or dtype.
         """
         if m.released:
             raise InvalidParams("load of a released match")
-        out = torch.empty((m.num_pages, *self.page_shape), dtype=self.dtype,
-                          device=self.pool.data.device)
+        if out is None:
+            out = torch.empty((m.num_pages, *self.page_shape), dtype=self.dtype,
+                              device=self.pool.data.device)
+        elif tuple(out.shape) != (m.num_pages, *self.page_shape) or out.dtype != self.dtype:
+            raise InvalidParams(f"out is {tuple(out.shape)} {out.dtype}, expected "
+                                f"{(m.num_pages, *self.page_shape)} {self.dtype}")
         n_tree = len(m.nodes)
         with self._lock:
             self._read_tree(m.nodes, out[:n_tree])
         if m.num_pages > n_tree:
-            got = self._read_l3(m.l3_keys, n_tree, out[n_tree:])
+            got, pages = self._read_l3(m.l3_keys, n_tree)
+            out[n_tree:n_tree + got].copy_(pages)
             if got < m.num_pages - n_tree:
                 m._truncate(n_tree + got)
-            self._adopt(m, out[n_tree:n_tree + got])
+            self._adopt(m, pages)
         return out[:m.num_pages]
 
     def release(self, m: Match) -> None:
@@ -335,8 +348,11 @@ class PrefixCache:
             for where in ("L1", "L2"):
                 idx = [i for i, (t, _) in enumerate(placed) if t == where]
                 if idx:
-                    self._write(where, [placed[i][1] for i in idx],
-                                pages[[first + i for i in idx]])
+                    # chain order puts each tier's pages in one run: a slice, no gather copy
+                    lo = first + idx[0]
+                    src = (pages[lo:lo + len(idx)] if idx[-1] - idx[0] + 1 == len(idx)
+                           else pages[[first + i for i in idx]])
+                    self._write(where, [placed[i][1] for i in idx], src)
             node = tail
             for i, (where, slot) in enumerate(placed, start=first):
                 node = self.tree.add(node, keys[i], toks[i], where, slot)
@@ -419,11 +435,10 @@ class PrefixCache:
     def _read_tree(self, nodes: list[Node], out: torch.Tensor) -> None:
         """Copy the KV of tree ``nodes`` into ``out``; L2-only pages are promoted to L1.
         Caller holds ``self._lock``."""
-        in_l1 = [i for i, n in enumerate(nodes) if n.l1 >= 0]
-        if in_l1:
-            dev = self.pool.data.device
-            out[torch.tensor(in_l1, device=dev)] = self.pool.data[
-                torch.tensor([nodes[i].l1 for i in in_l1], device=dev)]
+        for i, node in enumerate(nodes):
+            if node.l1 >= 0:
+                # page by page: one copy into any layout (a gather would copy twice)
+                out[i].copy_(self.pool.data[node.l1])
         in_l2 = [i for i, n in enumerate(nodes) if n.l1 < 0]
         for i in in_l2:
             self.l2.read([nodes[i].l2], out[i:i + 1])
@@ -474,21 +489,46 @@ class PrefixCache:
             self.metrics.inc("l3_errors")
             return 0
 
-    def _read_l3(self, keys: list[bytes], first_index: int, out: torch.Tensor) -> int:
-        """Read and check L3 pages into ``out``; returns how many leading pages are good."""
+    def _read_l3(self, keys: list[bytes], first_index: int) -> tuple[int, torch.Tensor]:
+        """Read and check L3 pages ``keys`` (page numbers from ``first_index``).
+
+        Returns (how many leading pages are good, a tensor ``[good, *page_shape]`` of
+        them). With a backend that reads into buffers and one object per page, the
+        objects land in one staging array, header and payload together, are checked
+        there, and the result is a view of their payloads: one copy out of the store.
+        """
         try:
-            result = self.store.read(keys, first_index, out)
+            if self.l3 is not None and hasattr(self.l3, "get_into") and len(self.store.parts) == 1:
+                good, reason, nbytes, pages = self._read_l3_direct(keys, first_index)
+            else:
+                pages = torch.empty((len(keys), *self.page_shape), dtype=self.dtype)
+                result = self.store.read(keys, first_index, pages)
+                good, reason, nbytes = result.good, result.reason, result.nbytes
         except KVPoolError:
             self.metrics.inc("l3_errors")
-            return 0
-        if result.reason == "vanished":
+            return 0, torch.empty((0, *self.page_shape), dtype=self.dtype)
+        if reason == "vanished":
             self.metrics.inc("l3_vanished")
-        elif result.reason is not None:
+        elif reason is not None:
             self.metrics.inc("page_rejects")
-            self.metrics.inc(f"page_rejects_{result.reason}")
-        self.metrics.inc("pages_loaded_l3", result.good)
-        self.metrics.inc("bytes_loaded_l3", result.nbytes)
-        return result.good
+            self.metrics.inc(f"page_rejects_{reason}")
+        self.metrics.inc("pages_loaded_l3", good)
+        self.metrics.inc("bytes_loaded_l3", nbytes)
+        return good, pages[:good]
+
+    def _read_l3_direct(self, keys: list[bytes], first_index: int):
+        """(good, reason, payload bytes, pages view) through ``l3.read_checked_into``."""
+        payload = self.store.part_bytes
+        raw = np.empty((len(keys), HEADER_SIZE + payload), dtype=np.uint8)
+        # one object per page: its header binds it to the page key itself (pagestore)
+        expects = [PageHeader(self._ns_digest, key, first_index + j, self.page_size, payload)
+                   for j, key in enumerate(keys)]
+        names = [name for key in keys for name in self.store.object_keys(key)]
+        good, reason, nbytes = read_checked_into(self.l3, names, expects, raw)
+        # [n, header + payload] bytes -> [n, *page_shape] payloads: a view, rows strided
+        pages = (torch.from_numpy(raw)[:, HEADER_SIZE:].view(self.dtype)
+                 .view(len(keys), *self.page_shape))
+        return good, reason, nbytes, pages
 
     def _backup_job(self, nodes: list[Node]) -> _Backup | None:
         """Lock the pages of ``nodes`` that need an L3 backup. Caller holds the lock."""
@@ -578,8 +618,7 @@ class PrefixCache:
             if h.cancelled():
                 return "cancelled"
             lo, hi = h.landed, min(planned, h.landed + batch)
-            buf = torch.empty((hi - lo, *self.page_shape), dtype=self.dtype)
-            good = self._read_l3(h.keys[lo:hi], h.first_index + lo, buf)
+            good, buf = self._read_l3(h.keys[lo:hi], h.first_index + lo)
             with self._lock:
                 if h.cancelled():  # scheduled meanwhile: its locks may be gone already
                     return "cancelled"

@@ -23,6 +23,8 @@ import time
 from dataclasses import dataclass
 from typing import Sequence
 
+import msgspec
+
 from kvpool import protocol as P
 from kvpool.errors import (
     ErrorCode, InvalidParams, KVPoolError, LeaseExpired, TransferFailed, raise_for,
@@ -132,31 +134,43 @@ class Client:
             out.sort(key=lambda dt: dt[1].rank)
         return out
 
-    def _write_all(self, jobs: list[tuple[int, P.ReplicaDesc, memoryview]]) -> dict[int, bool]:
-        """Write every (item index, replica, source) job; {index: all its writes OK}."""
+    def _write_all(self, jobs: list[tuple[int, P.ReplicaDesc, memoryview]]) -> tuple[dict[int, bool], str]:
+        """Write every (item index, replica, source) job. Returns ({index: all its
+        writes OK}, why the failed ones failed: status and the transports' reasons)."""
         reqs = [TransferRequest(Op.WRITE, src, 0, d.segment, d.offset, d.length) for _, d, src in jobs]
         ok: dict[int, bool] = {i: True for i, _, _ in jobs}
-        for (i, _, _), status in zip(jobs, self.engine.transfer(reqs)):
+        result = self.engine.transfer(reqs)
+        why = ""
+        for k, ((i, _, _), status) in enumerate(zip(jobs, result)):
             ok[i] = ok[i] and status == TransferStatus.COMPLETED
-        return ok
+            if status != TransferStatus.COMPLETED and not why:
+                why = result.describe(k)
+        return ok, why
 
-    def _read_all(self, jobs: list[tuple[int, list[P.ReplicaDesc], memoryview]]) -> dict[int, bool]:
-        """Copy one replica of each item into its destination; {index: copied}.
+    def _read_all(self, jobs: list[tuple[int, list[P.ReplicaDesc], list[tuple[int, memoryview]]]]) -> dict[int, bool]:
+        """Copy ranges of one replica of each item into destinations; {index: copied}.
 
-        Each item reads its cheapest replica first (all items of one node in one
-        exchange); the items that failed try their next replica, and so on.
+        A job is (item index, replicas, [(offset in the value, destination view)]): each
+        fragment reads len(destination) bytes. Each item reads its cheapest replica
+        first (all items of one node in one exchange); the items that failed try their
+        next replica, and so on. An item is copied only when all its fragments are.
         """
         routes: dict = {}
         options = {i: self._ranked(replicas, routes) for i, replicas, _ in jobs}
-        dsts = {i: dst for i, _, dst in jobs}
-        done = {i: False for i in dsts}
-        pending, attempt = [i for i in dsts if options[i]], 0
+        frags = {i: fragments for i, _, fragments in jobs}
+        done = {i: False for i in frags}
+        pending, attempt = [i for i in frags if options[i]], 0
         while pending:
-            reqs = [TransferRequest(Op.READ, dsts[i], 0, d.segment, d.offset, len(dsts[i]))
-                    for i in pending for d, _ in [options[i][attempt]]]
-            statuses = self.engine.transfer(reqs)
-            for i, status in zip(pending, statuses):
-                done[i] = status == TransferStatus.COMPLETED
+            owners, reqs = [], []
+            for i in pending:
+                d = options[i][attempt][0]
+                for src, dst in frags[i]:
+                    owners.append(i)
+                    reqs.append(TransferRequest(Op.READ, dst, 0, d.segment, d.offset + src, len(dst)))
+            ok = dict.fromkeys(pending, True)
+            for i, status in zip(owners, self.engine.transfer(reqs)):
+                ok[i] = ok[i] and status == TransferStatus.COMPLETED
+            done.update(ok)
             attempt += 1
             pending = [i for i in pending if not done[i] and attempt < len(options[i])]
         return done
@@ -173,20 +187,38 @@ class Client:
 
     # ------------------------------------------------------------ put
 
-    def put(self, key: str, value, replica_num: int = 1, *, soft_pin: bool = False,
-            hard_pin: bool = False, preferred_segment: str = "") -> int:
+    def put(self, key: str, value, replica_num: int = 1, *, soft_pin: bool | None = None,
+            soft_pin_ttl_ms: int | None = None, hard_pin: bool = False, preferred_segment: str = "") -> int:
         """Store ``value`` (bytes-like or C-contiguous numpy array) under ``key``.
+
+        Args: replica_num: copies on distinct segments (best effort); soft_pin: True
+        soft-pins the object (evicted only after unpinned ones) for ``soft_pin_ttl_ms``
+        (None = the master's --soft-pin-ttl, at most its --max-soft-pin-ttl), False
+        clears a soft pin, None keeps an existing one (an upsert; a new object has
+        none) - Mooncake's SoftPinAction ENABLE / DISABLE / PRESERVE; hard_pin: never
+        evicted; preferred_segment: segment name to place the first replica on.
 
         Returns the number of replicas stored (best effort: 1..replica_num).
         Raises ObjectExists (K01: nothing is stored), NoSpace, InvalidParams (empty key
-        or value), ObjectNotReady (another put of key in flight), TransferFailed.
+        or value, a TTL without soft_pin=True or above the maximum), ObjectNotReady
+        (another put of key in flight), TransferFailed (with the transport's cause).
         """
-        return self._put(key, value, P.PutItem(key, 0, replica_num, False, soft_pin, hard_pin, preferred_segment))
+        return self._put(key, value, _item(key, replica_num, False, soft_pin, soft_pin_ttl_ms, hard_pin,
+                                           preferred_segment))
 
-    def upsert(self, key: str, value, replica_num: int = 1, *, soft_pin: bool = False,
-               hard_pin: bool = False) -> int:
-        """Like :meth:`put` but replaces an existing value; readers see old or new whole."""
-        return self._put(key, value, P.PutItem(key, 0, replica_num, True, soft_pin, hard_pin))
+    def upsert(self, key: str, value, replica_num: int = 1, *, soft_pin: bool | None = None,
+               soft_pin_ttl_ms: int | None = None, hard_pin: bool = False, preferred_segment: str = "") -> int:
+        """Like :meth:`put` but replaces an existing value; readers see old or new whole.
+        By default (``soft_pin=None``) an existing soft pin is kept, as in Mooncake."""
+        return self._put(key, value, _item(key, replica_num, True, soft_pin, soft_pin_ttl_ms, hard_pin,
+                                           preferred_segment))
+
+    def ping(self) -> float:
+        """One round trip to the master that touches no metadata (health checks).
+        Returns the round-trip time in seconds; raises RpcFailed when unreachable."""
+        start = time.perf_counter()
+        self._call(P.Ping())
+        return time.perf_counter() - start
 
     def register_buffer(self, buf) -> RegisteredBuffer:
         """Register caller memory for zero-copy puts and gets: bytes-like, numpy array,
@@ -228,21 +260,26 @@ class Client:
         reply = self._call(P.PutStart(item, self.host_id), idempotent=False)
         raise_for(reply.code, f"put {key!r}: {_code(reply.code).name}")
         token = P.PutToken(key, reply.put_id)
-        if not self._write_all([(0, d, src) for d in reply.replicas])[0]:
+        written, why = self._write_all([(0, d, src) for d in reply.replicas])
+        if not written[0]:
             self._call(P.PutRevoke(token))
-            raise TransferFailed(f"put {key!r}: writing a replica failed")
+            raise TransferFailed(f"put {key!r}: writing a replica failed ({why})")
         raise_for(self._call(P.PutEnd(token)).code, f"put {key!r}: PutEnd refused")
         return len(reply.replicas)
 
     def batch_put(self, keys: Sequence[str], values: Sequence, replica_num: int = 1, *,
-                  upsert: bool = False, soft_pin: bool = False, hard_pin: bool = False) -> list[ErrorCode]:
+                  upsert: bool = False, soft_pin: bool | None = None, soft_pin_ttl_ms: int | None = None,
+                  hard_pin: bool = False, preferred_segment: str = "") -> list[ErrorCode]:
         """Put many objects with one PutStart, one PutEnd (and one PutRevoke) RPC.
+        Options as in :meth:`put`, for every item.
 
         Returns one ErrorCode per item: OK, OBJECT_ALREADY_EXISTS (also for the second of
         a duplicated key, K02), NO_AVAILABLE_HANDLE, INVALID_PARAMS, TRANSFER_FAIL...
+        Raises InvalidParams for options that are wrong for every item.
         """
         if len(keys) != len(values):
             raise InvalidParams("batch_put needs as many values as keys")
+        template = _item("", replica_num, upsert, soft_pin, soft_pin_ttl_ms, hard_pin, preferred_segment)
         codes = [ErrorCode.OK] * len(keys)
         srcs, sent = [], []
         for i, (key, value) in enumerate(zip(keys, values)):
@@ -258,7 +295,7 @@ class Client:
             sent.append(i)
         if not sent:
             return codes
-        items = [P.PutItem(keys[i], len(s), replica_num, upsert, soft_pin, hard_pin) for i, s in zip(sent, srcs)]
+        items = [msgspec.structs.replace(template, key=keys[i], size=len(s)) for i, s in zip(sent, srcs)]
         results = self._call(P.BatchPutStart(items, self.host_id), idempotent=False).results
         jobs, tokens = [], {}
         for i, src, res in zip(sent, srcs, results):
@@ -266,7 +303,7 @@ class Client:
             if res.code == ErrorCode.OK:
                 tokens[i] = P.PutToken(keys[i], res.put_id)
                 jobs.extend((i, d, src) for d in res.replicas)
-        written = self._write_all(jobs)
+        written, _ = self._write_all(jobs)
         good = [i for i in tokens if written[i]]
         bad = [i for i in tokens if not written[i]]
         if bad:
@@ -339,7 +376,7 @@ class Client:
                 out.append(int(ErrorCode.BUFFER_OVERFLOW))
                 continue
             out.append(h.size)
-            jobs.append((i, h.replicas, dst[: h.size]))
+            jobs.append((i, h.replicas, [(0, dst[: h.size])]))
         done = self._read_all(jobs)
         now = time.monotonic()
         for i, _, _ in jobs:
@@ -349,6 +386,44 @@ class Client:
                 out[i] = int(ErrorCode.LEASE_EXPIRED)
             elif isinstance(bufs[i], RegisteredBuffer):
                 bufs[i].after_read(0, out[i])
+        return out
+
+    def batch_read_ranges(self, handles: Sequence[ReadHandle], ranges: Sequence[Sequence[tuple[int, object]]]) -> list[list[int]]:
+        """Copy only the requested byte ranges of each handle's value.
+
+        ``ranges[i]``: (offset in the value, writable destination) pairs for
+        ``handles[i]``; each reads len(destination) bytes. Only these bytes move (one
+        exchange per node for the whole batch). Returns, per handle, per range: bytes
+        copied, or a negative ErrorCode: INVALID_PARAMS (range outside the value, empty
+        or read-only destination: nothing moves for it), TRANSFER_FAIL, LEASE_EXPIRED
+        (the copy ended after the lease: its destination content is undefined)."""
+        if len(handles) != len(ranges):
+            raise InvalidParams("need one list of ranges per handle")
+        out: list[list[int]] = []
+        jobs = []
+        for i, (h, wanted) in enumerate(zip(handles, ranges)):
+            codes, frags = [], []
+            for src, buf in wanted:
+                try:
+                    dst = _destination(buf)
+                except InvalidParams:
+                    dst = None
+                if dst is None or not len(dst) or src < 0 or src + len(dst) > h.size:
+                    codes.append(int(ErrorCode.INVALID_PARAMS))
+                    continue
+                codes.append(len(dst))
+                frags.append((src, dst))
+            out.append(codes)
+            if frags:
+                jobs.append((i, h.replicas, frags))
+        done = self._read_all(jobs)
+        now = time.monotonic()
+        for i, _, _ in jobs:
+            failure = None if done.get(i) else ErrorCode.TRANSFER_FAIL
+            if failure is None and now > handles[i].deadline:
+                failure = ErrorCode.LEASE_EXPIRED
+            if failure is not None:
+                out[i] = [c if c < 0 else int(failure) for c in out[i]]
         return out
 
     def get(self, key: str) -> bytes:
@@ -462,6 +537,17 @@ class Client:
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+
+def _item(key: str, replica_num: int, upsert: bool, soft_pin: bool | None, soft_pin_ttl_ms: int | None,
+          hard_pin: bool, preferred_segment: str) -> P.PutItem:
+    """The PutItem of one put (size filled in later). Raises InvalidParams for a TTL
+    given without ``soft_pin=True`` or a negative one (Mooncake refuses both)."""
+    if soft_pin_ttl_ms is not None and (soft_pin is not True or soft_pin_ttl_ms < 0):
+        raise InvalidParams("soft_pin_ttl_ms needs soft_pin=True and must be >= 0")
+    action = P.SOFT_PIN_PRESERVE if soft_pin is None else P.SOFT_PIN_ENABLE if soft_pin else P.SOFT_PIN_DISABLE
+    return P.PutItem(key, 0, replica_num, upsert, action, bool(hard_pin), preferred_segment,
+                     -1 if soft_pin_ttl_ms is None else int(soft_pin_ttl_ms))
 
 
 def _source(buf, offset: int, size: int) -> memoryview:

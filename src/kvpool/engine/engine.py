@@ -13,6 +13,11 @@ One request runs in five steps (issue 2):
 5. store: every full page of the prompt is copied out of the cache and inserted; the
    cache keeps what it lacks and backs it up to L3.
 
+Attention runs the ``kvpool_causal`` kernel (:mod:`kvpool.engine.attention`) by default:
+after a cached prefix it computes only the causal pairs, where transformers' stock
+``sdpa`` path computes the whole (new tokens x all tokens) rectangle; ``attention="sdpa"``
+selects the stock path for comparison.
+
 TTFT is the wall time from the start of ``generate`` to the first output token,
 including lookup and load. With fp32, reuse matches a one-shot cold prefill within
 1e-4 on the logits (DESIGN.md measured 3e-5) and gives the same greedy tokens.
@@ -28,7 +33,8 @@ import torch
 from transformers import DynamicCache
 
 from kvpool.cache import max_reusable_pages
-from kvpool.engine.kv import cache_to_pages, page_shape, pages_to_cache
+from kvpool.engine import attention as attn
+from kvpool.engine.kv import cache_to_pages, kv_buffer, page_shape, pages_view, seq_cache
 from kvpool.engine.models import LoadedModel, load_model
 from kvpool.errors import InvalidParams
 
@@ -66,14 +72,23 @@ class Engine:
         dtype: weights and KV dtype when ``model`` is a spec ("float32" is the reference).
         cache: a ``kvpool.cache.PrefixCache`` whose page shape is :meth:`page_shape`
             of its page size, or None to always prefill cold. It can be set later.
+        attention: "kvpool_causal" (default: skips the masked pairs after a prefix) or
+            "sdpa" (transformers' stock kernel). A model with non-causal or windowed
+            layers always gets "sdpa" (``self.attention`` says which runs).
+    Raises: InvalidParams for an unknown ``attention``.
     """
 
     def __init__(self, model: LoadedModel | str = "smollm2", dtype: str = "float32",
-                 cache=None):
+                 cache=None, attention: str = attn.NAME):
+        if attention not in attn.CHOICES:
+            raise InvalidParams(f"attention must be one of {attn.CHOICES}, got {attention!r}")
         self.loaded = model if isinstance(model, LoadedModel) else load_model(model, dtype)
         self.model = self.loaded.model
         self.config = self.model.config
         self.cache = cache
+        if attention == attn.NAME:
+            attn.register()
+        self.attention = attention if attn.supports(self.config) else attn.STOCK
         eos = self.config.eos_token_id
         self.eos_ids = set(eos if isinstance(eos, list) else [eos] if eos is not None else [])
 
@@ -123,9 +138,13 @@ class Engine:
         if max_new_tokens < 1:
             raise InvalidParams(f"max_new_tokens must be >= 1, got {max_new_tokens}")
         cache = self.cache if use_cache else None
+        if self.config._attn_implementation != self.attention:
+            # the kernel is a setting of the model object, which engines may share
+            self.model.set_attn_implementation(self.attention)
         timings = dict.fromkeys(("lookup", "load", "prefill", "decode", "store"), 0.0)
         start = time.perf_counter()
-        kv, by_tier = self._load_prefix(cache, prompt_ids, timings)
+        kv, by_tier = self._load_prefix(cache, prompt_ids, len(prompt_ids) + max_new_tokens,
+                                        timings)
         reused = kv.get_seq_length()
 
         mark = time.perf_counter()
@@ -148,10 +167,14 @@ class Engine:
             decode_tok_s=decoded / (timings["decode"] / 1e3) if decoded else 0.0,
             last_logits=logits.float(), timings_ms=timings)
 
-    def _load_prefix(self, cache, prompt_ids, timings) -> tuple[DynamicCache, dict[str, int]]:
-        """Longest reusable cached prefix as a DynamicCache, and reused tokens per tier."""
+    def _load_prefix(self, cache, prompt_ids, capacity, timings
+                     ) -> tuple[DynamicCache, dict[str, int]]:
+        """The KV of the longest reusable cached prefix, in a cache with room for
+        ``capacity`` tokens, and the reused tokens per tier."""
+        seq = kv_buffer(page_shape(self.config, cache.page_size if cache else 1), capacity,
+                        self.model.dtype)
         if cache is None:
-            return DynamicCache(config=self.config), {}
+            return seq_cache(seq, 0, self.config), {}
         mark = time.perf_counter()
         # never the whole prompt: the last token is always computed (K15)
         match = cache.match(prompt_ids, max_pages=max_reusable_pages(len(prompt_ids),
@@ -159,17 +182,21 @@ class Engine:
         timings["lookup"] = (time.perf_counter() - mark) * 1e3
         mark = time.perf_counter()
         try:
-            # load may cut the match at a page that is gone or fails its check (a miss)
-            pages = cache.load(match)[:match.num_pages] if match.num_pages else None
+            if match.num_pages:
+                # each page is copied once, straight into the model's KV layout; load may
+                # cut the match at a page that is gone or fails its check (a miss)
+                view = pages_view(seq, match.num_pages, cache.page_size)
+                if cache.dtype == seq.dtype:
+                    cache.load(match, out=view)
+                else:
+                    pages = cache.load(match)
+                    view[:match.num_pages].copy_(pages)
         finally:
             cache.release(match)
         by_tier: dict[str, int] = {}
         for tier in match.tiers[:match.num_pages]:
             by_tier[tier] = by_tier.get(tier, 0) + cache.page_size
-        if pages is None or match.num_pages == 0:
-            kv = DynamicCache(config=self.config)
-        else:
-            kv = pages_to_cache(pages.to(self.model.dtype), self.config)
+        kv = seq_cache(seq, match.num_tokens, self.config)
         timings["load"] = (time.perf_counter() - mark) * 1e3
         return kv, by_tier
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import torch
 from transformers import DynamicCache
+from transformers.cache_utils import DynamicLayer
 
 
 def page_shape(config, page_size: int) -> tuple[int, int, int, int, int]:
@@ -31,13 +32,66 @@ def pages_to_cache(pages: torch.Tensor, config) -> DynamicCache:
     n, layers, _, heads, page_size, dim = pages.shape
     # [n, L, 2, H, P, D] -> [L, 2, H, n, P, D] -> [L, 2, 1, H, n*P, D]: the one copy
     seq = pages.permute(1, 2, 3, 0, 4, 5).reshape(layers, 2, 1, heads, n * page_size, dim)
+    return seq_cache(seq, n * page_size, config)
+
+
+def kv_buffer(page_shape_: tuple[int, ...], capacity: int, dtype: torch.dtype) -> torch.Tensor:
+    """Uninitialised KV of one sequence of up to ``capacity`` tokens, in the layout the
+    model reads: ``[L, 2, 1, H_kv, capacity, D]`` (per layer keys then values, batch 1)."""
+    layers, _, heads, _, dim = page_shape_
+    return torch.empty((layers, 2, 1, heads, capacity, dim), dtype=dtype)
+
+
+def pages_view(seq: torch.Tensor, num_pages: int, page_size: int) -> torch.Tensor:
+    """The first ``num_pages * page_size`` tokens of ``seq`` (see :func:`kv_buffer`) seen
+    as pages ``[n, L, 2, H_kv, P, D]``: a view, for ``PrefixCache.load(m, out=...)``,
+    which then copies each page once, straight into the layout the model reads."""
+    tokens = seq[:, :, 0, :, :num_pages * page_size]          # [L, 2, H, n*P, D]
+    return tokens.unflatten(3, (num_pages, page_size)).permute(3, 0, 1, 2, 4, 5)
+
+
+def seq_cache(seq: torch.Tensor, length: int, config) -> DynamicCache:
+    """A DynamicCache whose layers hold the first ``length`` tokens of ``seq``
+    ``[L, 2, 1, H_kv, capacity, D]`` and write later tokens in place (shared memory).
+
+    Stock DynamicLayer concatenates every update onto the whole cache, a full copy of
+    the KV per forward (the prefix again at prefill, all of it at each decode step);
+    here the tokens land in the free part of ``seq``. Past ``capacity`` a layer falls
+    back to concatenating.
+    """
     cache = DynamicCache(config=config)
-    for layer, (keys, values) in zip(cache.layers, zip(seq[:, 0], seq[:, 1])):
-        # set the layer's tensors directly: DynamicLayer.update would cat them onto an
-        # empty tensor, a second full copy of the prefix
-        layer.lazy_initialization(keys, values)
-        layer.keys, layer.values = keys, values
+    for i, layer in enumerate(cache.layers):
+        keys, values = seq[i, 0], seq[i, 1]
+        if type(layer) is DynamicLayer:
+            cache.layers[i] = InPlaceLayer(keys, values, length)
+        else:  # a sliding-window or other special layer keeps its own update
+            layer.lazy_initialization(keys, values)
+            layer.keys, layer.values = keys[..., :length, :], values[..., :length, :]
     return cache
+
+
+class InPlaceLayer(DynamicLayer):
+    """A DynamicLayer over preallocated storage ``[1, H_kv, capacity, D]`` per keys and
+    values; ``keys``/``values`` are views of the filled part."""
+
+    def __init__(self, keys: torch.Tensor, values: torch.Tensor, length: int):
+        super().__init__()
+        self._keys, self._values = keys, values
+        self.device = keys.device
+        self.keys, self.values = keys[..., :length, :], values[..., :length, :]
+        self.is_initialized = True
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs
+               ) -> tuple[torch.Tensor, torch.Tensor]:
+        start = self.keys.shape[-2]
+        end = start + key_states.shape[-2]
+        if end > self._keys.shape[-2]:
+            return super().update(key_states, value_states, *args, **kwargs)
+        self._keys[..., start:end, :].copy_(key_states)
+        self._values[..., start:end, :].copy_(value_states)
+        self.keys, self.values = self._keys[..., :end, :], self._values[..., :end, :]
+        return self.keys, self.values
+
 
 def cache_to_pages(cache: DynamicCache, num_pages: int, page_size: int) -> torch.Tensor:
     """Copy the first ``num_pages`` full pages out of ``cache``.

@@ -45,6 +45,7 @@ OPTIONS = [
     Option("put-start-discard-timeout", 30.0, _positive(float), "seconds after which an unfinished put may be taken over"),
     Option("put-start-release-timeout", 600.0, _positive(float), "seconds after which an unfinished put's space is freed"),
     Option("soft-pin-ttl", 1_800_000, _positive(int), "how long a soft pin protects an object, ms"),
+    Option("max-soft-pin-ttl", 86_400_000, _positive(int), "largest soft-pin TTL a put may ask for, ms"),
     Option("allocation-strategy", "random", _strategy, f"replica placement: {' | '.join(STRATEGIES)}"),
     Option("http-port", None, int, "admin HTTP port: /health /metrics /segments /query_key /keys "
            "(0 = a free port; unset = no admin server)", env="MASTER_HTTP_PORT"),
@@ -66,6 +67,7 @@ def config_from(values: dict) -> MasterConfig:
         put_start_discard_timeout_s=values["put_start_discard_timeout"],
         put_start_release_timeout_s=values["put_start_release_timeout"],
         soft_pin_ttl_ms=values["soft_pin_ttl"],
+        max_soft_pin_ttl_ms=values["max_soft_pin_ttl"],
         allocation_strategy=values["allocation_strategy"],
     )
 
@@ -75,6 +77,8 @@ def run(args) -> int:
     from kvpool.master.service import MasterService
 
     values = resolve(args, OPTIONS)
+    if values["soft_pin_ttl"] > values["max_soft_pin_ttl"]:
+        raise UserError("--soft-pin-ttl must not exceed --max-soft-pin-ttl")
     logging.basicConfig(level=logging.INFO, format="%(asctime)s master %(levelname)s %(message)s")
     service = MasterService(config_from(values))
     try:

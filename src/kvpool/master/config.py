@@ -15,7 +15,9 @@ class MasterConfig:
     client_ttl_s: a node/client without a heartbeat for this long loses its segments.
     put_start_discard_timeout_s: a PutStart older than this may be taken over.
     put_start_release_timeout_s: a dead put's buffers return to the pool after this.
-    soft_pin_ttl_ms: how long a soft pin protects an object (fixed at put time).
+    soft_pin_ttl_ms: how long a soft pin protects an object unless the put names its own
+        TTL (fixed at PutEnd; reads do not extend it).
+    max_soft_pin_ttl_ms: the largest per-put soft-pin TTL accepted (Mooncake: 24 h).
     allocation_strategy: random | free_ratio_first | local_first.
     max_replicas: upper bound on replica_num accepted per put.
     """
@@ -27,5 +29,6 @@ class MasterConfig:
     put_start_discard_timeout_s: float = 30.0
     put_start_release_timeout_s: float = 600.0
     soft_pin_ttl_ms: int = 30 * 60 * 1000
+    max_soft_pin_ttl_ms: int = 24 * 60 * 60 * 1000
     allocation_strategy: str = "random"
     max_replicas: int = 16

@@ -41,7 +41,8 @@ class PendingPut:
     size: int
     replicas: list[Replica]
     started: float  # monotonic seconds
-    soft_pin: bool = False
+    soft_pin: int = 0  # protocol.SOFT_PIN_* action applied at PutEnd
+    soft_pin_ttl_ms: int = 0  # for SOFT_PIN_ENABLE, resolved (0 clears the pin)
     hard_pin: bool = False
 
 

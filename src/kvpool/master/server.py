@@ -13,6 +13,7 @@ import gc
 import logging
 import os
 import signal
+from typing import Callable
 
 import msgspec
 
@@ -51,6 +52,10 @@ def _handlers(svc: MasterService) -> dict[type, object]:
     }
 
 
+Observer = Callable[[str, msgspec.Struct], None]
+BAD_REQUEST = "BadRequest"  # the op name observers see for a body that did not decode
+
+
 class MasterServer:
     """Serves :class:`MasterService` on ``host:port`` (port 0 = any free port)."""
 
@@ -58,19 +63,36 @@ class MasterServer:
         self.service = service
         self.host, self.port = host, port
         self._handlers = _handlers(service)
+        self._observers: list[Observer] = []
         self._server: asyncio.base_events.Server | None = None
 
+    def observe(self, callback: Observer) -> None:
+        """Call ``callback(op, reply)`` after each request is handled (e.g. per-op request
+        and error counters). ``op`` is the request type's name ("PutStart", "BatchRemove",
+        ...; :data:`BAD_REQUEST` for a body that did not decode); ``reply`` is the Struct
+        sent back (an ErrorResp when the handler failed). Runs on the event loop: it must
+        be quick; an exception it raises is logged and ignored."""
+        self._observers.append(callback)
+
     def dispatch(self, body: bytes | bytearray) -> msgspec.Struct:
-        """Decode one request body and run its handler; never raises."""
+        """Decode one request body, run its handler, tell the observers; never raises."""
         try:
             req = P.request_decoder.decode(body)
         except (msgspec.DecodeError, msgspec.ValidationError) as exc:
-            return P.ErrorResp(ErrorCode.INVALID_PARAMS, f"bad request: {exc}"[:300])
-        try:
-            return self._handlers[type(req)](req)
-        except Exception:  # a bug must not take the whole master down; log it loudly
-            log.exception("handler for %s failed", type(req).__name__)
-            return P.ErrorResp(ErrorCode.INTERNAL_ERROR, f"internal error in {type(req).__name__}")
+            op, reply = BAD_REQUEST, P.ErrorResp(ErrorCode.INVALID_PARAMS, f"bad request: {exc}"[:300])
+        else:
+            op = type(req).__name__
+            try:
+                reply = self._handlers[type(req)](req)
+            except Exception:  # a bug must not take the whole master down; log it loudly
+                log.exception("handler for %s failed", op)
+                reply = P.ErrorResp(ErrorCode.INTERNAL_ERROR, f"internal error in {op}")
+        for callback in self._observers:
+            try:
+                callback(op, reply)
+            except Exception:  # counting must never cost a reply
+                log.exception("master observer failed on %s", op)
+        return reply
 
     async def _serve_conn(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         try:

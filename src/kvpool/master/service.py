@@ -22,8 +22,9 @@ from kvpool.master.eviction import EvictionQueue
 from kvpool.master.objects import ObjectMeta, PendingPut, Replica
 from kvpool.master.segments import SegmentTable
 from kvpool.protocol import (
-    CodesResp, CountResp, GetResp, MountResp, PutItem, PutStartResp, PutToken, ReplicaDesc,
-    Resp, SegmentInfo, SegmentStats, StatsResp,
+    SOFT_PIN_DISABLE, SOFT_PIN_ENABLE, SOFT_PIN_PRESERVE, CodesResp, CountResp, GetResp,
+    MountResp, PutItem, PutStartResp, PutToken, ReplicaDesc, Resp, SegmentInfo, SegmentStats,
+    StatsResp,
 )
 
 MAX_KEY_BYTES = 4096
@@ -103,8 +104,21 @@ class MasterService:
 
     # ------------------------------------------------------------ put
 
+    def _soft_pin_ttl(self, item: PutItem) -> int | None:
+        """The soft-pin TTL (ms) PutEnd applies, or None when the request is invalid:
+        a TTL needs ENABLE, and at most ``max_soft_pin_ttl_ms`` (Mooncake's rules)."""
+        if item.soft_pin not in (SOFT_PIN_PRESERVE, SOFT_PIN_ENABLE, SOFT_PIN_DISABLE):
+            return None
+        if item.soft_pin != SOFT_PIN_ENABLE:
+            return 0 if item.soft_pin_ttl_ms < 0 else None
+        ttl = self.config.soft_pin_ttl_ms if item.soft_pin_ttl_ms < 0 else item.soft_pin_ttl_ms
+        return ttl if ttl <= self.config.max_soft_pin_ttl_ms else None
+
     def put_start(self, item: PutItem, host_id: str = "") -> PutStartResp:
         if not _key_ok(item.key) or item.size <= 0 or not 1 <= item.replica_num <= self.config.max_replicas:
+            return PutStartResp(ErrorCode.INVALID_PARAMS)
+        soft_pin_ttl = self._soft_pin_ttl(item)
+        if soft_pin_ttl is None:
             return PutStartResp(ErrorCode.INVALID_PARAMS)
         now = time.monotonic()
         obj = self.objects.get(item.key)
@@ -126,7 +140,7 @@ class MasterService:
         if obj is None:
             obj = self.objects[item.key] = ObjectMeta(item.key)
         put_id, self._next_put_id = self._next_put_id, self._next_put_id + 1
-        obj.pending = PendingPut(put_id, item.size, replicas, now, item.soft_pin, item.hard_pin)
+        obj.pending = PendingPut(put_id, item.size, replicas, now, item.soft_pin, soft_pin_ttl, item.hard_pin)
         self.in_flight.add(item.key)
         self.counters["put_start"] += 1
         return PutStartResp(OK, put_id, [self._desc(r) for r in replicas])
@@ -144,11 +158,22 @@ class MasterService:
         self._clear_pending(obj)
         obj.lease_deadline = max(obj.lease_deadline, now)  # eviction order: put counts as use
         obj.hard_pin = pending.hard_pin
-        obj.soft_pin_deadline = now + self.config.soft_pin_ttl_ms / 1000 if pending.soft_pin else 0.0
+        obj.soft_pin_deadline = self._soft_pin_deadline(obj, pending, now)
         self.queue.push(obj)
         self.counters["put_end"] += 1
         self._check_watermark()
         return Resp(OK)
+
+    @staticmethod
+    def _soft_pin_deadline(obj: ObjectMeta, pending: PendingPut, now: float) -> float:
+        """Mooncake's commit of a put's SoftPinAction: PRESERVE keeps an unexpired pin
+        (an upsert keeps it; a new object has none), ENABLE sets now + TTL (a TTL of 0
+        clears it), DISABLE clears it."""
+        if pending.soft_pin == SOFT_PIN_ENABLE:
+            return now + pending.soft_pin_ttl_ms / 1000 if pending.soft_pin_ttl_ms else 0.0
+        if pending.soft_pin == SOFT_PIN_PRESERVE and obj.soft_pin_deadline > now:
+            return obj.soft_pin_deadline
+        return 0.0
 
     def put_revoke(self, token: PutToken) -> Resp:
         obj = self.objects.get(token.key)

@@ -36,6 +36,8 @@ log = logging.getLogger("kvpool.mooncake")
 
 OK = 0
 INVALID = int(ErrorCode.INVALID_PARAMS)
+# SoftPinAction -> the native client's soft_pin argument (None keeps an existing pin)
+_SOFT_PIN = {SoftPinAction.PRESERVE: None, SoftPinAction.ENABLE: True, SoftPinAction.DISABLE: False}
 HC_HEALTHY, HC_NOT_INITIALIZED, HC_MASTER_UNREACHABLE = 0, 1, 2  # Mooncake's health_check codes
 
 
@@ -181,7 +183,7 @@ class MooncakeDistributedStore:
         if client is None:
             return HC_NOT_INITIALIZED
         try:
-            client.stats()
+            client.ping()
         except KVPoolError:
             return HC_MASTER_UNREACHABLE
         return HC_HEALTHY
@@ -198,7 +200,8 @@ class MooncakeDistributedStore:
 
     def _put_options(self, client: Client, config) -> tuple[int, dict, str]:
         """(replica_num, pin kwargs, preferred segment name) from a ReplicateConfig.
-        Raises InvalidParams, TypeError."""
+        Raises InvalidParams (the native client also refuses a soft-pin TTL without
+        ENABLE, and the master one above its maximum), TypeError."""
         config = ReplicateConfig() if config is None else config
         if not isinstance(config, ReplicateConfig):
             raise TypeError(f"config must be ReplicateConfig, not {type(config).__name__}")
@@ -209,7 +212,13 @@ class MooncakeDistributedStore:
             raise InvalidParams("prefer_alloc_in_same_node is not supported by put (as in Mooncake)")
         if config.preferred_segments and len(config.preferred_segments) != n:
             raise InvalidParams("preferred_segments must name one segment per replica")
-        pins = {"soft_pin": config.soft_pin_action == SoftPinAction.ENABLE, "hard_pin": bool(config.with_hard_pin)}
+        try:
+            action = SoftPinAction(config.soft_pin_action)
+        except ValueError:
+            raise InvalidParams(f"soft_pin_action must be a SoftPinAction, got {config.soft_pin_action!r}") from None
+        pins = {"soft_pin": _SOFT_PIN[action], "hard_pin": bool(config.with_hard_pin)}
+        if config.soft_pin_ttl_ms is not None:
+            pins["soft_pin_ttl_ms"] = _int("soft_pin_ttl_ms", config.soft_pin_ttl_ms)
         preferred = config.preferred_segments[0] if config.preferred_segments else config.preferred_segment
         return n, pins, self._segment_name(client, preferred)
 
@@ -234,10 +243,8 @@ class MooncakeDistributedStore:
             return INVALID
         try:
             n, pins, preferred = self._put_options(client, config)
-            if upsert:
-                client.upsert(key, src, n, **pins)
-            else:
-                client.put(key, src, n, preferred_segment=preferred, **pins)
+            put = client.upsert if upsert else client.put
+            put(key, src, n, preferred_segment=preferred, **pins)
         except ObjectExists:
             return OK
         except KVPoolError as exc:
@@ -255,8 +262,9 @@ class MooncakeDistributedStore:
         if not sent:
             return codes
         try:
-            n, pins, _ = self._put_options(client, config)
-            results = client.batch_put([keys[i] for i in sent], [srcs[i] for i in sent], n, upsert=upsert, **pins)
+            n, pins, preferred = self._put_options(client, config)
+            results = client.batch_put([keys[i] for i in sent], [srcs[i] for i in sent], n, upsert=upsert,
+                                       preferred_segment=preferred, **pins)
         except KVPoolError as exc:
             results = [exc.code] * len(sent)
         for i, code in zip(sent, results):
@@ -430,31 +438,66 @@ class MooncakeDistributedStore:
         ``all_src_offsets[i][j][k]`` of object ``all_keys[i][j]`` land at offset
         ``all_dst_offsets[i][j][k]`` of buffer ``buffer_ptrs[i]``. Returns the same nested
         shape: bytes copied per fragment, or -704 (miss), -707 (lease expired), -600
-        (shape mismatch, range outside the object or the registered buffer). Each object
-        is read once, whole, under its lease.
+        (shape mismatch, range outside the object or the registered buffer). One
+        replica-list RPC for all keys, then only the requested ranges move, straight
+        into the buffers, checked against each key's lease.
         """
         client = self._client
         n = len(buffer_ptrs)
         if client is None or not n == len(all_keys) == len(all_dst_offsets) == len(all_src_offsets) == len(all_sizes):
             return _invalid_like(n, all_keys, all_dst_offsets)
-        values = self._read_whole(client, {k for keys in all_keys for k in keys})
-        out = []
+        handles = self._query_all(client, {k for keys in all_keys for k in keys})
+        out, reads = [], []  # reads: (codes row to fill, handle, [(fragment index, src, view)])
         for i, ptr in enumerate(buffer_ptrs):
+            ptr = _int("buffer_ptr", ptr)
             row = []
             for j, key in enumerate(all_keys[i]):
                 dsts, srcs, sizes = all_dst_offsets[i][j], all_src_offsets[i][j], all_sizes[i][j]
-                if not len(dsts) == len(srcs) == len(sizes):
-                    row.append([INVALID] * len(dsts))
+                handle = handles.get(_key(key), INVALID) if len(dsts) == len(srcs) == len(sizes) else INVALID
+                if isinstance(handle, int):
+                    row.append([handle] * len(dsts))
                     continue
-                value = values.get(_key(key), INVALID)
-                row.append([self._copy_range(_int("buffer_ptr", ptr), value, d, s, m)
-                            for d, s, m in zip(dsts, srcs, sizes)])
+                codes, frags = self._plan_ranges(ptr, handle.size, dsts, srcs, sizes)
+                row.append(codes)
+                if frags:
+                    reads.append((codes, handle, frags))
             out.append(row)
+        self._read_ranges(client, reads)
         return out
 
+    def _plan_ranges(self, ptr: int, value_size: int, dsts, srcs, sizes) -> tuple[list[int], list]:
+        """Codes per fragment (-600 where the range is outside the object or the
+        registered memory, 0 for an empty one) and the fragments to read."""
+        codes, frags = [INVALID] * len(dsts), []
+        for k, (dst, src, size) in enumerate(zip(dsts, srcs, sizes)):
+            if min(dst, src, size) < 0 or src + size > value_size:
+                continue
+            view = self._buffers.view(ptr + dst, size)
+            if view is None:
+                continue
+            if size == 0:
+                codes[k] = 0
+            else:
+                frags.append((k, src, view))
+        return codes, frags
+
     @staticmethod
-    def _read_whole(client: Client, keys: set) -> dict[str, bytes | int]:
-        """{key: value bytes or negative code} for every well-formed key."""
+    def _read_ranges(client: Client, reads: list) -> None:
+        """Run every planned fragment in one batch and write results into the rows."""
+        if not reads:
+            return
+        try:
+            results = client.batch_read_ranges([h for _, h, _ in reads],
+                                               [[(src, view) for _, src, view in frags] for _, _, frags in reads])
+        except KVPoolError as exc:
+            results = [[int(exc.code)] * len(frags) for _, _, frags in reads]
+        for (codes, _, frags), got in zip(reads, results):
+            for (k, _, _), n in zip(frags, got):
+                codes[k] = int(n)
+
+    @staticmethod
+    def _query_all(client: Client, keys: set) -> dict[str, ReadHandle | int]:
+        """{key: ReadHandle, or a negative code} for every well-formed key (one RPC)."""
         wanted = sorted({k for k in _keys(keys) if k is not None})
         if not wanted:
             return {}
@@ -462,27 +505,7 @@ class MooncakeDistributedStore:
             handles = client.batch_query(wanted)
         except KVPoolError as exc:
             return {k: int(exc.code) for k in wanted}
-        out: dict[str, bytes | int] = {}
-        for key, h in zip(wanted, handles):
-            if not isinstance(h, ReadHandle):
-                out[key] = int(h)
-                continue
-            try:
-                out[key] = client.read(h)
-            except KVPoolError as exc:
-                out[key] = int(exc.code)
-        return out
-
-    def _copy_range(self, ptr: int, value: bytes | int, dst: int, src: int, size: int) -> int:
-        if isinstance(value, int):
-            return value
-        if min(dst, src, size) < 0 or src + size > len(value):
-            return INVALID
-        view = self._buffers.view(ptr + dst, size)
-        if view is None:
-            return INVALID
-        view[:] = value[src : src + size]
-        return size
+        return {k: h if isinstance(h, ReadHandle) else int(h) for k, h in zip(wanted, handles)}
 
     # ------------------------------------------------------------ existence, size, descriptors
 

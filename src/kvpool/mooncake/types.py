@@ -35,9 +35,11 @@ class ReplicateConfig:
 
     Attributes (settable; an unknown attribute raises AttributeError, as in Mooncake):
         replica_num: replicas on distinct segments, best effort (>= 1).
-        soft_pin_action: SoftPinAction; ENABLE soft-pins the object (evicted last).
-        soft_pin_ttl_ms: accepted for compatibility; kvpool's master applies its own
-            ``--soft-pin-ttl`` (see docs/mooncake-compat.md).
+        soft_pin_action: SoftPinAction: ENABLE soft-pins the object (evicted last),
+            DISABLE clears a soft pin, PRESERVE (default) keeps an existing one on upsert.
+        soft_pin_ttl_ms: the soft pin's TTL in ms (None = the master's --soft-pin-ttl);
+            only with ENABLE, at most the master's --max-soft-pin-ttl (else -600);
+            0 with ENABLE clears the pin, as in Mooncake.
         with_soft_pin: older spelling of ``soft_pin_action == ENABLE``.
         with_hard_pin: never evicted.
         preferred_segment / preferred_segments: where to place the first replica: a

@@ -7,58 +7,160 @@ out-of-bounds read gets an error reply and the connection stays. One thread per
 connection, blocking sockets: payloads go straight between socket and segment, scattered
 with ``recvmsg_into`` and gathered (reply header included) with ``sendmsg``
 (:mod:`kvpool.transfer.iov`).
+
+``DataWriteEnd`` (write, then end the put): after the payload landed, the connection's
+thread sends ``PutEnd`` to the master on a channel of its own and relays the master's
+code, so the writer waits for one reply instead of two (the master's confirmation still
+comes before the writer's put returns: K11 holds).
+
+:class:`DataCounters` counts what the server did (requests, bytes, errors by kind); the
+node's admin app exposes them.
 """
 
 from __future__ import annotations
 
+import errno
+import logging
 import socket
 import threading
+from collections import Counter
 
 import msgspec
 
 from kvpool import protocol as P
-from kvpool.errors import ErrorCode
+from kvpool.errors import ErrorCode, KVPoolError
 from kvpool.transfer.iov import recv_views, send_views
+from kvpool.transfer.rpc import RpcChannel
 from kvpool.transfer.tcp import tune_data_socket
+
+log = logging.getLogger("kvpool.data")
+ACCEPT_BACKOFF_S = 0.05  # pause after a failed accept (e.g. out of file descriptors)
+MASTER_TIMEOUT_S = 10.0  # PutEnd on behalf of a writer
+
+
+class DataCounters:
+    """Thread-safe counters of one data server (all since start, never decreasing,
+    except ``open_connections``).
+
+    requests[op] / bytes[op]: served requests and payload bytes, op "read" or "write";
+    commits[code name]: PutEnds sent for DataWriteEnd, by the master's answer;
+    errors[kind]: "refused" (a range outside the segment), "bad_frame" (undecodable or
+    unframed bytes), "broken" (the peer vanished mid-request), "accept" (a connection
+    that could not be accepted or served); connections: accepted.
+    """
+
+    def __init__(self):
+        self.requests: Counter[str] = Counter()
+        self.bytes: Counter[str] = Counter()
+        self.commits: Counter[str] = Counter()
+        self.errors: Counter[str] = Counter()
+        self.connections = 0
+        self.open_connections = 0
+        self._lock = threading.Lock()
+
+    def served(self, op: str, nbytes: int) -> None:
+        with self._lock:
+            self.requests[op] += 1
+            self.bytes[op] += nbytes
+
+    def error(self, kind: str) -> None:
+        with self._lock:
+            self.errors[kind] += 1
+
+    def committed(self, code: int) -> None:
+        with self._lock:
+            self.commits[_code_name(code)] += 1
+
+    def opened(self, delta: int) -> None:
+        with self._lock:
+            self.open_connections += delta
+            self.connections += max(0, delta)
+
+    def snapshot(self) -> dict:
+        """A consistent copy: {"requests", "bytes", "commits", "errors": {name: n},
+        "connections", "open_connections"}."""
+        with self._lock:
+            return {"requests": dict(self.requests), "bytes": dict(self.bytes), "commits": dict(self.commits),
+                    "errors": dict(self.errors), "connections": self.connections,
+                    "open_connections": self.open_connections}
+
+
+def _code_name(code: int) -> str:
+    try:
+        return ErrorCode(code).name
+    except ValueError:
+        return str(code)
+
+
+class _Closed(Exception):
+    """The peer closed the connection cleanly, between two requests."""
 
 
 class DataServer:
-    """Serves ``segment`` (a writable byte memoryview) on the listening socket ``sock``."""
+    """Serves ``segment`` (a writable byte memoryview) on the listening socket ``sock``.
+    ``master_addr`` ("host:port") enables DataWriteEnd (None: it answers RPC_FAIL)."""
 
-    def __init__(self, sock: socket.socket, segment: memoryview):
+    def __init__(self, sock: socket.socket, segment: memoryview, master_addr: str | None = None):
         self.sock = sock
         self.segment = segment
+        self.master_addr = master_addr
+        self.counters = DataCounters()
         self.stopped = threading.Event()
 
     def in_bounds(self, offset: int, length: int) -> bool:
         return 0 <= offset and 0 <= length and offset + length <= len(self.segment)
 
     def serve_forever(self) -> None:
-        """Accept connections until :meth:`stop`; each gets a daemon thread."""
+        """Accept connections until :meth:`stop`; each gets a daemon thread.
+
+        A failed accept (out of file descriptors, a connection reset in the backlog) or
+        a thread that cannot start costs that one connection, never the loop: a dead
+        accept loop would leave every new client hanging in the backlog until its
+        timeout while pooled connections kept working."""
         self.sock.settimeout(0.2)  # wake up to notice stop()
         while not self.stopped.is_set():
             try:
                 conn, _ = self.sock.accept()
             except TimeoutError:
                 continue
-            except OSError:
-                if self.stopped.is_set():
+            except OSError as exc:
+                if self.stopped.is_set() or exc.errno == errno.EBADF:
                     break
-                raise
+                self.counters.error("accept")
+                log.warning("accept on the data port failed: %s", exc)
+                self.stopped.wait(ACCEPT_BACKOFF_S)
+                continue
+            self._start_conn(conn)
+
+    def _start_conn(self, conn: socket.socket) -> None:
+        try:
             conn.settimeout(None)
             tune_data_socket(conn)
             threading.Thread(target=self._serve_conn, args=(conn,), daemon=True).start()
+        except (OSError, RuntimeError) as exc:  # RuntimeError: no thread could be started
+            self.counters.error("accept")
+            log.warning("cannot serve a data connection: %s", exc)
+            conn.close()
 
     def stop(self) -> None:
         self.stopped.set()
 
     def _serve_conn(self, conn: socket.socket) -> None:
-        with conn:
-            try:
-                while self._handle(conn):
+        master = _MasterLink(self.master_addr)
+        self.counters.opened(1)
+        try:
+            with conn:
+                while self._handle(conn, master):
                     pass
-            except (OSError, P.FrameError):
-                pass  # the peer left or broke framing (OSError covers EOF): this connection only
+        except _Closed:
+            pass
+        except P.FrameError as exc:  # bad magic or size, or EOF inside a frame
+            self.counters.error("broken" if "closed" in str(exc) else "bad_frame")
+        except OSError:  # reset, or EOF inside a payload
+            self.counters.error("broken")
+        finally:
+            master.close()
+            self.counters.opened(-1)
 
     def _ranges(self, offsets: list[int], lengths: list[int]) -> list[memoryview] | None:
         """Segment views for the (offset, length) pairs, or None unless all are in bounds."""
@@ -66,27 +168,79 @@ class DataServer:
             return None
         return [self.segment[o : o + n] for o, n in zip(offsets, lengths)]
 
-    def _handle(self, conn: socket.socket) -> bool:
+    def _handle(self, conn: socket.socket, master: "_MasterLink") -> bool:
         """Serve one request; False when the connection must close."""
         try:
-            req = P.data_request_decoder.decode(P.recv_frame(conn))
+            req = P.data_request_decoder.decode(_recv_request(conn))
         except msgspec.MsgspecError:
+            self.counters.error("bad_frame")
             return False
         if isinstance(req, P.DataRead):
-            views = self._ranges(req.offsets, req.lengths)
-            if views is None:
-                conn.sendall(P.encode_frame(P.DataResp(ErrorCode.INVALID_PARAMS)))
-                return True
-            total = sum(req.lengths)
-            send_views(conn, [P.encode_frame(P.DataResp(ErrorCode.OK, total)), *views])
-            return True
+            return self._read(conn, req)
         if isinstance(req, P.DataWrite):
             views = self._ranges([req.offset], [req.length])
         else:
             views = self._ranges(req.offsets, req.lengths)
         if views is None:
+            self.counters.error("refused")
             conn.sendall(P.encode_frame(P.DataResp(ErrorCode.INVALID_PARAMS)))
             return False
         recv_views(conn, views)
-        conn.sendall(P.encode_frame(P.DataResp(ErrorCode.OK, sum(len(v) for v in views))))
+        total = sum(len(v) for v in views)
+        self.counters.served("write", total)
+        code = master.put_end(req.token) if isinstance(req, P.DataWriteEnd) else ErrorCode.OK
+        if isinstance(req, P.DataWriteEnd):
+            self.counters.committed(code)
+        conn.sendall(P.encode_frame(P.DataResp(code, total)))
         return True
+
+    def _read(self, conn: socket.socket, req: P.DataRead) -> bool:
+        views = self._ranges(req.offsets, req.lengths)
+        if views is None:
+            self.counters.error("refused")
+            conn.sendall(P.encode_frame(P.DataResp(ErrorCode.INVALID_PARAMS)))
+            return True
+        total = sum(req.lengths)
+        send_views(conn, [P.encode_frame(P.DataResp(ErrorCode.OK, total)), *views])
+        self.counters.served("read", total)
+        return True
+
+
+class _MasterLink:
+    """One connection thread's channel to the master, opened at its first PutEnd."""
+
+    def __init__(self, addr: str | None):
+        self.addr = addr
+        self.chan: RpcChannel | None = None
+
+    def put_end(self, token: P.PutToken) -> int:
+        """The master's code for PutEnd(token); RPC_FAIL when it cannot be asked.
+        Not retried on a broken stream: a PutEnd that may have arrived is not sent twice
+        (the writer resolves the doubt with PutRevoke)."""
+        if self.addr is None:
+            return ErrorCode.RPC_FAIL
+        if self.chan is None:
+            self.chan = RpcChannel(self.addr, MASTER_TIMEOUT_S)
+        try:
+            return self.chan.call(P.PutEnd(token), idempotent=False).code
+        except KVPoolError as exc:
+            log.warning("PutEnd of %r for a writer failed: %s", token.key, exc)
+            return ErrorCode.RPC_FAIL
+
+    def close(self) -> None:
+        if self.chan is not None:
+            self.chan.close()
+
+
+def _recv_request(conn: socket.socket) -> bytearray:
+    """One request frame's body. Raises _Closed when the peer closed before a new frame
+    began, FrameError (bad header, EOF mid-frame), OSError."""
+    header = bytearray(P.HEADER.size)
+    got = conn.recv_into(header, len(header), socket.MSG_WAITALL)
+    if got == 0:
+        raise _Closed()
+    if got < len(header):
+        P.recv_exact_into(conn, memoryview(header)[got:])
+    body = bytearray(P.parse_header(bytes(header)))
+    P.recv_exact_into(conn, memoryview(body))
+    return body

@@ -25,7 +25,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import wait as wait_futures
 
 from kvpool.protocol import SegmentInfo
-from kvpool.transfer.request import Cancel, TransferRequest, TransferStatus, Transport
+from kvpool.transfer.request import Cancel, TransferRequest, TransferResult, TransferStatus, Transport
 
 log = logging.getLogger("kvpool.transfer")
 
@@ -86,8 +86,9 @@ class BatchHandle:
         """True once every task of the batch has ended (wait() then returns at once)."""
         return all(f.done() for f, _ in self._tasks)
 
-    def wait(self, timeout: float | None = None) -> list[TransferStatus]:
-        """Statuses, one per request in submission order, once every task has ended.
+    def wait(self, timeout: float | None = None) -> TransferResult:
+        """Statuses, one per request in submission order, once every task has ended
+        (a :class:`TransferResult`: a list that also carries the failures' reasons).
 
         ``timeout`` (seconds; None = until the batch deadline) that expires first
         cancels the rest: unfinished requests are TIMEOUT. Raises what a transport
@@ -106,7 +107,7 @@ class BatchHandle:
                 raise f.exception()
         return self._result(timed_out)
 
-    def _result(self, timed_out: bool) -> list[TransferStatus]:
+    def _result(self, timed_out: bool) -> TransferResult:
         """The statuses once every task has ended (``timed_out``: wait() cancelled)."""
         out = list(self._statuses)
         for k, status in enumerate(out):
@@ -116,7 +117,7 @@ class BatchHandle:
                         else TransferStatus.FAILED
                 else:
                     out[k] = TransferStatus.COMPLETED
-        return out
+        return TransferResult(out, self._cancel.reasons)
 
 
 class TransferEngine:
@@ -153,17 +154,19 @@ class TransferEngine:
         statuses: list[TransferStatus | None] = [None] * len(requests)
         groups: dict[tuple[str, str], tuple[Transport, list]] = {}
         routes: dict[str, Transport | None] = {}
+        handle = BatchHandle(statuses, deadline)
         for i, req in enumerate(requests):
             name = req.segment.name
             if name not in routes:
                 routes[name] = self.route(req.segment)
-            transport = None if req.problem() else routes[name]
-            if transport is None:
+            problem = req.problem() or (None if routes[name] else f"no transport reaches segment {name}")
+            if problem:
                 statuses[i] = TransferStatus.INVALID
+                handle._cancel.note(problem)
                 continue
-            groups.setdefault((transport.name, name), (transport, []))[1].append((i, req))
+            groups.setdefault((routes[name].name, name), (routes[name], []))[1].append((i, req))
         tasks = [(t, lane) for t, group in groups.values() for lane in spread(group, t.lanes, t.slice_bytes)]
-        return BatchHandle(statuses, deadline), tasks
+        return handle, tasks
 
     def _start(self, handle: BatchHandle, transport: Transport, lane: list, inline: bool) -> None:
         parents = [i for i, _ in lane]
@@ -190,7 +193,7 @@ class TransferEngine:
             self._start(handle, transport, lane, inline=False)
         return handle
 
-    def transfer(self, requests: list[TransferRequest], timeout_s: float | None = None) -> list[TransferStatus]:
+    def transfer(self, requests: list[TransferRequest], timeout_s: float | None = None) -> TransferResult:
         """Run ``requests`` and wait: the first task in the calling thread (no thread
         hand-off for the common one-peer batch), the others on worker threads."""
         handle, tasks = self._plan(requests, timeout_s)

@@ -61,15 +61,43 @@ class TransferRequest:
                                self.remote_offset + offset, length)
 
 
+class TransferResult(list):
+    """The statuses of a finished batch (a list of :class:`TransferStatus`, one per
+    request in submission order) and ``reasons``: why failed requests failed, as the
+    transports reported it (e.g. ``"tcp 127.0.0.1:5000: ConnectionRefusedError [errno
+    111]"``, ``"... node replied INVALID_PARAMS"``); empty when every request completed."""
+
+    def __init__(self, statuses, reasons: list[str] | None = None):
+        super().__init__(statuses)
+        self.reasons = list(reasons or [])
+
+    def describe(self, index: int) -> str:
+        """One line for request ``index``: its status name and the batch's reasons."""
+        why = "; ".join(self.reasons)
+        return f"{TransferStatus(self[index]).name}" + (f": {why}" if why else "")
+
+
 class Cancel:
     """Cancels the socket work of one batch: a flag plus shutdown() of every socket the
     batch's tasks registered, which wakes a thread blocked in recv or send. Cheap to
-    create (one per batch, on the hot path)."""
+    create (one per batch, on the hot path).
+
+    It also collects why requests of the batch failed (:meth:`note`): a transport that
+    returns False for a request says why here (peer address, errno, the node's reply
+    code), so the caller's error names the cause instead of only "failed".
+    """
 
     def __init__(self):
         self.fired = False
+        self.reasons: list[str] = []
         self._socks: set = set()
         self._lock = threading.Lock()
+
+    def note(self, reason: str) -> None:
+        """Record why a request of this batch failed (kept in order, duplicates dropped)."""
+        with self._lock:
+            if reason not in self.reasons and len(self.reasons) < 8:
+                self.reasons.append(reason)
 
     def track(self, sock) -> None:
         with self._lock:
@@ -104,8 +132,9 @@ class Transport:
 
     ``run`` executes requests that all target one segment, blocking until done or
     ``deadline`` (time.monotonic seconds), and returns one bool (success) per request.
-    It must not raise for a failed peer (return False), must stop touching the
-    requests' buffers before it returns, and must honour ``cancel``.
+    It must not raise for a failed peer (return False, and say why with
+    ``cancel.note(reason)``), must stop touching the requests' buffers before it
+    returns, and must honour ``cancel``.
     """
 
     name = "abstract"

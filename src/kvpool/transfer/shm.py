@@ -53,6 +53,7 @@ class LocalTransport(Transport):
     def run(self, requests: list[TransferRequest], deadline: float, cancel: Cancel) -> list[bool]:
         view = _IN_PROCESS.get(requests[0].segment.shm_name)
         if view is None:  # unmounted meanwhile
+            cancel.note(f"local segment {requests[0].segment.name} is no longer hosted here")
             return [False] * len(requests)
         _copy(requests, view)
         return [True] * len(requests)
@@ -96,6 +97,7 @@ class ShmTransport(Transport):
     def run(self, requests: list[TransferRequest], deadline: float, cancel: Cancel) -> list[bool]:
         view = self.view(requests[0].segment.shm_name)
         if view is None:
+            cancel.note(f"shm {requests[0].segment.shm_name} cannot be mapped (its node is gone?)")
             return [False] * len(requests)
         _copy(requests, view)
         return [True] * len(requests)

@@ -16,6 +16,7 @@ on one socket. A connection that fails or times out is closed, never reused.
 
 from __future__ import annotations
 
+import errno
 import socket
 import threading
 import time
@@ -32,6 +33,29 @@ from kvpool.transfer.request import Cancel, Op, Transport, TransferRequest
 SOCKET_BUFFER = 4 << 20  # bytes; larger kernel buffers keep loopback/LAN transfers streaming
 LANES = 4  # connections per peer the engine may use in parallel for one large batch
 _FAILURES = (OSError, P.FrameError, msgspec.MsgspecError)  # OSError covers timeouts and EOF
+
+
+class NodeRefused(ConnectionAbortedError):
+    """The data server answered a request with a non-OK code (``code``); after a
+    refused write it closes the connection (the payload cannot be skipped)."""
+
+    def __init__(self, code: int, what: str):
+        self.code = code
+        super().__init__(f"the node replied {_code_name(code)} to a {what}")
+
+
+def _code_name(code: int) -> str:
+    try:
+        return ErrorCode(code).name
+    except ValueError:
+        return str(code)
+
+
+def describe_failure(exc: BaseException) -> str:
+    """A short line naming the exception, its errno (symbolic) and message."""
+    num = getattr(exc, "errno", None)
+    tag = f" [{errno.errorcode.get(num, num)}]" if isinstance(num, int) else ""
+    return f"{type(exc).__name__}{tag}: {exc}"
 
 
 def tune_data_socket(sock: socket.socket) -> None:
@@ -135,8 +159,9 @@ class TcpTransport(Transport):
         addr = requests[0].segment.data_addr
         try:
             ok_w = self._with_conn(addr, deadline, cancel, lambda s: _write(s, writes, deadline)) if writes else True
-            ok_r = self._with_conn(addr, deadline, cancel, lambda s: _read(s, reads, deadline)) if reads else True
-        except _FAILURES:
+            ok_r = self._with_conn(addr, deadline, cancel, lambda s: _read(s, reads, deadline, cancel)) if reads else True
+        except _FAILURES as exc:
+            cancel.note(f"tcp {addr}: {describe_failure(exc)}")
             return [False] * len(requests)
         return [ok_w if r.op == Op.WRITE else ok_r for r in requests]
 
@@ -160,15 +185,17 @@ class TcpTransport(Transport):
 def _write(sock: socket.socket, reqs: list[TransferRequest], deadline: float) -> bool:
     head = P.encode_frame(P.DataWriteMany([r.remote_offset for r in reqs], [r.length for r in reqs]))
     send_views(sock, [head, *(r.local_view() for r in reqs)], deadline)
-    if read_reply(sock, deadline).code != ErrorCode.OK:
-        # the server closes after a refused write (its payload cannot be skipped)
-        raise ConnectionAbortedError("the node refused the write")
+    code = read_reply(sock, deadline).code
+    if code != ErrorCode.OK:
+        raise NodeRefused(code, "write")  # the server closes: its payload cannot be skipped
     return True
 
 
-def _read(sock: socket.socket, reqs: list[TransferRequest], deadline: float) -> bool:
+def _read(sock: socket.socket, reqs: list[TransferRequest], deadline: float, cancel: Cancel) -> bool:
     send_views(sock, [P.encode_frame(P.DataRead([r.remote_offset for r in reqs], [r.length for r in reqs]))], deadline)
-    if read_reply(sock, deadline).code != ErrorCode.OK:
+    code = read_reply(sock, deadline).code
+    if code != ErrorCode.OK:
+        cancel.note(f"tcp {reqs[0].segment.data_addr}: {NodeRefused(code, 'read')}")
         return False  # refused before any payload: the connection stays in step
     recv_views(sock, [r.local_view() for r in reqs], deadline)
     return True
