@@ -28,6 +28,7 @@ def test_demo_runs_end_to_end_and_writes_a_passing_verdict(tmp_path):
     assert report["ok"] is True
     assert report["verdict"].startswith("PASS") and report["verdict"] in proc.stdout
     assert report["transport"] == "tcp"
+    assert report["attention"] == "kvpool_causal" == report["model"]["attention"]
     rows = report["requests"]
     # 2 questions (A, then B) and a follow-up of each on the other engine
     assert [r["engine"] for r in rows] == ["A", "B", "B", "A"]

@@ -1,4 +1,4 @@
-"""Model loading and the page <-> transformers-cache conversion of the reference engine."""
+"""Model loading and the page <-> transformers-cache layout of the reference engine."""
 
 import json
 import subprocess
@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from kvpool.engine.engine import Engine
-from kvpool.engine.kv import cache_to_pages, page_shape, pages_to_cache
+from kvpool.engine.kv import kv_buffer, page_shape, pages_to_cache, pages_view, seq_cache
 from kvpool.engine.models import (
     load_model, resolve_source, smollm2_gguf_path, weights_fingerprint,
 )
@@ -22,12 +22,39 @@ def tiny():
 
 
 def test_pages_round_trip_through_the_transformers_cache(tiny):
-    shape = page_shape(tiny.model.config, 4)
+    config = tiny.model.config
+    shape = page_shape(config, 4)
     pages = torch.randn((3, *shape), generator=torch.Generator().manual_seed(0))
-    cache = pages_to_cache(pages, tiny.model.config)
+    cache = pages_to_cache(pages, config)
     assert cache.get_seq_length() == 12
-    assert torch.equal(cache_to_pages(cache, 3, 4), pages)
-    assert torch.equal(cache_to_pages(cache, 2, 4), pages[:2])
+    # token t of page p, layer l: keys at [l][0, :, 4p + t], values likewise
+    for layer, (k, v) in enumerate((c.keys, c.values) for c in cache.layers):
+        for p in range(3):
+            assert torch.equal(k[0, :, 4 * p:4 * p + 4], pages[p, layer, 0])
+            assert torch.equal(v[0, :, 4 * p:4 * p + 4], pages[p, layer, 1])
+    # the same storage seen as pages: writes through the view land in the cache layout
+    seq = kv_buffer(shape, 20, torch.float32)
+    pages_view(seq, 3, 4).copy_(pages)
+    assert torch.equal(pages_view(seq, 3, 4), pages)
+    assert torch.equal(pages_view(seq, 2, 4), pages[:2])
+    again = seq_cache(seq, 12, config)
+    assert all(torch.equal(a.keys, b.keys) for a, b in zip(again.layers, cache.layers))
+
+
+def test_cache_layers_write_new_tokens_in_place(tiny):
+    config = tiny.model.config
+    shape = page_shape(config, 4)
+    seq = kv_buffer(shape, 10, torch.float32)
+    cache = seq_cache(seq, 8, config)
+    layer = cache.layers[0]
+    new = torch.randn(1, shape[2], 2, shape[4])
+    keys, values = layer.update(new, -new)
+    assert cache.get_seq_length() == 10 and keys.shape[-2] == 10
+    assert keys.data_ptr() == seq[0, 0].data_ptr()  # no copy of the cache
+    assert torch.equal(seq[0, 0, :, :, 8:10], new) and torch.equal(seq[0, 1, :, :, 8:10], -new)
+    # past the storage's capacity a layer still grows (by concatenation)
+    keys, _ = layer.update(new, new)
+    assert keys.shape[-2] == 12 and torch.equal(keys[..., 10:, :], new)
 
 
 def test_local_hf_folder_loads_with_the_same_weights(tiny, tmp_path):

@@ -125,3 +125,30 @@ def test_smollm2_reuse_matches_cold_prefill():
     cold = engine.generate(prompt, 6, use_cache=False)
     assert warm.reused_tokens == (len(prompt) - 7) // PAGE * PAGE
     assert_same_answer(warm, cold)
+
+
+def test_l3_pages_load_checked_in_place_and_reach_l1_after_the_request(tiny, module_cluster):
+    prompt = tokens(8 * PAGE + 3, seed=4)
+    with Client(module_cluster.master_addr) as client:
+        writer = Engine(tiny)
+        writer.build_cache(PAGE, 1 << 24, l3=StoreBackend(client))
+        writer.generate(prompt, 3)
+        writer.cache.flush()
+        keys = [store_key(k) for k in page_keys(writer.cache.ns, prompt)]
+        # page 5 grows by a byte: larger than the slot a reader gives it (a length reject)
+        client.upsert(keys[5], client.get(keys[5]) + b"\0")
+
+        reader = Engine(tiny)
+        reader.build_cache(PAGE, 1 << 24, l3=StoreBackend(client))
+        warm = reader.generate(prompt, 3)
+        metrics = reader.cache.metrics.snapshot()
+        again = reader.generate(prompt, 3)
+        cold = reader.generate(prompt, 3, use_cache=False)
+        client.remove_all(force=True)
+    assert warm.reused_by_tier == {"L3": 5 * PAGE}
+    assert metrics["page_rejects"] == 1 and metrics["page_rejects_length"] == 1
+    assert metrics["pages_loaded_l3"] == 5
+    # the request inserted its prompt pages: the next one finds all 8 in L1
+    assert again.reused_by_tier == {"L1": 8 * PAGE}
+    assert_same_answer(warm, cold)
+    assert_same_answer(again, cold)

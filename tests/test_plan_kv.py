@@ -22,12 +22,12 @@ def kv(name, dtype="bf16", **kw):
 
 
 @pytest.mark.parametrize("name, per_token", [
-    ("llama-3-8b", 32 * 8 * 128 * 2 * BF16),       # 131,072 (issue 6)
+    ("llama-3-8b", 32 * 8 * 128 * 2 * BF16),       # 131,072
     ("llama-3-70b", 80 * 8 * 128 * 2 * BF16),      # 327,680
     ("qwen2.5-7b", 28 * 4 * 128 * 2 * BF16),       # 57,344: use_sliding_window false
     ("mistral-7b", 32 * 8 * 128 * 2 * BF16),       # 131,072 per token, window 4096
     ("gemma-2-9b", 42 * 8 * 256 * 2 * BF16),       # 344,064
-    ("deepseek-v3", 61 * (512 + 64) * BF16),       # 70,272 (issue 6)
+    ("deepseek-v3", 61 * (512 + 64) * BF16),       # 70,272
     ("deepseek-v3.2-exp", 61 * (512 + 64 + 128) * BF16),  # latent + indexer key
     ("kimi-linear-48b-a3b", 7 * (512 + 64) * BF16),  # only the 7 MLA layers grow
     ("smollm2-135m", 30 * 3 * 64 * 2 * BF16),

@@ -81,3 +81,29 @@ def test_put_to_a_stopped_node_raises_transfer_failed_with_the_cause(cluster):
     message = str(info.value)
     assert "writing a replica failed (FAILED: tcp 127.0.0.1:" in message, message
     assert "ECONNREFUSED" in message or "ConnectionError" in message or "ECONNRESET" in message, message
+
+
+@pytest.mark.cluster(segment_size="16MiB")
+def test_get_from_a_stopped_node_raises_transfer_failed_with_the_cause(cluster):
+    with Client(cluster.master_addr, force_tcp=True, timeout_s=3.0) as c:
+        c.put("before-kill", b"v" * 4096)
+        handle = c.query("before-kill")
+        cluster.stop_node(0, kill=True)
+        with pytest.raises(TransferFailed) as info:
+            c.read(handle)
+    assert f"no replica could be read (tcp {cluster.node_addrs[0]}: " in str(info.value), str(info.value)
+
+
+@pytest.mark.cluster(segment_size="16MiB", num_nodes=0)
+def test_pooled_connection_to_a_node_restarted_on_its_port_is_replaced(cluster):
+    """The pool's connection to the old node is dead: the next put reconnects."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    cluster.start_node(extra_args=("--port", str(port)))
+    with Client(cluster.master_addr, force_tcp=True) as c:
+        c.put("before", b"x" * 4096)  # leaves a pooled connection to the first node
+        cluster.stop_node(0)
+        cluster.start_node(extra_args=("--port", str(port)))
+        c.put("after", b"y" * 4096)
+        assert c.get("after") == b"y" * 4096

@@ -3,13 +3,16 @@
 Each subcommand lives in the module that owns its job and exposes
 ``HELP: str``, ``add_arguments(parser)`` and ``run(args) -> int``. This file only
 dispatches and turns a :class:`~kvpool.errors.KVPoolError` into one line on stderr
-(exit 2) instead of a traceback, so a user mistake never prints a stack.
+(exit 2) instead of a traceback, so a user mistake never prints a stack. A reader that
+closes the pipe early (``kvpool plan kv llama-3-70b | head -1``) ends any subcommand
+quietly with status 141, as a shell reports a process killed by SIGPIPE.
 """
 
 from __future__ import annotations
 
 import argparse
 import importlib
+import os
 import sys
 
 from kvpool.errors import ErrorCode, KVPoolError, UserError
@@ -57,8 +60,28 @@ def build_parser(names: list[str] | None = None) -> argparse.ArgumentParser:
     return parser
 
 
+EXIT_BROKEN_PIPE = 128 + 13  # 128 + SIGPIPE
+
+
 def main(argv: list[str] | None = None) -> int:
-    """Entry point of the ``kvpool`` console script. Returns the exit status."""
+    """Entry point of the ``kvpool`` console script. Returns the exit status
+    (0 ok, 2 error, 130 interrupted, 141 stdout closed by its reader)."""
+    try:
+        try:
+            return _main(argv)
+        finally:
+            sys.stdout.flush()  # so a closed pipe shows here, not at interpreter exit
+    except BrokenPipeError:
+        # Python's documented recipe (library/signal, "Note on SIGPIPE"): point stdout at
+        # devnull so the final flush at exit cannot raise again.
+        try:
+            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        except (OSError, ValueError):  # stdout is not a real file (tests capture it)
+            pass
+        return EXIT_BROKEN_PIPE
+
+
+def _main(argv: list[str] | None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     # Load only the named subcommand when there is one: `kvpool master` must not
     # import torch just to build the help of `kvpool demo`.

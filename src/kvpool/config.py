@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import difflib
 import json
 import os
 import re
@@ -79,15 +80,34 @@ def parse_addr(addr: str, default_port: int | None = None) -> tuple[str, int]:
     return host or "127.0.0.1", int(port)
 
 
+def parse_port(value: str | int) -> int:
+    """A TCP port number: ``0..65535`` (0 = the OS picks a free port).
+
+    Raises: UserError on anything else (the OS would silently take 70000 as 4464);
+    :func:`resolve` adds the option's name and the value to the message.
+    """
+    text = str(value).strip()
+    if isinstance(value, bool) or not text.isdigit() or int(text) > 65535:
+        raise UserError("a port is a whole number from 0 to 65535 (0 = any free port)")
+    return int(text)
+
+
+def _is_port(name: str) -> bool:
+    return name == "port" or name.endswith("-port")
+
+
 class Option:
     """One setting with the precedence flags > ``KVPOOL_<NAME>`` env > config file > default.
 
     name: the flag without dashes, e.g. "client-ttl" (file key "client_ttl" or
     "client-ttl"); parse: turns text from the env/file into the value (int, float,
     parse_size, str...); help: one line, to which the default and env var are appended.
+    An option named ``port`` or ``*-port`` always parses with :func:`parse_port`, so
+    every port flag of every subcommand is checked against 0..65535.
     """
 
     def __init__(self, name: str, default, parse=str, help: str = "", env: str | None = None):
+        parse = parse_port if _is_port(name) else parse
         self.name, self.default, self.parse, self.help = name, default, parse, help
         self._env = env  # override of the env var suffix, e.g. "MASTER_PORT"
 
@@ -136,9 +156,12 @@ def load_config_file(path: str | None) -> dict:
 def resolve(args, options: list[Option]) -> dict:
     """Value of every option by precedence flags > env > ``args.config`` file > default.
 
-    Returns: {dest: parsed value}. Raises: UserError naming the option on a bad value.
+    Returns: {dest: parsed value}. Raises: UserError naming the option on a bad value,
+    or naming the key and the known keys when the config file has a key no option
+    reads (a typo would otherwise silently fall back to the default).
     """
     file = load_config_file(getattr(args, "config", None))
+    _check_file_keys(file, options, getattr(args, "config", None))
     out = {}
     for opt in options:
         for source, raw in (("flag", getattr(args, opt.dest, None)),
@@ -153,6 +176,18 @@ def resolve(args, options: list[Option]) -> dict:
         else:
             out[opt.dest] = opt.default
     return out
+
+
+def _check_file_keys(file: dict, options: list[Option], path: str | None) -> None:
+    known = {opt.dest: opt.name for opt in options}
+    unknown = [key for key in file if key not in known]
+    if not unknown:
+        return
+    key = unknown[0].replace("_", "-")
+    close = difflib.get_close_matches(key, known.values(), n=1)
+    hint = f"; did you mean {close[0]!r}?" if close else ""
+    raise UserError(f"config file {path!r}: unknown setting {key!r}{hint} "
+                    f"(known: {', '.join(sorted(known.values()))})")
 
 
 def write_ready_file(path: str, info: dict) -> None:

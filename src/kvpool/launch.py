@@ -4,11 +4,14 @@ Each child is ``python -m kvpool master|node ... --ready-file F``; the launcher 
 (JSON with at least ``{"addr": "host:port"}``) until a deadline, and fails with the
 child's log tail if the child exits or the deadline passes. On exit every child is
 terminated (nodes first, so they unmount and unlink their shared memory), waited for,
-and killed if it does not go.
+and killed if it does not go. On Linux each child also gets SIGTERM when its parent dies
+(``PR_SET_PDEATHSIG``, see :func:`child_preexec`), so a launcher killed with SIGKILL
+leaves no master or node behind holding ports and /dev/shm segments.
 """
 
 from __future__ import annotations
 
+import ctypes
 import json
 import os
 import shutil
@@ -23,10 +26,57 @@ from kvpool.config import parse_size
 from kvpool.errors import KVPoolError
 
 _SRC = str(Path(__file__).resolve().parent.parent)  # so children import this kvpool
+_PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
+
+
+def _load_prctl():
+    # Resolved in the parent: after fork a child may only call async-signal-safe code,
+    # so no dlopen there.
+    if not sys.platform.startswith("linux"):
+        return None
+    try:
+        return ctypes.CDLL(None, use_errno=True).prctl
+    except (OSError, AttributeError):
+        return None
+
+
+_PRCTL = _load_prctl()
+
+
+def child_preexec(sig: int = signal.SIGTERM):
+    """A ``preexec_fn`` for :class:`subprocess.Popen` that makes the child die with us.
+
+    The child asks the kernel for ``sig`` (default SIGTERM, so a node still unmounts and
+    unlinks its shared memory) when its parent goes away, by
+    ``prctl(PR_SET_PDEATHSIG, sig)`` (Linux prctl(2)); if the parent is already gone when
+    the child gets there, the child signals itself. Caveat from prctl(2): the signal
+    fires when the *thread* that forked the child exits, not the whole process, so start
+    long-lived children from the main thread (or a thread that lives as long as they).
+
+    Returns: the function to pass as ``preexec_fn``, or None where prctl is unavailable
+    (not Linux): there the children must be stopped explicitly.
+    """
+    if _PRCTL is None:
+        return None
+    parent = os.getpid()
+
+    def preexec() -> None:
+        _PRCTL(_PR_SET_PDEATHSIG, int(sig), 0, 0, 0)
+        if os.getppid() != parent:  # the parent died before prctl took effect
+            os.kill(os.getpid(), sig)
+
+    return preexec
 
 
 class LaunchError(KVPoolError):
     """A child process did not come up (its log tail is in the message)."""
+
+
+def _signal_name(number: int) -> str:
+    try:
+        return signal.Signals(number).name
+    except ValueError:
+        return f"signal {number}"
 
 
 class Child:
@@ -41,7 +91,7 @@ class Child:
         cmd = [sys.executable, "-m", "kvpool", kind, *args, "--ready-file", str(self.ready_file)]
         with open(self.log_path, "ab") as log:
             self.proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env,
-                                         stdin=subprocess.DEVNULL)
+                                         stdin=subprocess.DEVNULL, preexec_fn=child_preexec())
         self.info: dict = {}
 
     def wait_ready(self, timeout_s: float) -> dict:
@@ -61,6 +111,15 @@ class Child:
             return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-n:])
         except OSError:
             return ""
+
+    def exit_message(self) -> str:
+        """Which child exited and how, and where its log is (for launchers to print):
+        e.g. ``"node (pid 4242) exited with status 1; log: /tmp/.../node1.log"``."""
+        code = self.proc.poll()
+        how = ("is still running" if code is None else
+               f"was killed by {_signal_name(-code)}" if code < 0 else
+               f"exited with status {code}")
+        return f"{self.kind} (pid {self.proc.pid}) {how}; log: {self.log_path}"
 
     def stop(self, kill: bool = False, timeout_s: float = 5.0) -> int | None:
         """SIGTERM (or SIGKILL when ``kill``), wait, then SIGKILL. Returns the exit status."""

@@ -212,18 +212,6 @@ class DataWriteMany(_Msg):
     lengths: list[int]
 
 
-class DataWriteEnd(_Msg):
-    """Write like :class:`DataWriteMany`, then the node sends ``PutEnd(token)`` to the
-    master itself and replies only once the master answered: DataResp(code, total
-    bytes written) where ``code`` is the master's PutEnd code (OK: the object is
-    visible to every client; RPC_FAIL: the master could not be asked). Saves the
-    writer one round trip per put; the master sees the same PutEnd as from the writer."""
-
-    offsets: list[int]
-    lengths: list[int]
-    token: PutToken
-
-
 class DataRead(_Msg):
     """Read ``lengths[i]`` bytes at ``offsets[i]``; the reply payload is their concatenation."""
 
@@ -328,7 +316,7 @@ Reply = Union[
     Resp, ErrorResp, MountResp, PutStartResp, BatchPutStartResp, GetResp, BatchGetResp,
     CodesResp, CountResp, StatsResp,
 ]
-DataRequest = Union[DataWrite, DataWriteMany, DataWriteEnd, DataRead]
+DataRequest = Union[DataWrite, DataWriteMany, DataRead]
 
 _encoder = msgspec.msgpack.Encoder()
 request_decoder = msgspec.msgpack.Decoder(Request)

@@ -14,7 +14,8 @@ Metrics (Prometheus text format; ``*_total`` are counters since the master start
 ``kvpool_master_segment_capacity_bytes``   data_addr)
 ``kvpool_master_segments``, ``_owners``,   mounted segments, live owners, puts between
 ``_in_flight_puts``, ``_zombie_buffers``   PutStart and PutEnd, buffers awaiting release
-``kvpool_master_requests_total{op}``       RPCs handled, by request type (PutStart, ...)
+``kvpool_master_requests_total{op}``       RPCs handled, by request type (PutStart, ...;
+                                           BadRequest: a body that did not decode)
 ``kvpool_master_errors_total{op,code}``    non-OK results by ErrorCode name; a batch RPC
                                            counts one per failed item
 ``kvpool_master_evictions_total``,         objects / bytes evicted, eviction passes

@@ -11,8 +11,7 @@ Metrics: ``kvpool_node_segment_capacity_bytes``, ``kvpool_node_segment_used_byte
 master call): ``kvpool_node_data_requests_total{op}`` and
 ``kvpool_node_data_bytes_total{op}`` (op read / write),
 ``kvpool_node_data_errors_total{kind}`` (refused, bad_frame, broken, accept),
-``kvpool_node_data_commits_total{code}`` (PutEnds sent for writers, by the master's
-answer), ``kvpool_node_data_connections_total`` and ``kvpool_node_data_connections_open``;
+``kvpool_node_data_connections_total`` and ``kvpool_node_data_connections_open``;
 and the process collector's ``process_*``.
 """
 
@@ -87,7 +86,6 @@ def data_plane_metrics(snap: dict):
         ("requests", "requests", "op", "data-plane requests served, by op (read, write)"),
         ("bytes", "bytes", "op", "payload bytes moved, by op (read, write)"),
         ("errors", "errors", "kind", "data-plane failures: refused, bad_frame, broken, accept"),
-        ("commits", "commits", "code", "PutEnds sent to the master for writers, by its answer"),
     ):
         family = CounterMetricFamily(f"kvpool_node_data_{name}", doc, labels=[label])
         for value, n in sorted(snap[key].items()):

@@ -303,7 +303,9 @@ def _fmt_ratio(r: float | None) -> str:
 
 @dataclass
 class Verdict:
-    """One target of issue 4 checked on one row: ``value`` vs ``threshold``."""
+    """One performance target checked on one row: ``value`` vs ``threshold`` (the
+    targets are the ratios against Mooncake, memcpy and one TCP stream and the memory
+    limits listed in :func:`verdicts` and docs/bench.md)."""
 
     target: str
     row: str
@@ -319,7 +321,9 @@ class Verdict:
 
 
 def verdicts(rows: list[Row], fig: Figures, memory: dict[str, dict]) -> list[Verdict]:
-    """The issue's targets, per row they concern (ratios of medians of the same run).
+    """kvpool's performance targets, per row they concern (ratios of medians of the same
+    run): speed against Mooncake's cross-process store, memcpy and one TCP stream, and
+    the memory of nodes and clients.
 
     memory: {kvpool column: its stats} (node RSS, client probe), in bytes.
     """
@@ -491,7 +495,8 @@ def run(args) -> int:
     for w in workers:
         if w.absent:
             print(f"absent: {w.column}: {w.absent}")
-    print("targets (issue 4):")
+    print("targets (kvpool's goals: speed vs Mooncake x-proc, memcpy and one TCP stream, "
+          "from the medians above; node and client memory):")
     print(format_verdicts(vs))
     doc = {
         "schema": SCHEMA,

@@ -182,12 +182,15 @@ class PrefixCache:
                           else len(token_ids), m)
         return m
 
-    def load(self, m: Match, out: torch.Tensor | None = None) -> torch.Tensor:
+    def load(self, m: Match, out: torch.Tensor | None = None, adopt: bool = True) -> torch.Tensor:
         """The KV of the matched pages: tensor [m.num_pages, *page_shape], page order.
 
-        L2 and L3 pages are copied into L1 too (so the next match finds them there). L3
-        pages are checked against their headers first; at the first page that is missing
-        or fails, ``m`` is cut to the pages before it: use ``m.num_pages`` after this call.
+        L2 and L3 pages are copied into L1 too (so the next match finds them there);
+        ``adopt=False`` leaves the L3 pages out of the tree, for a caller that inserts
+        them itself later (the engine does after decoding: the copy into L1 is then off
+        the time to first token). L3 pages are checked against their headers first; at
+        the first page that is missing or fails, ``m`` is cut to the pages before it:
+        use ``m.num_pages`` after this call.
 
         ``out``: optional destination ``[m.num_pages, *page_shape]`` of this cache's dtype,
         with any strides (e.g. a permuted view of the engine's own KV layout), filled
@@ -212,7 +215,8 @@ class PrefixCache:
             out[n_tree:n_tree + got].copy_(pages)
             if got < m.num_pages - n_tree:
                 m._truncate(n_tree + got)
-            self._adopt(m, pages)
+            if adopt:
+                self._adopt(m, pages)
         return out[:m.num_pages]
 
     def release(self, m: Match) -> None:
@@ -498,7 +502,7 @@ class PrefixCache:
         there, and the result is a view of their payloads: one copy out of the store.
         """
         try:
-            if self.l3 is not None and hasattr(self.l3, "get_into") and len(self.store.parts) == 1:
+            if hasattr(self.l3, "get_into") and len(self.store.parts) == 1:
                 good, reason, nbytes, pages = self._read_l3_direct(keys, first_index)
             else:
                 pages = torch.empty((len(keys), *self.page_shape), dtype=self.dtype)

@@ -32,7 +32,7 @@ from kvpool.errors import (
 from kvpool.transfer import as_byte_view, local_host_id
 from kvpool.transfer.buffers import BufferRegistry, RegisteredBuffer
 from kvpool.transfer.engine import TransferEngine
-from kvpool.transfer.request import Op, TransferRequest, TransferStatus, Transport
+from kvpool.transfer.request import Cancel, Op, TransferRequest, TransferStatus, Transport
 from kvpool.transfer.rpc import RpcChannel
 from kvpool.transfer.segment_host import SegmentHost
 from kvpool.transfer.shm import LocalTransport, ShmTransport
@@ -179,11 +179,12 @@ class Client:
         """The value behind ``handle`` as bytes, filled by one copy (memcpy out of the
         mapping, or the kernel's socket copy); tries each replica. Raises TransferFailed."""
         deadline = time.monotonic() + self.timeout_s
+        why = Cancel()  # collects each replica's failure
         for desc, transport in self._ranked(handle.replicas):
-            value = transport.read_bytes(desc.segment, desc.offset, handle.size, deadline)
+            value = transport.read_bytes(desc.segment, desc.offset, handle.size, deadline, why)
             if value is not None:
                 return value
-        raise TransferFailed(f"get {handle.key!r}: no replica could be read")
+        raise TransferFailed(f"get {handle.key!r}: no replica could be read ({'; '.join(why.reasons) or 'none reachable'})")
 
     # ------------------------------------------------------------ put
 

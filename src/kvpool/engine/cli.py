@@ -33,6 +33,10 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--threads", type=int, default=1,
                         help="torch threads (1: servers run beside the model; more slows "
                         "prefill on a busy 2-core machine)")
+    parser.add_argument("--attention", default="kvpool_causal", choices=("kvpool_causal", "sdpa"),
+                        help="attention kernel: kvpool_causal (default) computes only the "
+                        "causal pairs after a cached prefix; sdpa is transformers' stock "
+                        "kernel, which computes every (new token x all tokens) pair")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

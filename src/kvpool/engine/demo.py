@@ -60,6 +60,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--threads", type=int, default=1,
                         help="torch threads per engine (1: more slows prefill badly when "
                         "another process is busy on a 2-core machine)")
+    parser.add_argument("--attention", default="kvpool_causal", choices=("kvpool_causal", "sdpa"),
+                        help="engines' attention kernel: kvpool_causal (default) skips the "
+                        "masked pairs after a cached prefix; sdpa is transformers' stock one")
     parser.add_argument("--quiet", action="store_true", help="no progress lines")
 
 
@@ -128,7 +131,8 @@ def _start_engines(args, master: str, logs: Path, engines: dict, say) -> None:
     from kvpool.engine.models import is_prepared
 
     worker_args = ["--model", args.model, "--master", master, "--page-size", str(args.page_size),
-                   "--l1-size", args.l1_size, "--threads", str(args.threads)]
+                   "--l1-size", args.l1_size, "--threads", str(args.threads),
+                   "--attention", args.attention]
     if args.force_tcp:
         worker_args.append("--force-tcp")
 
@@ -241,6 +245,7 @@ def build_report(args, rows: list[dict], info: dict, wall_s: float) -> dict:
                      f">={TARGET_SPEEDUP:g}x: {'met' if target['met'] else 'NOT met'})")
     verdict = f"{'PASS' if ok else 'FAIL'}: " + "; ".join(parts) + f"; {wall_s:.0f} s in all"
     return {"ok": ok, "verdict": verdict, "wall_s": wall_s, "model": info["model"],
-            "transport": info["transport"], "page_size": args.page_size,
+            "transport": info["transport"], "attention": args.attention,
+            "page_size": args.page_size,
             "max_new_tokens": args.max_new_tokens, "logit_tolerance": LOGIT_TOLERANCE,
             "cross_engine_l3_tokens": via_store, "target": target, "requests": rows}

@@ -5,13 +5,18 @@ One request runs in five steps (issue 2):
 1. lookup: the longest cached prefix of the prompt, in full pages, from the prefix
    cache (L1, then L3). The match is taken over ``prompt[:-1]`` so that at least one
    token is always computed: the engine needs the last position's logits (case K15).
-2. load: the matched pages become a transformers ``DynamicCache``.
+2. load: the matched pages are copied once, straight into the request's KV storage in
+   the layout transformers reads (``[L, 2, 1, H_kv, T, D]``, kept across requests);
+   L3 pages are read into one staging array and checked there (cache.load).
 3. prefill: the rest of the prompt runs with position ids starting after the prefix and
    an attention mask covering prefix plus new tokens (transformers 5.x derives the
    causal mask from the cache length and the position ids; ``cache_position`` is gone).
 4. decode: greedy, one token at a time, until ``max_new_tokens`` or end of sequence.
-5. store: every full page of the prompt is copied out of the cache and inserted; the
-   cache keeps what it lacks and backs it up to L3.
+5. store: every full page of the prompt is inserted as a view of that storage; the
+   cache copies the pages it lacks into L1 and backs up to L3 what L3 lacks.
+
+The cache's layers write new tokens in place (kv.InPlaceLayer), not by concatenating
+the whole cache at every forward as transformers' DynamicLayer does.
 
 Attention runs the ``kvpool_causal`` kernel (:mod:`kvpool.engine.attention`) by default:
 after a cached prefix it computes only the causal pairs, where transformers' stock
@@ -34,7 +39,7 @@ from transformers import DynamicCache
 
 from kvpool.cache import max_reusable_pages
 from kvpool.engine import attention as attn
-from kvpool.engine.kv import cache_to_pages, kv_buffer, page_shape, pages_view, seq_cache
+from kvpool.engine.kv import kv_buffer, page_shape, pages_view, seq_cache
 from kvpool.engine.models import LoadedModel, load_model
 from kvpool.errors import InvalidParams
 
@@ -86,6 +91,7 @@ class Engine:
         self.model = self.loaded.model
         self.config = self.model.config
         self.cache = cache
+        self._seq: torch.Tensor | None = None  # KV storage reused across requests
         if attention == attn.NAME:
             attn.register()
         self.attention = attention if attn.supports(self.config) else attn.STOCK
@@ -143,8 +149,8 @@ class Engine:
             self.model.set_attn_implementation(self.attention)
         timings = dict.fromkeys(("lookup", "load", "prefill", "decode", "store"), 0.0)
         start = time.perf_counter()
-        kv, by_tier = self._load_prefix(cache, prompt_ids, len(prompt_ids) + max_new_tokens,
-                                        timings)
+        seq = self._kv_buffer(len(prompt_ids) + max_new_tokens)
+        kv, by_tier = self._load_prefix(cache, prompt_ids, seq, timings)
         reused = kv.get_seq_length()
 
         mark = time.perf_counter()
@@ -158,7 +164,7 @@ class Engine:
         timings["decode"] = (time.perf_counter() - now) * 1e3
         if cache is not None:
             mark = time.perf_counter()
-            self._store(cache, prompt_ids, kv)
+            self._store(cache, prompt_ids, seq)
             timings["store"] = (time.perf_counter() - mark) * 1e3
         decoded = len(output) - 1
         return GenerateResult(
@@ -167,12 +173,22 @@ class Engine:
             decode_tok_s=decoded / (timings["decode"] / 1e3) if decoded else 0.0,
             last_logits=logits.float(), timings_ms=timings)
 
-    def _load_prefix(self, cache, prompt_ids, capacity, timings
+    def _kv_buffer(self, capacity: int) -> torch.Tensor:
+        """KV storage ``[L, 2, 1, H_kv, >= capacity, D]`` for one request.
+
+        Kept from one request to the next (one request at a time) and grown to the
+        largest seen: fresh memory costs a page fault per 4 KiB on first touch, ~35 ms
+        per 100 MB here, on the path to the first token.
+        """
+        if self._seq is None or self._seq.shape[4] < capacity:
+            self._seq = None  # free the old one first
+            self._seq = kv_buffer(page_shape(self.config, 1), capacity, self.model.dtype)
+        return self._seq
+
+    def _load_prefix(self, cache, prompt_ids, seq, timings
                      ) -> tuple[DynamicCache, dict[str, int]]:
-        """The KV of the longest reusable cached prefix, in a cache with room for
-        ``capacity`` tokens, and the reused tokens per tier."""
-        seq = kv_buffer(page_shape(self.config, cache.page_size if cache else 1), capacity,
-                        self.model.dtype)
+        """The KV of the longest reusable cached prefix, as a cache over ``seq`` (see
+        :meth:`_kv_buffer`), and the reused tokens per tier."""
         if cache is None:
             return seq_cache(seq, 0, self.config), {}
         mark = time.perf_counter()
@@ -187,7 +203,8 @@ class Engine:
                 # cut the match at a page that is gone or fails its check (a miss)
                 view = pages_view(seq, match.num_pages, cache.page_size)
                 if cache.dtype == seq.dtype:
-                    cache.load(match, out=view)
+                    # L3 pages reach L1 when _store inserts them, after the first token
+                    cache.load(match, out=view, adopt=False)
                 else:
                     pages = cache.load(match)
                     view[:match.num_pages].copy_(pages)
@@ -217,11 +234,13 @@ class Engine:
             output.append(int(logits.argmax()))
         return output
 
-    def _store(self, cache, prompt_ids: list[int], kv: DynamicCache) -> None:
-        """Insert every full page of the prompt (the cache skips pages it already has)."""
+    def _store(self, cache, prompt_ids: list[int], seq: torch.Tensor) -> None:
+        """Insert every full page of the prompt (the cache copies only the pages it
+        lacks, straight out of ``seq``, and backs up to L3 only what L3 lacks)."""
         page_size = cache.page_size
         full = len(prompt_ids) // page_size
         if full:
-            pages = cache_to_pages(kv, full, page_size)
+            pages = pages_view(seq, full, page_size)
+            if pages.dtype != cache.dtype:
+                pages = pages.to(cache.dtype)
             cache.insert(prompt_ids[:full * page_size], pages)
-

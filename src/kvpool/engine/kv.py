@@ -91,20 +91,3 @@ class InPlaceLayer(DynamicLayer):
         self._values[..., start:end, :].copy_(value_states)
         self.keys, self.values = self._keys[..., :end, :], self._values[..., :end, :]
         return self.keys, self.values
-
-
-def cache_to_pages(cache: DynamicCache, num_pages: int, page_size: int) -> torch.Tensor:
-    """Copy the first ``num_pages`` full pages out of ``cache``.
-
-    Returns: a new contiguous tensor ``[num_pages, L, 2, H_kv, page_size, D]``.
-    Raises: ValueError when the cache holds fewer than ``num_pages * page_size`` tokens.
-    """
-    tokens = num_pages * page_size
-    if cache.get_seq_length() < tokens:
-        raise ValueError(f"cache holds {cache.get_seq_length()} tokens, need {tokens}")
-    # [L, 2, 1, H, T, D] restricted to the first `tokens` positions
-    kv = torch.stack([torch.stack((layer.keys[0, :, :tokens], layer.values[0, :, :tokens]))
-                      for layer in cache.layers])
-    layers, _, heads, _, dim = kv.shape
-    return (kv.reshape(layers, 2, heads, num_pages, page_size, dim)
-            .permute(3, 0, 1, 2, 4, 5).contiguous())

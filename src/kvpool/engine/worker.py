@@ -79,9 +79,9 @@ def start_engine(args, progress):
         l3 = StoreBackend(Client(args.master, force_tcp=args.force_tcp))
     progress(f"loading model {args.model} ({args.dtype})")
     loaded = load_model(args.model, args.dtype, progress=progress)
-    engine = Engine(loaded)
+    engine = Engine(loaded, attention=args.attention)
     engine.build_cache(args.page_size, parse_size(args.l1_size), l3=l3)
-    return engine, model_summary(loaded)
+    return engine, {**model_summary(loaded), "attention": engine.attention}
 
 
 def handle(engine, request: dict) -> dict:

@@ -42,13 +42,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     pf.add_argument("--bandwidth", type=float, default=None,
                     help=f"KV load bandwidth in GB/s per rank (default {DEFAULT_BANDWIDTH_GBPS}; "
                     "with --measure, measured on the engine's load path)")
-    pf.add_argument("--linear-flops", type=float, default=DEFAULT_LINEAR_FLOPS / 1e9,
+    pf.add_argument("--linear-flops", type=float, default=None,
                     help="effective FLOP/s of the linear part, in GFLOP/s (default "
-                    f"{DEFAULT_LINEAR_FLOPS / 1e9:g}: SmolLM2 on the 2-core dev machine)")
-    pf.add_argument("--attention-flops", type=float, default=DEFAULT_ATTENTION_FLOPS / 1e9,
+                    f"{DEFAULT_LINEAR_FLOPS / 1e9:g}: SmolLM2 on a 2-core CPU; set your own)")
+    pf.add_argument("--attention-flops", type=float, default=None,
                     help="effective FLOP/s of attention, in GFLOP/s (default "
-                    f"{DEFAULT_ATTENTION_FLOPS / 1e9:g})")
-    pf.add_argument("--overhead-ms", type=float, default=DEFAULT_OVERHEAD_MS,
+                    f"{DEFAULT_ATTENTION_FLOPS / 1e9:g}: SmolLM2 on a 2-core CPU)")
+    pf.add_argument("--overhead-ms", type=float, default=None,
                     help=f"fixed per-request overhead in ms (default {DEFAULT_OVERHEAD_MS:g})")
     pf.add_argument("--attention-kernel", choices=KERNELS, default=None,
                     help="causal: skips masked pairs after cached tokens (FlashAttention, "
@@ -129,26 +129,53 @@ def _b(n: int) -> str:
 
 def _run_prefill(args) -> int:
     spec = load_spec(args.config)
+    given = _rate_flags(args)
     if args.measure:
         return _run_measure(args, spec)
-    bandwidth = args.bandwidth if args.bandwidth is not None else DEFAULT_BANDWIDTH_GBPS
-    rates = Rates(linear=args.linear_flops * 1e9, attention=args.attention_flops * 1e9,
-                  overhead_s=args.overhead_ms / 1e3, bandwidth=bandwidth * 1e9,
+    defaulted = [flag for flag, (value, _) in given.items() if value is None]
+    value = {flag: (_RATE_DEFAULTS[flag] if v is None else v) for flag, (v, _) in given.items()}
+    rates = Rates(linear=value["--linear-flops"] * 1e9, attention=value["--attention-flops"] * 1e9,
+                  overhead_s=value["--overhead-ms"] / 1e3, bandwidth=value["--bandwidth"] * 1e9,
                   attention_kernel=args.attention_kernel or "causal")
-    report = prefill_report(spec, args.prompt, args.hit, rates, args.kv_dtype, args.tp, args.pp)
-    print(json.dumps(report.to_dict(), indent=2) if args.json else format_prefill(report))
+    report = prefill_report(spec, args.prompt, args.hit, rates, args.kv_dtype, args.tp, args.pp,
+                            page_size=args.page_size)
+    if args.json:
+        print(json.dumps({**report.to_dict(), "default_rates": defaulted}, indent=2))
+    else:
+        print(format_prefill(report, defaulted))
     return 0
 
 
-def format_prefill(r: PrefillReport) -> str:
-    """Human-readable `plan prefill` output."""
+# flag -> default in the flag's own unit (GFLOP/s, ms, GB/s)
+_RATE_DEFAULTS = {"--linear-flops": DEFAULT_LINEAR_FLOPS / 1e9,
+                  "--attention-flops": DEFAULT_ATTENTION_FLOPS / 1e9,
+                  "--overhead-ms": DEFAULT_OVERHEAD_MS, "--bandwidth": DEFAULT_BANDWIDTH_GBPS}
+
+
+def _rate_flags(args) -> dict[str, tuple[float | None, str]]:
+    """The four rate flags as given (None = not given) with their unit; raises UserError
+    naming the flag, the value as typed and its unit when one is out of range."""
+    given = {"--linear-flops": (args.linear_flops, "GFLOP/s"),
+             "--attention-flops": (args.attention_flops, "GFLOP/s"),
+             "--overhead-ms": (args.overhead_ms, "ms"), "--bandwidth": (args.bandwidth, "GB/s")}
+    for flag, (v, unit) in given.items():
+        bound = ">= 0" if flag == "--overhead-ms" else "> 0"
+        if v is not None and not (v >= 0 if bound == ">= 0" else v > 0) or v == float("inf"):
+            raise UserError(f"{flag} must be a finite number {bound} {unit}, got {v:g} {unit}")
+    return given
+
+
+def format_prefill(r: PrefillReport, defaulted: list[str] = ()) -> str:
+    """Human-readable `plan prefill` output; ``defaulted`` lists the rate flags that
+    were not given, so the text says the prediction rests on the built-in rates."""
     rates = r.rates
     return "\n".join([
         f"model {r.model}  prompt {r.prompt} tokens  hit {r.hit:.0%} ({r.cached} cached)  "
         f"KV {r.kv_dtype}",
-        f"rates: linear {rates['linear'] / 1e9:g} GFLOP/s, attention "
+        f"rates assumed: linear {rates['linear'] / 1e9:g} GFLOP/s, attention "
         f"{rates['attention'] / 1e9:g} GFLOP/s, overhead {rates['overhead_s'] * 1e3:g} ms, "
         f"load {rates['bandwidth'] / 1e9:g} GB/s, {rates['attention_kernel']} attention kernel",
+        *_defaults_note(defaulted),
         f"FLOPs cold: linear {r.flops_cold['linear']:.3e}  attention "
         f"{r.flops_cold['attention']:.3e}",
         f"FLOPs hit:  linear {r.flops_hit['linear']:.3e} ({r.linear_fraction_left:.0%})  "
@@ -163,6 +190,16 @@ def format_prefill(r: PrefillReport) -> str:
         "",
         r.explanation,
     ])
+
+
+def _defaults_note(defaulted: list[str]) -> list[str]:
+    if not defaulted:
+        return []
+    return [f"  NOTE: {', '.join(defaulted)} not given, so built-in rates measured for "
+            "SmolLM2-135M on a 2-core CPU are used: the times below are for that machine, "
+            "not yours.",
+            "  Set --linear-flops and --attention-flops (GFLOP/s), --overhead-ms (ms) and "
+            "--bandwidth (GB/s) for your hardware, or fit them here with --measure."]
 
 
 def _run_measure(args, spec) -> int:

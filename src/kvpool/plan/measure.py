@@ -36,7 +36,7 @@ from kvpool.plan.spec import ModelSpec, spec_from_config
 
 HITS = (0.0, 0.25, 0.5, 0.75, 0.9)
 CLOCKS = ("wall", "cpu")
-TOLERANCE = 0.20  # issue 6: predictions within 20% of measured TTFT
+TOLERANCE = 0.20  # the goal: predictions within 20% of the measured TTFT
 
 
 class EngineMeter:

@@ -36,7 +36,7 @@ from dataclasses import asdict, dataclass
 
 from kvpool.errors import UserError
 from kvpool.plan.kv import plan_kv
-from kvpool.plan.spec import ModelSpec
+from kvpool.plan.spec import ModelSpec, check_flops
 
 # Defaults of `kvpool plan prefill`: the speeds are the `--measure` fit of SmolLM2-135M
 # fp32 on the 2-core development machine, torch's default 2 threads (docs/plan.md); the
@@ -107,9 +107,11 @@ def prefill_flops(spec: ModelSpec, prompt: int, cached: int = 0,
     """FLOPs to prefill ``prompt`` tokens when the first ``cached`` are reused, as the
     attention ``kernel`` computes them (module docstring).
 
-    Raises: UserError unless ``0 <= cached < prompt`` (the last token is always computed).
+    Raises: UserError unless ``0 <= cached < prompt`` (the last token is always computed),
+    or when the config lacked a field the FLOPs need (``spec.flops_error``).
     """
     _check(prompt, cached)
+    check_flops(spec)
     new = prompt - cached
     linear = sum(layer.linear_flops for layer in spec.layers) * new + spec.head_flops
     attention = sum(
@@ -244,6 +246,17 @@ def prefill_report(spec: ModelSpec, prompt: int, hit: float, rates: Rates,
     return _with_explanation(report, cold)
 
 
+def _versus_hit_ratio(r: PrefillReport) -> str:
+    """The ideal speedup next to the ``N / (N − P)`` the reused share alone suggests."""
+    naive = r.prompt / (r.prompt - r.cached)
+    ideal = f"{r.ideal_speedup:.2f}x"
+    if ideal == f"{naive:.2f}x":
+        return f"{ideal}, all that reusing {r.cached / r.prompt:.1%} of the tokens can give"
+    side = "less" if r.ideal_speedup < naive else "more"
+    return (f"{ideal}, {side} than the {naive:.2f}x that reusing {r.cached / r.prompt:.1%} "
+            "of the tokens suggests")
+
+
 def _with_explanation(r: PrefillReport, cold: PrefillFlops) -> PrefillReport:
     attn_share = cold.attention / cold.total
     left = f"{r.attention_fraction_left:.0%} of the attention work is left"
@@ -257,7 +270,7 @@ def _with_explanation(r: PrefillReport, cold: PrefillFlops) -> PrefillReport:
         f"(projections, MLP) is per new token, so {r.linear_fraction_left:.0%} of it is left. "
         f"Attention is not: each new token still attends to the whole cached prefix, "
         f"{attention} Attention is {attn_share:.0%} of this cold prefill, so the ideal "
-        f"compute speedup is {r.ideal_speedup:.2f}x, not {1 / (1 - r.hit):.2f}x. Loading the "
+        f"compute speedup is {_versus_hit_ratio(r)}. Loading the "
         f"cached KV ({r.load_bytes / 1e6:.1f} MB) adds {r.ttft_hit_parts_ms['load']:.1f} ms and "
         f"the fixed overhead of {r.ttft_hit_parts_ms['overhead']:.1f} ms is not saved at all, "
         f"so the predicted TTFT speedup is {r.predicted_speedup:.2f}x. Below "

@@ -4,7 +4,9 @@
 :class:`Layer` per decoder layer saying what that layer keeps per token, what it
 keeps per request, and how much prefill work it does. Nothing is guessed: a field
 the formula needs and the config lacks raises :class:`~kvpool.errors.UserError`
-naming the field. The sizing (:mod:`kvpool.plan.kv`) and the prefill model
+naming the field. Fields only the prefill FLOPs need (the MLP sizes, ``vocab_size``)
+are checked when FLOPs are asked for (:attr:`ModelSpec.flops_error`), so KV sizing
+works from a config that lacks them. The sizing (:mod:`kvpool.plan.kv`) and the prefill model
 (:mod:`kvpool.plan.prefill`) only read the spec, never the raw config.
 
 Sources of the layer rules, per field:
@@ -27,7 +29,7 @@ Sources of the layer rules, per field:
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -85,11 +87,23 @@ class Layer:
 @dataclass(frozen=True)
 class ModelSpec:
     """A model's layers plus the per-request logits cost (``head_flops``: the LM head
-    on the last prompt token, 2 · hidden · vocab)."""
+    on the last prompt token, 2 · hidden · vocab).
+
+    ``flops_error``: "" when the FLOP fields are complete; otherwise the message naming
+    the missing or malformed field, and ``linear_flops`` / ``head_flops`` lack the MLP
+    and LM head (:func:`check_flops` raises it; KV sizing does not need them).
+    """
 
     name: str
     layers: tuple[Layer, ...]
     head_flops: int
+    flops_error: str = ""
+
+
+def check_flops(spec: ModelSpec) -> None:
+    """Raise UserError (the missing field) unless ``spec`` has complete prefill FLOPs."""
+    if spec.flops_error:
+        raise UserError(spec.flops_error)
 
 
 class _Fields:
@@ -127,17 +141,23 @@ def load_spec(path: str | Path) -> ModelSpec:
     """Read ``config.json`` at ``path`` (or the name of a shipped config, see
     :func:`kvpool.plan.configs_dir`) and return its :class:`ModelSpec`.
 
-    Raises: UserError when the file is missing, is not JSON, or lacks a needed field.
+    Raises: UserError when the file is missing or unreadable, is not UTF-8 JSON, is not
+    a JSON object, or lacks a field the KV shape needs.
     """
     p = _resolve(path)
     try:
-        cfg = json.loads(p.read_text())
+        cfg = json.loads(p.read_bytes().decode("utf-8"))
     except OSError as exc:
         raise UserError(f"cannot read config {str(path)!r}: {exc.strerror}") from None
+    except UnicodeDecodeError as exc:
+        raise UserError(f"{p}: not a UTF-8 text file (byte {exc.start}: {exc.reason}); "
+                        "expected a config.json") from None
     except json.JSONDecodeError as exc:
         raise UserError(f"{p}: not valid JSON ({exc.msg} at line {exc.lineno})") from None
+    except RecursionError:
+        raise UserError(f"{p}: JSON nested too deeply") from None
     if not isinstance(cfg, dict):
-        raise UserError(f"{p}: expected a JSON object")
+        raise UserError(f"{p}: expected a JSON object ({{...}}), got a {type(cfg).__name__}")
     return spec_from_config(cfg, source=p.name)
 
 
@@ -156,7 +176,8 @@ def spec_from_config(cfg: dict[str, Any], source: str = "config.json") -> ModelS
     """Build a :class:`ModelSpec` from a parsed ``config.json`` dict.
 
     A multimodal config's ``text_config`` is used when present.
-    Raises: UserError naming the first missing, malformed or unsupported field.
+    Raises: UserError naming the first missing, malformed or unsupported field of the
+    KV shape; a FLOP-only field is reported in ``flops_error`` instead.
     """
     if isinstance(cfg.get("text_config"), dict):
         cfg = {**cfg["text_config"], "model_type": cfg["text_config"].get("model_type",
@@ -169,9 +190,15 @@ def spec_from_config(cfg: dict[str, Any], source: str = "config.json") -> ModelS
     hidden = f.int("hidden_size", "projection sizes")
     kinds = _layer_kinds(f, n_layers)
     layers = tuple(_layer(f, i, kind, hidden) for i, kind in enumerate(kinds))
-    vocab = f.int("vocab_size", "the LM head")
+    try:  # only the prefill FLOPs need these fields
+        mlp = [_mlp_flops(f, i, hidden) for i in range(n_layers)]
+        head, error = 2 * hidden * f.int("vocab_size", "the LM head"), ""
+    except UserError as exc:
+        mlp, head, error = [0] * n_layers, 0, f"{exc}; prefill FLOPs need it, KV sizing does not"
+    layers = tuple(replace(layer, linear_flops=layer.linear_flops + m)
+                   for layer, m in zip(layers, mlp))
     return ModelSpec(name=str(cfg.get("_name_or_path") or source), layers=layers,
-                     head_flops=2 * hidden * vocab)
+                     head_flops=head, flops_error=error)
 
 
 def _layer_kinds(f: _Fields, n: int) -> list[str]:
@@ -229,7 +256,7 @@ def _layer(f: _Fields, i: int, kind: str, hidden: int) -> Layer:
         attn = _linear_attention(f, i, hidden)
     else:
         attn = _mamba(f, i, hidden)
-    return Layer(**{**attn, "linear_flops": attn["linear_flops"] + _mlp_flops(f, i, hidden)})
+    return Layer(**attn)  # the MLP's FLOPs are added by spec_from_config
 
 
 def _softmax_attention(f: _Fields, i: int, kind: str, hidden: int) -> dict:

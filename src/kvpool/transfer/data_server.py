@@ -8,11 +8,6 @@ connection, blocking sockets: payloads go straight between socket and segment, s
 with ``recvmsg_into`` and gathered (reply header included) with ``sendmsg``
 (:mod:`kvpool.transfer.iov`).
 
-``DataWriteEnd`` (write, then end the put): after the payload landed, the connection's
-thread sends ``PutEnd`` to the master on a channel of its own and relays the master's
-code, so the writer waits for one reply instead of two (the master's confirmation still
-comes before the writer's put returns: K11 holds).
-
 :class:`DataCounters` counts what the server did (requests, bytes, errors by kind); the
 node's admin app exposes them.
 """
@@ -28,14 +23,12 @@ from collections import Counter
 import msgspec
 
 from kvpool import protocol as P
-from kvpool.errors import ErrorCode, KVPoolError
+from kvpool.errors import ErrorCode
 from kvpool.transfer.iov import recv_views, send_views
-from kvpool.transfer.rpc import RpcChannel
 from kvpool.transfer.tcp import tune_data_socket
 
 log = logging.getLogger("kvpool.data")
 ACCEPT_BACKOFF_S = 0.05  # pause after a failed accept (e.g. out of file descriptors)
-MASTER_TIMEOUT_S = 10.0  # PutEnd on behalf of a writer
 
 
 class DataCounters:
@@ -43,7 +36,6 @@ class DataCounters:
     except ``open_connections``).
 
     requests[op] / bytes[op]: served requests and payload bytes, op "read" or "write";
-    commits[code name]: PutEnds sent for DataWriteEnd, by the master's answer;
     errors[kind]: "refused" (a range outside the segment), "bad_frame" (undecodable or
     unframed bytes), "broken" (the peer vanished mid-request), "accept" (a connection
     that could not be accepted or served); connections: accepted.
@@ -52,7 +44,6 @@ class DataCounters:
     def __init__(self):
         self.requests: Counter[str] = Counter()
         self.bytes: Counter[str] = Counter()
-        self.commits: Counter[str] = Counter()
         self.errors: Counter[str] = Counter()
         self.connections = 0
         self.open_connections = 0
@@ -67,43 +58,34 @@ class DataCounters:
         with self._lock:
             self.errors[kind] += 1
 
-    def committed(self, code: int) -> None:
-        with self._lock:
-            self.commits[_code_name(code)] += 1
-
     def opened(self, delta: int) -> None:
         with self._lock:
             self.open_connections += delta
             self.connections += max(0, delta)
 
     def snapshot(self) -> dict:
-        """A consistent copy: {"requests", "bytes", "commits", "errors": {name: n},
+        """A consistent copy: {"requests", "bytes", "errors": {name: n},
         "connections", "open_connections"}."""
         with self._lock:
-            return {"requests": dict(self.requests), "bytes": dict(self.bytes), "commits": dict(self.commits),
-                    "errors": dict(self.errors), "connections": self.connections,
-                    "open_connections": self.open_connections}
-
-
-def _code_name(code: int) -> str:
-    try:
-        return ErrorCode(code).name
-    except ValueError:
-        return str(code)
+            return {"requests": dict(self.requests), "bytes": dict(self.bytes), "errors": dict(self.errors),
+                    "connections": self.connections, "open_connections": self.open_connections}
 
 
 class _Closed(Exception):
     """The peer closed the connection cleanly, between two requests."""
 
 
-class DataServer:
-    """Serves ``segment`` (a writable byte memoryview) on the listening socket ``sock``.
-    ``master_addr`` ("host:port") enables DataWriteEnd (None: it answers RPC_FAIL)."""
+class _BadHeader(Exception):
+    """A frame header with a bad magic or size: the stream cannot be resynchronised."""
 
-    def __init__(self, sock: socket.socket, segment: memoryview, master_addr: str | None = None):
+
+class DataServer:
+    """Serves ``segment`` (a writable byte memoryview) on the listening socket ``sock``;
+    ``counters`` (:class:`DataCounters`) say what it did."""
+
+    def __init__(self, sock: socket.socket, segment: memoryview):
         self.sock = sock
         self.segment = segment
-        self.master_addr = master_addr
         self.counters = DataCounters()
         self.stopped = threading.Event()
 
@@ -146,20 +128,18 @@ class DataServer:
         self.stopped.set()
 
     def _serve_conn(self, conn: socket.socket) -> None:
-        master = _MasterLink(self.master_addr)
         self.counters.opened(1)
         try:
             with conn:
-                while self._handle(conn, master):
+                while self._handle(conn):
                     pass
         except _Closed:
             pass
-        except P.FrameError as exc:  # bad magic or size, or EOF inside a frame
-            self.counters.error("broken" if "closed" in str(exc) else "bad_frame")
-        except OSError:  # reset, or EOF inside a payload
+        except _BadHeader:
+            self.counters.error("bad_frame")
+        except (P.FrameError, OSError):  # EOF inside a frame or a payload, a reset
             self.counters.error("broken")
         finally:
-            master.close()
             self.counters.opened(-1)
 
     def _ranges(self, offsets: list[int], lengths: list[int]) -> list[memoryview] | None:
@@ -168,7 +148,7 @@ class DataServer:
             return None
         return [self.segment[o : o + n] for o, n in zip(offsets, lengths)]
 
-    def _handle(self, conn: socket.socket, master: "_MasterLink") -> bool:
+    def _handle(self, conn: socket.socket) -> bool:
         """Serve one request; False when the connection must close."""
         try:
             req = P.data_request_decoder.decode(_recv_request(conn))
@@ -188,10 +168,7 @@ class DataServer:
         recv_views(conn, views)
         total = sum(len(v) for v in views)
         self.counters.served("write", total)
-        code = master.put_end(req.token) if isinstance(req, P.DataWriteEnd) else ErrorCode.OK
-        if isinstance(req, P.DataWriteEnd):
-            self.counters.committed(code)
-        conn.sendall(P.encode_frame(P.DataResp(code, total)))
+        conn.sendall(P.encode_frame(P.DataResp(ErrorCode.OK, total)))
         return True
 
     def _read(self, conn: socket.socket, req: P.DataRead) -> bool:
@@ -206,41 +183,19 @@ class DataServer:
         return True
 
 
-class _MasterLink:
-    """One connection thread's channel to the master, opened at its first PutEnd."""
-
-    def __init__(self, addr: str | None):
-        self.addr = addr
-        self.chan: RpcChannel | None = None
-
-    def put_end(self, token: P.PutToken) -> int:
-        """The master's code for PutEnd(token); RPC_FAIL when it cannot be asked.
-        Not retried on a broken stream: a PutEnd that may have arrived is not sent twice
-        (the writer resolves the doubt with PutRevoke)."""
-        if self.addr is None:
-            return ErrorCode.RPC_FAIL
-        if self.chan is None:
-            self.chan = RpcChannel(self.addr, MASTER_TIMEOUT_S)
-        try:
-            return self.chan.call(P.PutEnd(token), idempotent=False).code
-        except KVPoolError as exc:
-            log.warning("PutEnd of %r for a writer failed: %s", token.key, exc)
-            return ErrorCode.RPC_FAIL
-
-    def close(self) -> None:
-        if self.chan is not None:
-            self.chan.close()
-
-
 def _recv_request(conn: socket.socket) -> bytearray:
     """One request frame's body. Raises _Closed when the peer closed before a new frame
-    began, FrameError (bad header, EOF mid-frame), OSError."""
+    began, _BadHeader, FrameError (EOF mid-frame), OSError."""
     header = bytearray(P.HEADER.size)
     got = conn.recv_into(header, len(header), socket.MSG_WAITALL)
     if got == 0:
         raise _Closed()
     if got < len(header):
         P.recv_exact_into(conn, memoryview(header)[got:])
-    body = bytearray(P.parse_header(bytes(header)))
+    try:
+        length = P.parse_header(bytes(header))
+    except P.FrameError:
+        raise _BadHeader() from None
+    body = bytearray(length)
     P.recv_exact_into(conn, memoryview(body))
     return body

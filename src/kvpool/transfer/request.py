@@ -148,12 +148,14 @@ class Transport:
     def run(self, requests: list[TransferRequest], deadline: float, cancel: Cancel) -> list[bool]:
         raise NotImplementedError
 
-    def read_bytes(self, segment: SegmentInfo, offset: int, length: int, deadline: float) -> bytes | None:
-        """``length`` bytes at ``offset`` of ``segment`` as bytes, or None on failure.
-        Transports override this with a one-copy path; this default copies twice."""
+    def read_bytes(self, segment: SegmentInfo, offset: int, length: int, deadline: float,
+                   cancel: "Cancel | None" = None) -> bytes | None:
+        """``length`` bytes at ``offset`` of ``segment`` as bytes, or None on failure
+        (why: noted on ``cancel`` when given). Transports override this with a one-copy
+        path; this default copies twice."""
         buf = bytearray(length)
         req = TransferRequest(Op.READ, memoryview(buf), 0, segment, offset, length)
-        return bytes(buf) if self.run([req], deadline, Cancel())[0] else None
+        return bytes(buf) if self.run([req], deadline, cancel or Cancel())[0] else None
 
     def close(self) -> None:
         pass

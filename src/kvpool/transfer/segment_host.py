@@ -80,7 +80,7 @@ class SegmentHost:
         if self.prefault:
             _touch_pages(self.shm.buf)
         self.info = P.SegmentInfo(name, local_host_id(), self.shm.name, self.segment_size, self.data_addr)
-        self.server = DataServer(self.listener, self.shm.buf, self.master_addr)
+        self.server = DataServer(self.listener, self.shm.buf)
         register_local_segment(self.shm.name, self.shm.buf)  # same-process clients memcpy
         self.interval_s = self._mount()
         threading.Thread(target=self.server.serve_forever, daemon=True).start()

@@ -58,8 +58,11 @@ class LocalTransport(Transport):
         _copy(requests, view)
         return [True] * len(requests)
 
-    def read_bytes(self, segment: SegmentInfo, offset: int, length: int, deadline: float) -> bytes | None:
+    def read_bytes(self, segment: SegmentInfo, offset: int, length: int, deadline: float,
+                   cancel: Cancel | None = None) -> bytes | None:
         view = _IN_PROCESS.get(segment.shm_name)
+        if view is None and cancel is not None:
+            cancel.note(f"local segment {segment.name} is no longer hosted here")
         return None if view is None else bytes(view[offset : offset + length])
 
 
@@ -102,8 +105,11 @@ class ShmTransport(Transport):
         _copy(requests, view)
         return [True] * len(requests)
 
-    def read_bytes(self, segment: SegmentInfo, offset: int, length: int, deadline: float) -> bytes | None:
+    def read_bytes(self, segment: SegmentInfo, offset: int, length: int, deadline: float,
+                   cancel: Cancel | None = None) -> bytes | None:
         view = self.view(segment.shm_name)
+        if view is None and cancel is not None:
+            cancel.note(f"shm {segment.shm_name} cannot be mapped (its node is gone?)")
         return None if view is None else bytes(view[offset : offset + length])
 
     def write(self, desc: ReplicaDesc, src: memoryview) -> None:

@@ -165,17 +165,23 @@ class TcpTransport(Transport):
             return [False] * len(requests)
         return [ok_w if r.op == Op.WRITE else ok_r for r in requests]
 
-    def read_bytes(self, segment: SegmentInfo, offset: int, length: int, deadline: float) -> bytes | None:
+    def read_bytes(self, segment: SegmentInfo, offset: int, length: int, deadline: float,
+                   cancel: Cancel | None = None) -> bytes | None:
         """One read into a new bytes object that the kernel fills directly (one copy)."""
+        cancel = cancel or Cancel()
+
         def work(sock):
             send_views(sock, [P.encode_frame(P.DataRead([offset], [length]))], deadline)
-            if read_reply(sock, deadline).code != ErrorCode.OK:
+            code = read_reply(sock, deadline).code
+            if code != ErrorCode.OK:
+                cancel.note(f"tcp {segment.data_addr}: {NodeRefused(code, 'read')}")
                 return None
             return recv_bytes(sock, length, deadline)
 
         try:
-            return self._with_conn(segment.data_addr, deadline, Cancel(), work)
-        except _FAILURES:
+            return self._with_conn(segment.data_addr, deadline, cancel, work)
+        except _FAILURES as exc:
+            cancel.note(f"tcp {segment.data_addr}: {describe_failure(exc)}")
             return None
 
     def close(self) -> None:
