@@ -4,33 +4,49 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
+import signal
+import subprocess
+import sys
 
 import pytest
 
-from kvpool.cli import main
 from kvpool.config import Option, add_options, parse_port, resolve
 from kvpool.errors import UserError
 
 
+def _kvpool(*args: str, env: dict | None = None) -> subprocess.CompletedProcess:
+    """Run `kvpool ARGS` in its own process group; a command that starts serving
+    instead of refusing (port 70000 used to become 4464) is stopped and fails the test."""
+    proc = subprocess.Popen([sys.executable, "-m", "kvpool", *args], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, stdin=subprocess.DEVNULL, text=True,
+                            env={**os.environ, **(env or {})}, start_new_session=True)
+    try:
+        out, err = proc.communicate(timeout=30)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGTERM)
+        proc.communicate()
+        pytest.fail(f"kvpool {' '.join(args)} started instead of refusing")
+    return subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
+
+
 @pytest.mark.parametrize("command", ["master", "node", "serve"])
 @pytest.mark.parametrize("flag", ["--port", "--http-port"])
-@pytest.mark.parametrize("value", ["70000", "65536", "-5", "x", "1.5"])
-def test_out_of_range_ports_are_one_line_errors(command, flag, value, capsys):
-    assert main([command, flag, value]) == 2
-    err = capsys.readouterr().err
-    assert err.count("\n") == 1 and "Traceback" not in err
-    assert repr(value) in err and flag[2:] in err and "0 to 65535" in err
+@pytest.mark.parametrize("value", ["70000", "-5", "x"])
+def test_out_of_range_ports_are_one_line_errors(command, flag, value):
+    r = _kvpool(command, flag, value)
+    assert r.returncode == 2
+    assert r.stderr.count("\n") == 1 and "Traceback" not in r.stderr
+    assert repr(value) in r.stderr and flag[2:] in r.stderr and "0 to 65535" in r.stderr
 
 
-def test_port_from_env_and_file_is_checked_too(tmp_path, monkeypatch, capsys):
-    monkeypatch.setenv("KVPOOL_MASTER_PORT", "70000")
-    assert main(["master"]) == 2
-    assert "(from env)" in capsys.readouterr().err
-    monkeypatch.delenv("KVPOOL_MASTER_PORT")
+def test_port_from_env_and_file_is_checked_too(tmp_path):
+    r = _kvpool("master", env={"KVPOOL_MASTER_PORT": "70000"})
+    assert r.returncode == 2 and "(from env)" in r.stderr
     cfg = tmp_path / "master.yaml"
     cfg.write_text("port: 99999\n")
-    assert main(["master", "--config", str(cfg)]) == 2
-    assert "(from config file)" in capsys.readouterr().err
+    r = _kvpool("master", "--config", str(cfg))
+    assert r.returncode == 2 and "(from config file)" in r.stderr
 
 
 @pytest.mark.parametrize("value, port", [("0", 0), ("65535", 65535), (8080, 8080), (" 80 ", 80)])
@@ -44,11 +60,12 @@ def test_parse_port_rejects(value):
         parse_port(value)
 
 
-def test_unknown_config_key_names_it_and_the_known_keys(tmp_path, capsys):
+def test_unknown_config_key_names_it_and_the_known_keys(tmp_path):
     cfg = tmp_path / "node.yaml"
     cfg.write_text("segment-sise: 12XB\n")
-    assert main(["node", "--config", str(cfg)]) == 2
-    err = capsys.readouterr().err
+    r = _kvpool("node", "--config", str(cfg))
+    assert r.returncode == 2
+    err = r.stderr
     assert "'segment-sise'" in err and "did you mean 'segment-size'" in err
     assert "known: host, http-port, master, port, prefault, segment-size" in err
 

@@ -7,7 +7,13 @@ Frame (control plane to the master, data plane to a node)::
     | 4 bytes | u32 LE  | `length` bytes            |
     +---------+---------+---------------------------+
 
-``magic`` is ``b"KVP1"`` (the last byte is the protocol version). The body is one tagged
+``magic`` is ``b"KVP"`` and one ASCII digit, the protocol version (:data:`PROTOCOL_VERSION`).
+A peer of another version is told so instead of being cut off: a server that reads a
+``KVP<n>`` header with another ``n`` answers, in the peer's own framing, one
+:class:`ErrorResp` (control plane) or :class:`DataResp` (data plane) with code
+INVALID_VERSION and a message "protocol version n, master speaks m", then closes the
+connection; :func:`parse_header` raises :class:`VersionMismatch` on such a header. So
+those two replies keep their field layout in every version. The body is one tagged
 msgspec Struct; the tag is the class name. Decoding validates every field's type, so a
 malformed message is a :class:`msgspec.ValidationError` / :class:`msgspec.DecodeError`
 that the server answers with :class:`ErrorResp` (the framing is still intact); a frame with
@@ -27,13 +33,36 @@ from typing import Union
 
 import msgspec
 
-MAGIC = b"KVP1"
+from kvpool.errors import ErrorCode
+
+PROTOCOL_VERSION = 2  # 2: GetResp.grant_id, ReadDone, PutStartResp.message
+MAGIC_PREFIX = b"KVP"
 HEADER = struct.Struct("<4sI")
 MAX_FRAME = 64 << 20  # bytes; a batch of 4096 keys of 4 KiB each still fits
 
 
+
+
+def magic(version: int = PROTOCOL_VERSION) -> bytes:
+    """The 4 magic bytes of frames of protocol ``version`` (0..9)."""
+    return MAGIC_PREFIX + str(version).encode()
+
+
+MAGIC = magic()
+
+
 class FrameError(Exception):
     """The byte stream is not a kvpool frame (bad magic, oversized, or cut short)."""
+
+
+class VersionMismatch(FrameError):
+    """The peer frames with protocol version ``version``, not :data:`PROTOCOL_VERSION`;
+    ``length``: the body length its header announced (read it before answering, so that
+    closing the connection does not reset it under the answer)."""
+
+    def __init__(self, version: int, length: int = 0):
+        self.version, self.length = version, length
+        super().__init__(f"the peer speaks kvpool protocol version {version}, this side {PROTOCOL_VERSION}")
 
 
 class _Msg(msgspec.Struct, tag=True, array_like=True, forbid_unknown_fields=True):
@@ -160,6 +189,16 @@ class BatchGetReplicaList(_Msg):
     keys: list[str]
 
 
+class ReadDone(_Msg):
+    """The reader finished copying (or gave up on) the reads of these grants
+    (``GetResp.grant_id``). A notification: the master sends NO reply, so the client
+    does not wait for one. Old versions of an object (upserted over, removed) are kept
+    only while a read grant on them is neither done nor expired; the object's lease is
+    not shortened. Unknown, expired or repeated ids are ignored."""
+
+    grant_ids: list[int]
+
+
 class ExistKey(_Msg):
     key: str
 
@@ -250,6 +289,7 @@ class PutStartResp(_Msg):
     code: int
     put_id: int = 0
     replicas: list[ReplicaDesc] = []
+    message: str = ""  # why a put failed (NO_AVAILABLE_HANDLE: sizes, space held by reads)
 
 
 class BatchPutStartResp(_Msg):
@@ -258,12 +298,14 @@ class BatchPutStartResp(_Msg):
 
 class GetResp(_Msg):
     """code OK ⇒ ``size`` bytes in each of ``replicas``; the read lease lasts ``lease_ttl_ms``
-    from when the request was sent (the client measures from its own send time)."""
+    from when the request was sent (the client measures from its own send time).
+    ``grant_id`` names this read for :class:`ReadDone` (0: nothing to report)."""
 
     code: int
     size: int = 0
     lease_ttl_ms: int = 0
     replicas: list[ReplicaDesc] = []
+    grant_id: int = 0
 
 
 class BatchGetResp(_Msg):
@@ -297,7 +339,9 @@ class StatsResp(_Msg):
     counters: dict[str, int]
     owner_count: int = 0  # nodes/clients with mounted segments and a live heartbeat
     in_flight_puts: int = 0  # objects between PutStart and PutEnd
-    zombie_buffers: int = 0  # freed buffers waiting for a lease or a release timeout
+    zombie_buffers: int = 0  # freed buffers waiting for reads in flight or a release timeout
+    zombie_bytes: int = 0  # their allocated bytes
+    open_grants: int = 0  # read grants neither reported done nor expired
 
 
 class DataResp(_Msg):
@@ -309,7 +353,7 @@ class DataResp(_Msg):
 
 Request = Union[
     Ping, MountSegment, UnmountSegment, Heartbeat, PutStart, BatchPutStart, PutEnd,
-    BatchPutEnd, PutRevoke, BatchPutRevoke, GetReplicaList, BatchGetReplicaList, ExistKey,
+    BatchPutEnd, PutRevoke, BatchPutRevoke, GetReplicaList, BatchGetReplicaList, ReadDone, ExistKey,
     BatchExistKey, Remove, BatchRemove, RemoveAll, RemoveByRegex, SetPin, GetStats,
 ]
 Reply = Union[
@@ -325,19 +369,36 @@ data_request_decoder = msgspec.msgpack.Decoder(DataRequest)
 data_reply_decoder = msgspec.msgpack.Decoder(DataResp)
 
 
-def encode_frame(msg: msgspec.Struct) -> bytes:
-    """Header + msgpack body of ``msg``. Raises FrameError if the body exceeds MAX_FRAME."""
+def encode_frame(msg: msgspec.Struct, version: int = PROTOCOL_VERSION) -> bytes:
+    """Header + msgpack body of ``msg``, framed as protocol ``version`` (another version
+    only to refuse a peer: :func:`version_refusal`). Raises FrameError if the body
+    exceeds MAX_FRAME."""
     body = _encoder.encode(msg)
     if len(body) > MAX_FRAME:
         raise FrameError(f"message of {len(body)} bytes exceeds MAX_FRAME={MAX_FRAME}")
-    return HEADER.pack(MAGIC, len(body)) + body
+    return HEADER.pack(magic(version), len(body)) + body
+
+
+def version_refusal(peer_version: int, role: str, reply: type = ErrorResp) -> bytes:
+    """The frame a ``role`` ("master", "node") sends a peer of ``peer_version`` before
+    closing: ``reply`` (ErrorResp, or DataResp on the data plane) with INVALID_VERSION,
+    framed in the peer's version so that its own decoder reads it."""
+    code = int(ErrorCode.INVALID_VERSION)
+    if reply is DataResp:
+        return encode_frame(DataResp(code), peer_version)
+    text = (f"protocol version {peer_version}, {role} speaks {PROTOCOL_VERSION}: "
+            f"run the same kvpool release on clients, nodes and master")
+    return encode_frame(ErrorResp(code, text), peer_version)
 
 
 def parse_header(header: bytes) -> int:
-    """Body length from an 8-byte header. Raises FrameError on bad magic or size."""
-    magic, length = HEADER.unpack(header)
-    if magic != MAGIC:
-        raise FrameError(f"bad frame magic {magic!r}")
+    """Body length from an 8-byte header. Raises VersionMismatch (a kvpool frame of
+    another protocol version), FrameError (bad magic or size)."""
+    head, length = HEADER.unpack(header)
+    if head != MAGIC:
+        if head[:3] == MAGIC_PREFIX and head[3:].isdigit():
+            raise VersionMismatch(int(head[3:]), length if length <= MAX_FRAME else 0)
+        raise FrameError(f"bad frame magic {head!r}")
     if length > MAX_FRAME:
         raise FrameError(f"frame of {length} bytes exceeds MAX_FRAME={MAX_FRAME}")
     return length

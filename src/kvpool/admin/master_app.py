@@ -13,7 +13,9 @@ Metrics (Prometheus text format; ``*_total`` are counters since the master start
 ``kvpool_master_segment_used_bytes``,      per segment (labels segment, owner_id,
 ``kvpool_master_segment_capacity_bytes``   data_addr)
 ``kvpool_master_segments``, ``_owners``,   mounted segments, live owners, puts between
-``_in_flight_puts``, ``_zombie_buffers``   PutStart and PutEnd, buffers awaiting release
+``_in_flight_puts``, ``_zombie_buffers``,  PutStart and PutEnd, buffers (and bytes) of old
+``_zombie_bytes``, ``_open_read_grants``   versions held for reads in flight or of abandoned
+                                           puts, read grants not yet done or expired
 ``kvpool_master_requests_total{op}``       RPCs handled, by request type (PutStart, ...;
                                            BadRequest: a body that did not decode)
 ``kvpool_master_errors_total{op,code}``    non-OK results by ErrorCode name; a batch RPC
@@ -108,7 +110,10 @@ class MasterCollector:
             ("segments", "mounted segments", len(s.segments)),
             ("owners", "nodes and clients with mounted segments", s.owner_count),
             ("in_flight_puts", "objects between PutStart and PutEnd", s.in_flight_puts),
-            ("zombie_buffers", "freed buffers waiting for a lease or the release timeout", s.zombie_buffers),
+            ("zombie_buffers", "old versions' and abandoned puts' buffers held for reads in flight "
+             "or the release timeout", s.zombie_buffers),
+            ("zombie_bytes", "bytes of those buffers", s.zombie_bytes),
+            ("open_read_grants", "read grants neither reported done (ReadDone) nor expired", s.open_grants),
         ):
             yield GaugeMetricFamily(f"kvpool_master_{name}", doc, value=value)
         labels = ["segment", "owner_id", "data_addr"]

@@ -14,13 +14,23 @@ lease of ``lease_ttl_ms``. The client measures the lease from the moment it *sen
 request (never later than the master's grant) and checks it after the bytes are copied:
 a copy that finished after the deadline raises LeaseExpired and no bytes are returned,
 because the master may have reused that buffer meanwhile.
+
+Read grants: each replica list the master hands out carries a grant id. Once the copy
+of a handle has finished (success or failure) the handle is spent (reading it again
+fails with LEASE_EXPIRED: query again) and its grant id is queued for ``ReadDone``, a
+message the master never answers: it rides in the same write as this client's next
+request, or, if none comes within :data:`DONE_DELAY_S`, goes alone from a small flusher
+thread (measured: a separate write per get cost +25 us on a 55 us get, riding along
++4 us). That lets the master free an upserted-over or removed version as soon as no
+read of it is in flight, instead of at the end of the lease; the object's own lease (no
+removal, no eviction) is unchanged.
 """
 
 from __future__ import annotations
 
 import threading
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Sequence
 
 import msgspec
@@ -39,6 +49,7 @@ from kvpool.transfer.shm import LocalTransport, ShmTransport
 from kvpool.transfer.tcp import TcpTransport
 
 MAX_KEY_BYTES = 4096
+DONE_DELAY_S = 0.01  # a ReadDone waits this long for a request to ride on, then goes alone
 
 
 def check_key(key: str) -> None:
@@ -61,6 +72,10 @@ class ReadHandle:
     size: int
     replicas: list[P.ReplicaDesc]
     deadline: float
+    grant_id: int = 0  # the master's read grant (0: none to report)
+    # reads of this handle in progress, and whether its grant was returned (ReadDone)
+    reading: int = field(default=0, repr=False, compare=False)
+    spent: bool = field(default=False, repr=False, compare=False)
 
     def check_lease(self) -> None:
         """Raise LeaseExpired if the lease has run out (call after copying the bytes)."""
@@ -97,8 +112,17 @@ class Client:
         self._local = threading.local()
         self._channels: list[RpcChannel] = []
         self._lock = threading.Lock()
-        self._call(P.Ping())  # fail now, clearly, if the master is not there
+        self._grant_lock = threading.Lock()  # ReadHandle.reading / .spent, _done
+        self._done: list[int] = []  # grant ids whose reads ended, not yet sent
+        self._done_waiting = threading.Event()  # wakes the flusher
+        self._flusher: threading.Thread | None = None
+        self._closing = False
         self.segment: SegmentHost | None = None
+        try:
+            self._call(P.Ping())  # fail now, clearly: master not there, another protocol version
+        except BaseException:
+            self.close()
+            raise
         if global_segment_size > 0:
             host = SegmentHost(master_addr, segment_host, 0, global_segment_size, prefault=False,
                                owner_prefix="client")
@@ -111,13 +135,75 @@ class Client:
 
     # ------------------------------------------------------------ plumbing
 
-    def _call(self, request, idempotent: bool = True):
+    def _channel(self) -> RpcChannel:
         chan = getattr(self._local, "chan", None)
         if chan is None:
             chan = self._local.chan = RpcChannel(self.master_addr, self.timeout_s)
             with self._lock:
                 self._channels.append(chan)
-        return chan.call(request, idempotent)
+        return chan
+
+    def _call(self, request, idempotent: bool = True):
+        done = self._take_done()  # ReadDone rides along in the same write
+        return self._channel().call(request, idempotent, (P.ReadDone(done),) if done else ())
+
+    def _take_done(self) -> list[int]:
+        with self._grant_lock:
+            done, self._done = self._done, []
+        return done
+
+    def _flush_done(self) -> None:
+        """Flusher thread: sends queued grant ids that found no request to ride on
+        within DONE_DELAY_S, on a master connection of its own."""
+        chan = RpcChannel(self.master_addr, self.timeout_s)
+        try:
+            while not self._closing:
+                self._done_waiting.wait()
+                time.sleep(DONE_DELAY_S)
+                self._done_waiting.clear()
+                done = self._take_done()
+                if done:
+                    chan.notify(P.ReadDone(done))
+        finally:
+            chan.close()
+
+    def _begin(self, handles: Sequence["ReadHandle"]) -> list[bool]:
+        """Count a read of each handle as in progress; False for a spent handle (its
+        grant was returned, so its buffers may have been reused: it must not be read)."""
+        with self._grant_lock:
+            ok = [not h.spent for h in handles]
+            for h, fresh in zip(handles, ok):
+                h.reading += fresh
+        return ok
+
+    def _finish(self, handles: Sequence["ReadHandle"]) -> None:
+        """End reads started by :meth:`_begin`; a handle with no read left in progress is
+        spent and its grant goes back to the master (ReadDone, no reply awaited)."""
+        with self._grant_lock:
+            for h in handles:
+                h.reading -= 1
+        self.release(handles)
+
+    def release(self, handles: Sequence["ReadHandle"]) -> None:
+        """Hand back the read grants of ``handles`` that will not be read (again): the
+        master may then free an old version they point at at once, instead of when the
+        lease ends. The handles are spent (a later read fails with LEASE_EXPIRED); one
+        still being read by another thread is released when that read ends. The
+        objects' leases are unchanged. Never raises: an unsent ReadDone only means the
+        grant lasts until its lease ends."""
+        queued = False
+        with self._grant_lock:
+            for h in handles:
+                if not h.spent and h.reading == 0:
+                    h.spent = True
+                    if h.grant_id:
+                        self._done.append(h.grant_id)
+                        queued = True
+            if queued and self._flusher is None and not self._closing:
+                self._flusher = threading.Thread(target=self._flush_done, name="kvpool-read-done", daemon=True)
+                self._flusher.start()
+        if queued and not self._done_waiting.is_set():  # is_set() is a plain read: cheap
+            self._done_waiting.set()
 
     def _ranked(self, replicas: list[P.ReplicaDesc], routes: dict | None = None) -> list[tuple[P.ReplicaDesc, Transport]]:
         """Reachable replicas with their transport, cheapest first (local, shm, tcp).
@@ -259,7 +345,8 @@ class Client:
             raise InvalidParams("empty value (Mooncake refuses it: INVALID_PARAMS)")
         item.size = len(src)
         reply = self._call(P.PutStart(item, self.host_id), idempotent=False)
-        raise_for(reply.code, f"put {key!r}: {_code(reply.code).name}")
+        detail = f": {reply.message}" if reply.message else ""
+        raise_for(reply.code, f"put {key!r}: {_code(reply.code).name}{detail}")
         token = P.PutToken(key, reply.put_id)
         written, why = self._write_all([(0, d, src) for d in reply.replicas])
         if not written[0]:
@@ -329,7 +416,7 @@ class Client:
         sent = time.monotonic()
         reply = self._call(P.GetReplicaList(key))
         raise_for(reply.code, f"{key!r}: {_code(reply.code).name}")
-        return ReadHandle(key, reply.size, reply.replicas, sent + reply.lease_ttl_ms / 1000)
+        return ReadHandle(key, reply.size, reply.replicas, sent + reply.lease_ttl_ms / 1000, reply.grant_id)
 
     def batch_query(self, keys: Sequence[str]) -> list[ReadHandle | ErrorCode]:
         """:meth:`query` for many keys in one RPC: a ReadHandle or an ErrorCode per key."""
@@ -338,21 +425,29 @@ class Client:
         sent = time.monotonic()
         replies = self._call(P.BatchGetReplicaList(list(keys))).results
         return [
-            ReadHandle(k, r.size, r.replicas, sent + r.lease_ttl_ms / 1000) if r.code == ErrorCode.OK
+            ReadHandle(k, r.size, r.replicas, sent + r.lease_ttl_ms / 1000, r.grant_id) if r.code == ErrorCode.OK
             else _code(r.code)
             for k, r in zip(keys, replies)
         ]
 
     def get_size(self, key: str) -> int:
         """Size of the value in bytes (grants a read lease). Raises ObjectNotFound."""
-        return self.query(key).size
+        handle = self.query(key)
+        self.release([handle])
+        return handle.size
 
     def read(self, handle: ReadHandle) -> bytes:
-        """The value behind ``handle``. Raises LeaseExpired (no bytes), TransferFailed.
+        """The value behind ``handle``. Raises LeaseExpired (no bytes; also for a spent
+        handle), TransferFailed. The handle is spent afterwards (its grant returned).
 
         A same-host replica is one memcpy out of the mapped segment.
         """
-        out = self._read_bytes(handle)
+        if not self._begin([handle])[0]:
+            raise LeaseExpired(f"read handle of {handle.key!r} was already used: query again")
+        try:
+            out = self._read_bytes(handle)
+        finally:
+            self._finish([handle])
         handle.check_lease()
         return out
 
@@ -367,18 +462,25 @@ class Client:
         """Copy each handle's value into its buffer: same-host replicas by memcpy, the
         rest with one TCP request per node. Per item the size or a negative ErrorCode
         (BUFFER_OVERFLOW, LEASE_EXPIRED, TRANSFER_FAIL); the lease is checked after the
-        copy, so a late copy is never reported as a success."""
+        copy, so a late copy is never reported as a success. Every handle is spent
+        afterwards (a spent one is LEASE_EXPIRED here, nothing copied)."""
         if len(handles) != len(bufs):
             raise InvalidParams("need as many buffers as handles")
-        out, jobs = [], []
-        for i, (h, buf) in enumerate(zip(handles, bufs)):
-            dst = _destination(buf)
-            if len(dst) < h.size:
-                out.append(int(ErrorCode.BUFFER_OVERFLOW))
-                continue
-            out.append(h.size)
-            jobs.append((i, h.replicas, [(0, dst[: h.size])]))
-        done = self._read_all(jobs)
+        dsts = [_destination(buf) for buf in bufs]
+        fresh = self._begin(handles)
+        try:
+            out, jobs = [], []
+            for i, (h, dst, ok) in enumerate(zip(handles, dsts, fresh)):
+                if not ok:
+                    out.append(int(ErrorCode.LEASE_EXPIRED))
+                elif len(dst) < h.size:
+                    out.append(int(ErrorCode.BUFFER_OVERFLOW))
+                else:
+                    out.append(h.size)
+                    jobs.append((i, h.replicas, [(0, dst[: h.size])]))
+            done = self._read_all(jobs)
+        finally:
+            self._finish([h for h, ok in zip(handles, fresh) if ok])
         now = time.monotonic()
         for i, _, _ in jobs:
             if not done.get(i):
@@ -397,27 +499,24 @@ class Client:
         exchange per node for the whole batch). Returns, per handle, per range: bytes
         copied, or a negative ErrorCode: INVALID_PARAMS (range outside the value, empty
         or read-only destination: nothing moves for it), TRANSFER_FAIL, LEASE_EXPIRED
-        (the copy ended after the lease: its destination content is undefined)."""
+        (the copy ended after the lease, or the handle was spent: its destination
+        content is undefined). Every handle is spent afterwards."""
         if len(handles) != len(ranges):
             raise InvalidParams("need one list of ranges per handle")
         out: list[list[int]] = []
         jobs = []
-        for i, (h, wanted) in enumerate(zip(handles, ranges)):
-            codes, frags = [], []
-            for src, buf in wanted:
-                try:
-                    dst = _destination(buf)
-                except InvalidParams:
-                    dst = None
-                if dst is None or not len(dst) or src < 0 or src + len(dst) > h.size:
-                    codes.append(int(ErrorCode.INVALID_PARAMS))
-                    continue
-                codes.append(len(dst))
-                frags.append((src, dst))
-            out.append(codes)
-            if frags:
-                jobs.append((i, h.replicas, frags))
-        done = self._read_all(jobs)
+        fresh = self._begin(handles)
+        try:
+            for i, (h, wanted, ok) in enumerate(zip(handles, ranges, fresh)):
+                codes, frags = _plan_fragments(h.size, wanted)
+                if not ok:
+                    codes = [c if c < 0 else int(ErrorCode.LEASE_EXPIRED) for c in codes]
+                out.append(codes)
+                if frags and ok:
+                    jobs.append((i, h.replicas, frags))
+            done = self._read_all(jobs)
+        finally:
+            self._finish([h for h, ok in zip(handles, fresh) if ok])
         now = time.monotonic()
         for i, _, _ in jobs:
             failure = None if done.get(i) else ErrorCode.TRANSFER_FAIL
@@ -522,7 +621,15 @@ class Client:
     # ------------------------------------------------------------ lifecycle
 
     def close(self) -> None:
-        """Close every connection and mapping. Safe to call twice."""
+        """Close every connection and mapping (queued ReadDones go first). Safe to call twice."""
+        with self._grant_lock:
+            self._closing, flusher = True, self._flusher
+        if flusher is not None:
+            self._done_waiting.set()
+            flusher.join(self.timeout_s)
+        done = self._take_done()
+        if done and getattr(self._local, "chan", None) is not None:
+            self._local.chan.notify(P.ReadDone(done))
         with self._lock:
             channels, self._channels = self._channels, []
         for chan in channels:
@@ -562,6 +669,24 @@ def _source(buf, offset: int, size: int) -> memoryview:
     if offset < 0 or size < 0 or offset + size > len(view):
         raise InvalidParams(f"[{offset}, +{size}) exceeds the {len(view)}-byte buffer")
     return view[offset : offset + size]
+
+
+def _plan_fragments(size: int, wanted) -> tuple[list[int], list[tuple[int, memoryview]]]:
+    """Per (offset in the value, destination) pair: its length, or INVALID_PARAMS for an
+    empty or read-only destination or a range outside the ``size``-byte value; and the
+    valid fragments to read."""
+    codes, frags = [], []
+    for src, buf in wanted:
+        try:
+            dst = _destination(buf)
+        except InvalidParams:
+            dst = None
+        if dst is None or not len(dst) or src < 0 or src + len(dst) > size:
+            codes.append(int(ErrorCode.INVALID_PARAMS))
+            continue
+        codes.append(len(dst))
+        frags.append((src, dst))
+    return codes, frags
 
 
 def _destination(buf) -> memoryview:

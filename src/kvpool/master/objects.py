@@ -5,6 +5,11 @@ An object's lifecycle follows Mooncake Store's replica state machine:
 ``PutEnd`` makes them the object's COMPLETE ``replicas`` (visible); ``PutRevoke``, a
 discard timeout or a release timeout ends a pending put without making it visible.
 An object with no COMPLETE replicas does not exist for readers.
+
+Reads of one version (replica list) of an object are counted in its :class:`Grants`.
+When the version is replaced (upsert) or removed, its buffers become a :class:`Zombie`
+that is freed once no read of it is in flight: every grant reported done (ReadDone) or
+expired, whichever comes first.
 """
 
 from __future__ import annotations
@@ -31,6 +36,31 @@ class Replica:
     segment: str
     offset: int
     length: int
+
+
+@dataclass(slots=True, eq=False)
+class Grants:
+    """Read grants on one version of an object that are neither done nor expired.
+
+    open: how many; latest: deadline of the last one granted (monotonic seconds), so no
+    grant on this version outlives it; zombie: set once the version is retired.
+    """
+
+    open: int = 0
+    latest: float = 0.0
+    zombie: "Zombie | None" = None
+
+
+@dataclass(slots=True, eq=False)
+class Zombie:
+    """Buffers no new reader can reach that may still be read or written: an old version
+    (freed when its ``grants`` close, at the latest at ``free_at``) or a taken-over put's
+    buffers (``grants`` None: freed at ``free_at``, its writer may still be writing).
+    """
+
+    replicas: list[Replica]
+    free_at: float  # monotonic seconds
+    grants: Grants | None = None
 
 
 @dataclass(slots=True)
@@ -62,6 +92,7 @@ class ObjectMeta:
     lease_deadline: float = 0.0
     hard_pin: bool = False
     soft_pin_deadline: float = 0.0
+    grants: Grants = field(default_factory=Grants)  # reads of the current ``replicas``
 
     @property
     def visible(self) -> bool:

@@ -2,13 +2,17 @@
 
 One event loop (uvloop when installed) owns all metadata, so handlers run one at a time
 without locks. A request that does not decode gets an :class:`ErrorResp` and the
-connection stays open; a frame with a bad header closes that connection only. A
-background task runs :meth:`MasterService.tick` (liveness, zombies, eviction).
+connection stays open; a frame with a bad header closes that connection only, and a
+client of another protocol version is told so (:func:`kvpool.protocol.version_refusal`)
+before it is closed. :class:`~kvpool.protocol.ReadDone` is a notification: it gets no
+reply. A background task runs :meth:`MasterService.tick` (liveness, grants, zombies,
+eviction).
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import gc
 import logging
 import os
@@ -41,6 +45,7 @@ def _handlers(svc: MasterService) -> dict[type, object]:
         P.BatchPutRevoke: lambda r: P.CodesResp([svc.put_revoke(t).code for t in r.tokens]),
         P.GetReplicaList: lambda r: svc.get_replica_list(r.key),
         P.BatchGetReplicaList: lambda r: P.BatchGetResp([svc.get_replica_list(k) for k in r.keys]),
+        P.ReadDone: lambda r: svc.read_done(r.grant_ids),  # None: a notification, no reply
         P.ExistKey: lambda r: P.Resp(svc.exist_key(r.key)),
         P.BatchExistKey: lambda r: svc.codes(svc.exist_key, r.keys),
         P.Remove: lambda r: P.Resp(svc.remove(r.key, r.force)),
@@ -52,7 +57,7 @@ def _handlers(svc: MasterService) -> dict[type, object]:
     }
 
 
-Observer = Callable[[str, msgspec.Struct], None]
+Observer = Callable[[str, msgspec.Struct | None], None]
 BAD_REQUEST = "BadRequest"  # the op name observers see for a body that did not decode
 
 
@@ -70,12 +75,14 @@ class MasterServer:
         """Call ``callback(op, reply)`` after each request is handled (e.g. per-op request
         and error counters). ``op`` is the request type's name ("PutStart", "BatchRemove",
         ...; :data:`BAD_REQUEST` for a body that did not decode); ``reply`` is the Struct
-        sent back (an ErrorResp when the handler failed). Runs on the event loop: it must
+        sent back (an ErrorResp when the handler failed; None for a notification,
+        ReadDone, which gets no reply). Runs on the event loop: it must
         be quick; an exception it raises is logged and ignored."""
         self._observers.append(callback)
 
-    def dispatch(self, body: bytes | bytearray) -> msgspec.Struct:
-        """Decode one request body, run its handler, tell the observers; never raises."""
+    def dispatch(self, body: bytes | bytearray) -> msgspec.Struct | None:
+        """Decode one request body, run its handler, tell the observers; never raises.
+        Returns the reply, None for a notification (nothing is sent back)."""
         try:
             req = P.request_decoder.decode(body)
         except (msgspec.DecodeError, msgspec.ValidationError) as exc:
@@ -86,7 +93,8 @@ class MasterServer:
                 reply = self._handlers[type(req)](req)
             except Exception:  # a bug must not take the whole master down; log it loudly
                 log.exception("handler for %s failed", op)
-                reply = P.ErrorResp(ErrorCode.INTERNAL_ERROR, f"internal error in {op}")
+                reply = None if isinstance(req, P.ReadDone) else P.ErrorResp(
+                    ErrorCode.INTERNAL_ERROR, f"internal error in {op}")
         for callback in self._observers:
             try:
                 callback(op, reply)
@@ -99,7 +107,16 @@ class MasterServer:
             while True:
                 length = P.parse_header(await reader.readexactly(P.HEADER.size))
                 body = await reader.readexactly(length)
-                writer.write(P.encode_frame(self.dispatch(body)))
+                reply = self.dispatch(body)
+                if reply is not None:
+                    writer.write(P.encode_frame(reply))
+                    await writer.drain()
+        except P.VersionMismatch as exc:  # say why before closing: "protocol version X, ..."
+            log.warning("refused a client of protocol version %d (this master speaks %d)",
+                        exc.version, P.PROTOCOL_VERSION)
+            with contextlib.suppress(ConnectionError, asyncio.IncompleteReadError):
+                await reader.readexactly(exc.length)
+                writer.write(P.version_refusal(exc.version, "master"))
                 await writer.drain()
         except (asyncio.IncompleteReadError, ConnectionError, P.FrameError):
             pass  # peer left or sent garbage framing: drop this connection only

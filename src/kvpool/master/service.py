@@ -6,6 +6,14 @@ Times are :func:`time.monotonic` seconds. Semantics follow Mooncake Store's
 MasterService (mooncake-store/src/master_service.cpp): PutStart/PutEnd/PutRevoke, read
 leases granted by reads, OBJECT_HAS_LEASE on removal of a leased object, eviction by
 lease deadline that skips leased, pinned and in-flight objects.
+
+Old versions and read grants (kvpool's addition; Mooncake keeps them until the lease
+ends): every GetReplicaList hands out a read grant with an id. An upserted-over or
+force-removed version's buffers stay allocated (a zombie) only while a grant on that
+version is in flight, i.e. neither reported done by its reader (ReadDone) nor expired,
+so a reader still copying never sees reused bytes, yet a reader that finished does not
+pin the space for the rest of the lease. Grants never shorten the object's lease: a
+live object stays unremovable (OBJECT_HAS_LEASE) and unevictable until it ends.
 """
 
 from __future__ import annotations
@@ -14,12 +22,12 @@ import logging
 import math
 import re
 import time
-from collections import Counter
+from collections import Counter, OrderedDict
 
 from kvpool.errors import ErrorCode
 from kvpool.master.config import MasterConfig
 from kvpool.master.eviction import EvictionQueue
-from kvpool.master.objects import ObjectMeta, PendingPut, Replica
+from kvpool.master.objects import Grants, ObjectMeta, PendingPut, Replica, Zombie
 from kvpool.master.segments import SegmentTable
 from kvpool.protocol import (
     SOFT_PIN_DISABLE, SOFT_PIN_ENABLE, SOFT_PIN_PRESERVE, CodesResp, CountResp, GetResp,
@@ -28,6 +36,7 @@ from kvpool.protocol import (
 )
 
 MAX_KEY_BYTES = 4096
+MIN_SEGMENT_SIZE = 1 << 10  # bytes; Mooncake's MIN_SEGMENT_SIZE: smaller mounts are refused
 log = logging.getLogger("kvpool.master")
 OK = ErrorCode.OK
 
@@ -51,9 +60,12 @@ class MasterService:
         self.segments = SegmentTable(self.config.allocation_strategy)
         self.objects: dict[str, ObjectMeta] = {}
         self.queue = EvictionQueue(self.objects)
-        # buffers no longer reachable but maybe still read under a lease or written by
-        # a dead writer: (free-at monotonic second, replica)
-        self.zombies: list[tuple[float, Replica]] = []
+        # buffers no longer reachable but maybe still read or written (an ordered set)
+        self.zombies: dict[Zombie, None] = {}
+        # read grants neither done nor expired: id -> (deadline, the version's Grants);
+        # in grant order, which is deadline order (one TTL for all), so expiry pops the front
+        self.grants: OrderedDict[int, tuple[float, Grants]] = OrderedDict()
+        self._next_grant_id = 1
         self.counters: Counter[str] = Counter()
         self._next_put_id = 1
         self.in_flight: set[str] = set()  # keys with a pending put (tick scans only these)
@@ -63,7 +75,7 @@ class MasterService:
     # ------------------------------------------------------------ segments, liveness
 
     def mount(self, owner_id: str, info: SegmentInfo) -> MountResp:
-        if not info.name or info.size <= 0 or not owner_id:
+        if not info.name or info.size < MIN_SEGMENT_SIZE or not owner_id:
             return MountResp(ErrorCode.INVALID_PARAMS)
         if not self.segments.mount(owner_id, info, time.monotonic()):
             return MountResp(ErrorCode.SEGMENT_ALREADY_EXISTS)
@@ -92,12 +104,15 @@ class MasterService:
         self.segments.unmount(name)
         self.counters["segments_unmounted"] += 1
         log.info("unmounted segment %s", name)
-        self.zombies = [(t, r) for t, r in self.zombies if r.segment != name]
+        for z in list(self.zombies):
+            z.replicas = [r for r in z.replicas if r.segment != name]
+            if not z.replicas:
+                del self.zombies[z]
         for key in list(self.objects):
             obj = self.objects[key]
             obj.replicas = [r for r in obj.replicas if r.segment != name]
             if obj.pending and any(r.segment == name for r in obj.pending.replicas):
-                self._release(obj.pending.replicas, 0.0)  # the write can no longer be whole
+                self._free(obj.pending.replicas)  # the write can no longer be whole
                 self._clear_pending(obj)
             if not obj.replicas and obj.pending is None:
                 del self.objects[key]
@@ -136,7 +151,7 @@ class MasterService:
             if obj is not None and not obj.visible and obj.pending is None:
                 del self.objects[item.key]
             self.counters["put_no_space"] += 1
-            return PutStartResp(ErrorCode.NO_AVAILABLE_HANDLE)
+            return PutStartResp(ErrorCode.NO_AVAILABLE_HANDLE, message=self._no_space_message(item.size, now))
         if obj is None:
             obj = self.objects[item.key] = ObjectMeta(item.key)
         put_id, self._next_put_id = self._next_put_id, self._next_put_id + 1
@@ -153,7 +168,7 @@ class MasterService:
         if pending is None or pending.put_id != token.put_id:
             return Resp(ErrorCode.INVALID_WRITE, "no such put in flight (discarded or ended)")
         now = time.monotonic()
-        self._release(obj.replicas, obj.lease_deadline)  # an upsert's old value
+        self._retire(obj)  # an upsert's old value
         obj.replicas, obj.size = pending.replicas, pending.size
         self._clear_pending(obj)
         obj.lease_deadline = max(obj.lease_deadline, now)  # eviction order: put counts as use
@@ -181,7 +196,7 @@ class MasterService:
             return Resp(ErrorCode.OBJECT_NOT_FOUND)
         if obj.pending is None or obj.pending.put_id != token.put_id:
             return Resp(ErrorCode.INVALID_WRITE, "no such put in flight (discarded or ended)")
-        self._release(obj.pending.replicas, 0.0)
+        self._free(obj.pending.replicas)
         self._clear_pending(obj)
         if not obj.visible:
             del self.objects[token.key]
@@ -196,8 +211,7 @@ class MasterService:
         """Take over a stale put: its buffers return only after the release timeout,
         because the dead writer might still be writing into them."""
         pending = obj.pending
-        free_at = pending.started + self.config.put_start_release_timeout_s
-        self.zombies.extend((free_at, r) for r in pending.replicas)
+        self.zombies[Zombie(pending.replicas, pending.started + self.config.put_start_release_timeout_s)] = None
         self._clear_pending(obj)
         self.counters["put_discarded"] += 1
 
@@ -258,14 +272,17 @@ class MasterService:
         return evicted > 0
 
     def _evict(self, obj: ObjectMeta) -> None:
-        self._release(obj.replicas, 0.0)
+        self._free(obj.replicas)  # its lease ended, and with it every grant on it
         self.counters["evicted_objects"] += 1
         self.counters["evicted_bytes"] += obj.size
         del self.objects[obj.key]
 
-    def _check_watermark(self) -> None:
+    def _used_ratio(self) -> float:
         total = self.segments.total_bytes
-        if total and self.segments.used_bytes / total > self.config.eviction_high_watermark_ratio:
+        return self.segments.used_bytes / total if total else 0.0
+
+    def _check_watermark(self) -> None:
+        if self._used_ratio() > self.config.eviction_high_watermark_ratio:
             self.wants_eviction = True
 
     def evict_pass(self, limit: int = 2000) -> int:
@@ -305,7 +322,7 @@ class MasterService:
     # ------------------------------------------------------------ periodic upkeep
 
     def tick(self) -> None:
-        """Expire silent owners, free due zombies, drop dead puts, evict above watermark."""
+        """Expire silent owners, grants and zombies, drop dead puts, evict above watermark."""
         now = time.monotonic()
         for owner in self.segments.expired_owners(now, self.config.client_ttl_s):
             for name in self.segments.owned_by(owner):
@@ -314,31 +331,94 @@ class MasterService:
             self.counters["owners_expired"] += 1
             log.warning("owner %s sent no heartbeat for %.1f s: its segments are unmounted",
                         owner, self.config.client_ttl_s)
-        if self.zombies:
-            due = [r for t, r in self.zombies if t <= now]
-            self.zombies = [(t, r) for t, r in self.zombies if t > now]
-            for r in due:
-                self.segments.free(r)
+        self._expire_grants(now)
+        for z in [z for z in self.zombies if z.free_at <= now]:
+            self._free_zombie(z)
         release = self.config.put_start_release_timeout_s
         stale = [self.objects[k] for k in self.in_flight if now - self.objects[k].pending.started > release]
         for obj in stale:
-            self._release(obj.pending.replicas, 0.0)
+            self._free(obj.pending.replicas)
             self._clear_pending(obj)
             self.counters["put_released"] += 1
             if not obj.visible:
                 del self.objects[obj.key]
+        low = self.config.eviction_high_watermark_ratio - self.config.eviction_ratio
+        if self.wants_eviction and self._used_ratio() < low:
+            # the rest of a pass spread over ticks is moot once removals emptied the
+            # segments below the level a whole pass aims at (Mooncake's target)
+            self.wants_eviction, self._eviction_debt = False, 0
         self._check_watermark()
         if self.wants_eviction:
             self.evict_pass()
 
-    def _release(self, replicas: list[Replica], lease_deadline: float) -> None:
-        """Free buffers now, or when ``lease_deadline`` passes if a reader may hold them."""
-        now = time.monotonic()
+    def _free(self, replicas: list[Replica]) -> None:
         for r in replicas:
-            if lease_deadline > now:
-                self.zombies.append((lease_deadline, r))
-            else:
-                self.segments.free(r)
+            self.segments.free(r)
+
+    def _retire(self, obj: ObjectMeta) -> None:
+        """Take ``obj``'s current version out of readers' reach (upsert, removal): its
+        buffers are freed now, or, while reads granted on it are in flight, kept as a
+        zombie until the last of them is done or expired. New reads get a new Grants."""
+        grants, obj.grants = obj.grants, Grants()
+        if not obj.replicas:
+            return
+        if grants.open and grants.latest > time.monotonic():
+            grants.zombie = Zombie(obj.replicas, grants.latest, grants)
+            self.zombies[grants.zombie] = None
+        else:
+            self._free(obj.replicas)
+
+    def _free_zombie(self, zombie: Zombie) -> None:
+        if zombie in self.zombies:  # a zombie goes once: by its grants or its time
+            del self.zombies[zombie]
+            self._free(zombie.replicas)
+
+    def _close_grant(self, grants: Grants) -> None:
+        grants.open -= 1
+        if grants.open == 0 and grants.zombie is not None:
+            self._free_zombie(grants.zombie)
+
+    def _expire_grants(self, now: float) -> None:
+        while self.grants:
+            deadline, grants = self.grants[next(iter(self.grants))]
+            if deadline > now:
+                break
+            self.grants.popitem(last=False)
+            self.counters["read_grants_expired"] += 1
+            self._close_grant(grants)
+
+    def read_done(self, grant_ids: list[int]) -> None:
+        """Readers finished the reads of ``grant_ids``: an old version none of whose
+        grants is open any more is freed now. The object's lease is left as it is.
+        Unknown ids (expired, repeated, never granted) are ignored."""
+        for gid in grant_ids:
+            entry = self.grants.pop(gid, None)
+            if entry is not None:
+                self.counters["reads_done"] += 1
+                self._close_grant(entry[1])
+
+    def _no_space_message(self, size: int, now: float) -> str:
+        """Why ``size`` bytes found no buffer: the value against the largest segment and
+        free extent, and the space held by old versions and abandoned puts (K10)."""
+        segs = self.segments.segments.values()
+        if not segs:
+            return f"no space for {size} bytes: no segment is mounted"
+        largest = max(s.allocator.capacity for s in segs)
+        if self.segments.rounded(size) > largest:
+            return f"a value of {size} bytes is larger than the largest segment ({largest} bytes)"
+        extent = max(s.allocator.largest_free for s in segs)
+        text = (f"no free extent of {size} bytes (largest free extent {extent} bytes; "
+                f"{self.segments.used_bytes} of {self.segments.total_bytes} bytes allocated; "
+                f"leased and pinned objects are not evicted)")
+        for kind, held in (("superseded or removed versions, until the reads in flight on them end",
+                            [z for z in self.zombies if z.grants is not None]),
+                           ("abandoned puts, until their release timeout",
+                            [z for z in self.zombies if z.grants is None])):
+            if held:
+                nbytes = sum(self.segments.rounded(r.length) for z in held for r in z.replicas)
+                until = max(z.free_at for z in held) - now
+                text += f"; {nbytes} bytes are held by {len(held)} {kind} (at the latest in {until:.1f} s)"
+        return text
 
     # ------------------------------------------------------------ reads
 
@@ -346,8 +426,12 @@ class MasterService:
         obj = self.objects.get(key)
         if obj is None or not obj.visible:
             return GetResp(ErrorCode.OBJECT_NOT_FOUND)
-        ttl = self._grant_lease(obj)
-        return GetResp(OK, obj.size, ttl, [self._desc(r) for r in obj.replicas])
+        ttl_ms, deadline = self._grant_lease(obj)
+        grant_id, self._next_grant_id = self._next_grant_id, self._next_grant_id + 1
+        self.grants[grant_id] = (deadline, obj.grants)
+        obj.grants.open += 1
+        obj.grants.latest = max(obj.grants.latest, deadline)
+        return GetResp(OK, obj.size, ttl_ms, [self._desc(r) for r in obj.replicas], grant_id)
 
     def exist_key(self, key: str) -> int:
         obj = self.objects.get(key)
@@ -356,14 +440,15 @@ class MasterService:
         self._grant_lease(obj)
         return OK
 
-    def _grant_lease(self, obj: ObjectMeta) -> int:
+    def _grant_lease(self, obj: ObjectMeta) -> tuple[int, float]:
+        """Extend ``obj``'s read lease; returns (TTL in ms, the new deadline)."""
         ttl_ms = self.config.default_kv_lease_ttl_ms
         deadline = time.monotonic() + ttl_ms / 1000
         if deadline > obj.lease_deadline:
             obj.lease_deadline = deadline
             self.queue.push(obj)
         self.counters["leases_granted"] += 1
-        return ttl_ms
+        return ttl_ms, deadline
 
     def _desc(self, r: Replica) -> ReplicaDesc:
         return ReplicaDesc(self.segments.segments[r.segment].info, r.offset, r.length)
@@ -376,8 +461,8 @@ class MasterService:
             return ErrorCode.OBJECT_NOT_FOUND
         if obj.leased(time.monotonic()) and not force:
             return ErrorCode.OBJECT_HAS_LEASE
-        # a forced removal keeps the buffers until the lease ends: a reader may be copying
-        self._release(obj.replicas, obj.lease_deadline)
+        # a forced removal keeps the buffers while a reader may still be copying them
+        self._retire(obj)
         obj.replicas = []
         if obj.pending is None:
             del self.objects[key]
@@ -424,5 +509,7 @@ class MasterService:
             counters=dict(self.counters),
             owner_count=len(self.segments.last_seen),
             in_flight_puts=len(self.in_flight),
-            zombie_buffers=len(self.zombies),
+            zombie_buffers=sum(len(z.replicas) for z in self.zombies),
+            zombie_bytes=sum(self.segments.rounded(r.length) for z in self.zombies for r in z.replicas),
+            open_grants=len(self.grants),
         )

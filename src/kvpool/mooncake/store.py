@@ -14,7 +14,9 @@ Mooncake's pybind module (mooncake-integration/store/store_py.cpp) and its RealC
 - empty values and empty keys are refused with -600 (K09).
 
 kvpool's native :class:`~kvpool.client.Client` says what happened with typed exceptions;
-this facade only translates. Intended differences are listed in docs/mooncake-compat.md.
+this facade only translates. Where only a code comes back, the reason is still logged:
+a request the master refuses (-600, e.g. from a client of another release) by logger
+``kvpool.rpc`` at WARNING, once per distinct message. Intended differences are listed in docs/mooncake-compat.md.
 """
 
 from __future__ import annotations
@@ -462,7 +464,10 @@ class MooncakeDistributedStore:
                 if frags:
                     reads.append((codes, handle, frags))
             out.append(row)
-        self._read_ranges(client, reads)
+        try:
+            self._read_ranges(client, reads)
+        finally:  # a key whose every fragment was refused is never read: its grant goes back
+            client.release([h for h in handles.values() if isinstance(h, ReadHandle)])
         return out
 
     def _plan_ranges(self, ptr: int, value_size: int, dsts, srcs, sizes) -> tuple[list[int], list]:

@@ -16,10 +16,18 @@ def _addr(text) -> str:
     return f"{host}:{port}"
 
 
-def _segment_size(text) -> int:
+# Mooncake refuses segments under its MIN_SEGMENT_SIZE (1 KiB); a node asks for 1 MiB:
+# anything smaller holds no useful KV page and is almost surely a missing unit ("1" for 1GiB)
+MIN_NODE_SEGMENT = 1 << 20
+
+
+def segment_size(text) -> int:
+    """A node's segment size in bytes from text like "64MiB". Raises ValueError under
+    :data:`MIN_NODE_SEGMENT`, UserError for text that is not a size."""
     size = parse_size(text)
-    if size <= 0:
-        raise ValueError("must be > 0")
+    if size < MIN_NODE_SEGMENT:
+        raise ValueError(f"a segment must be at least 1MiB, got {size} bytes "
+                         f"(sizes take a unit: 64MiB, 1GiB)")
     return size
 
 
@@ -36,7 +44,7 @@ OPTIONS = [
     Option("master", "127.0.0.1:50051", _addr, "master address host:port", env="MASTER"),
     Option("host", "127.0.0.1", str, "address of the TCP data server", env="NODE_HOST"),
     Option("port", 0, int, "TCP data port (0 = a free port, distinct per node)", env="NODE_PORT"),
-    Option("segment-size", "1GiB", _segment_size, "shared-memory segment size, e.g. 64MiB, 1GiB"),
+    Option("segment-size", "1GiB", segment_size, "shared-memory segment size, e.g. 64MiB, 1GiB"),
     Option("prefault", "yes", _bool, "allocate every page of the segment at start (yes|no)"),
     Option("http-port", None, int, "admin HTTP port: /health /metrics (0 = a free port; unset = none)",
            env="NODE_HTTP_PORT"),
@@ -52,7 +60,7 @@ def run(args) -> int:
     from kvpool.transfer.segment_host import SegmentHost
 
     values = resolve(args, OPTIONS)
-    size = _segment_size(values["segment_size"])
+    size = segment_size(values["segment_size"])
     logging.basicConfig(level=logging.INFO, format="%(asctime)s node %(levelname)s %(message)s")
     node = SegmentHost(values["master"], values["host"], values["port"], size, _bool(values["prefault"]))
     for sig in (signal.SIGTERM, signal.SIGINT):

@@ -1,7 +1,9 @@
 """``kvpool serve``: a master and one node in the foreground (single-machine default).
 
 Both run as child processes through :class:`kvpool.launch.Cluster`; the addresses are
-printed once both are up; Ctrl-C (or SIGTERM) stops both and unlinks the segment.
+printed once both are up; Ctrl-C (or SIGTERM) stops both and unlinks the segment. If
+either child exits on its own, serve says which one (master or node, pid, exit status,
+its last log lines) and stops the other.
 """
 
 from __future__ import annotations
@@ -9,13 +11,15 @@ from __future__ import annotations
 import signal
 import threading
 
-from kvpool.config import Option, add_options, parse_size, resolve
+from kvpool.config import Option, add_options, resolve
+from kvpool.node.cli import segment_size
 
 HELP = "run a master and one storage node together (Ctrl-C stops both)"
+LOG_LINES = 10  # last lines of a dead child's log that serve prints
 
 OPTIONS = [
     Option("port", 50051, int, "master control port (0 = any free port)", env="MASTER_PORT"),
-    Option("segment-size", "1GiB", parse_size, "the node's shared-memory segment size"),
+    Option("segment-size", "1GiB", segment_size, "the node's shared-memory segment size (at least 1MiB)"),
     Option("default-kv-lease-ttl", 10_000, int, "read lease granted by get/exist, ms"),
     Option("http-port", None, int, "master admin HTTP port, /health /metrics ... (0 = a free port; unset = none)",
            env="MASTER_HTTP_PORT"),
@@ -27,28 +31,46 @@ def add_arguments(parser) -> None:
     parser.add_argument("--ready-file", default=None, help="write {\"addr\": master, \"nodes\": [...]} JSON here once up")
 
 
+def _human(size: int) -> str:
+    """Bytes as the largest binary unit that divides them: 1073741824 -> "1GiB"."""
+    for unit, scale in (("TiB", 1 << 40), ("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
+        if size % scale == 0:
+            return f"{size // scale}{unit}"
+    return f"{size} bytes"
+
+
+def _exit_report(child) -> str:
+    """Which child stopped and how, with the tail of its log."""
+    tail = child.log_tail(LOG_LINES).strip()
+    lines = [f"kvpool serve: the {child.exit_message()}; stopping"]
+    if tail:
+        lines += [f"last lines of the {child.kind} log:"] + ["  " + line for line in tail.splitlines()]
+    return "\n".join(lines)
+
+
 def run(args) -> int:
     from kvpool.config import write_ready_file
     from kvpool.launch import Cluster
 
     values = resolve(args, OPTIONS)
+    size = segment_size(values["segment_size"])
     stop = threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: stop.set())
-    with Cluster(segment_size=values["segment_size"], lease_ttl_ms=values["default_kv_lease_ttl"],
+    with Cluster(segment_size=size, lease_ttl_ms=values["default_kv_lease_ttl"],
                  master_port=values["port"],
                  extra_master_args=() if values["http_port"] is None else ("--http-port", values["http_port"])) as cluster:
         print(f"kvpool master: {cluster.master_addr}", flush=True)
         if cluster.master.info.get("http_addr"):
             print(f"kvpool admin:  http://{cluster.master.info['http_addr']}/metrics", flush=True)
         for info in cluster.nodes:
-            print(f"kvpool node:   {info['addr']} (segment {info['segment']}, "
-                  f"{values['segment_size']} bytes)", flush=True)
+            print(f"kvpool node:   {info['addr']} (segment {info['segment']}, {_human(size)})", flush=True)
         print("Ctrl-C to stop.", flush=True)
         if args.ready_file:
             write_ready_file(args.ready_file, {"addr": cluster.master_addr, "nodes": cluster.node_addrs})
         while not stop.wait(0.5):
-            if any(c.proc.poll() is not None for c in cluster.children):
-                print("kvpool serve: a child process exited; stopping", flush=True)
+            dead = [c for c in cluster.children if c.proc.poll() is not None]
+            if dead:
+                print(_exit_report(dead[0]), flush=True)
                 return 1
     return 0

@@ -40,8 +40,8 @@ from kvpool.plan.spec import ModelSpec, check_flops
 
 # Defaults of `kvpool plan prefill`: the speeds are the `--measure` fit of SmolLM2-135M
 # fp32 on the 2-core development machine, torch's default 2 threads (docs/plan.md); the
-# bandwidth is in the range DESIGN.md measured for kvpool's data paths (TCP loopback
-# 2.4-4.5 GB/s, shared memory 8-10 GB/s). Give a deployment's own figures, or --measure.
+# bandwidth is in the range docs/bench.md measured for kvpool's data paths (TCP about
+# 1-3 GB/s, shared memory 4-10 GB/s). Give a deployment's own figures, or --measure.
 DEFAULT_LINEAR_FLOPS = 170e9
 DEFAULT_ATTENTION_FLOPS = 150e9
 DEFAULT_OVERHEAD_MS = 50.0
@@ -66,11 +66,11 @@ class Rates:
         if self.attention_kernel not in KERNELS:
             raise UserError(f"attention kernel must be one of {', '.join(KERNELS)}, "
                             f"got {self.attention_kernel!r}")
-        for name in ("linear", "attention", "bandwidth"):
+        for name, unit in (("linear", "FLOP/s"), ("attention", "FLOP/s"), ("bandwidth", "bytes/s")):
             if not getattr(self, name) > 0:
-                raise UserError(f"{name} rate must be > 0, got {getattr(self, name)}")
-        if self.overhead_s < 0:
-            raise UserError(f"overhead must be >= 0, got {self.overhead_s}")
+                raise UserError(f"{name} rate must be > 0 {unit}, got {getattr(self, name):g} {unit}")
+        if not self.overhead_s >= 0:
+            raise UserError(f"overhead must be >= 0 s, got {self.overhead_s:g} s")
 
 
 @dataclass(frozen=True)

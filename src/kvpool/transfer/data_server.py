@@ -3,7 +3,9 @@
 Protocol in :mod:`kvpool.transfer.tcp`. Every request's offset and length are checked
 against the segment before a byte moves. A frame that does not decode, or a write that
 is out of bounds (its payload cannot be skipped safely), closes that connection only; an
-out-of-bounds read gets an error reply and the connection stays. One thread per
+out-of-bounds read gets an error reply and the connection stays. A peer of another
+protocol version gets one DataResp(INVALID_VERSION) in its own framing, then the
+connection closes (counted as a bad frame). One thread per
 connection, blocking sockets: payloads go straight between socket and segment, scattered
 with ``recvmsg_into`` and gathered (reply header included) with ``sendmsg``
 (:mod:`kvpool.transfer.iov`).
@@ -155,6 +157,13 @@ class DataServer:
         except msgspec.MsgspecError:
             self.counters.error("bad_frame")
             return False
+        except P.VersionMismatch as exc:
+            self.counters.error("bad_frame")
+            log.warning("refused a peer of protocol version %d (this node speaks %d)",
+                        exc.version, P.PROTOCOL_VERSION)
+            P.recv_exact_into(conn, memoryview(bytearray(exc.length)))
+            conn.sendall(P.version_refusal(exc.version, "node", P.DataResp))
+            return False
         if isinstance(req, P.DataRead):
             return self._read(conn, req)
         if isinstance(req, P.DataWrite):
@@ -185,7 +194,7 @@ class DataServer:
 
 def _recv_request(conn: socket.socket) -> bytearray:
     """One request frame's body. Raises _Closed when the peer closed before a new frame
-    began, _BadHeader, FrameError (EOF mid-frame), OSError."""
+    began, VersionMismatch, _BadHeader, FrameError (EOF mid-frame), OSError."""
     header = bytearray(P.HEADER.size)
     got = conn.recv_into(header, len(header), socket.MSG_WAITALL)
     if got == 0:
@@ -194,6 +203,8 @@ def _recv_request(conn: socket.socket) -> bytearray:
         P.recv_exact_into(conn, memoryview(header)[got:])
     try:
         length = P.parse_header(bytes(header))
+    except P.VersionMismatch:
+        raise
     except P.FrameError:
         raise _BadHeader() from None
     body = bytearray(length)

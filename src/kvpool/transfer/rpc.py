@@ -3,17 +3,42 @@
 Used by the client (one channel per thread) and by nodes (mount, heartbeat). A broken
 connection is reopened once per call; calls are not retried after the request was sent
 except for idempotent requests (the caller says which), so a PutStart is never doubled.
+:meth:`RpcChannel.notify` sends a notification (ReadDone), which gets no reply.
+
+When the master refuses a request (:class:`~kvpool.protocol.ErrorResp`: a body it could
+not decode, a handler failure, another protocol version), the refusal is raised as
+RpcFailed with the master's message and also logged (logger ``kvpool.rpc``, WARNING, once
+per distinct message per process), so callers that only see an error code, such as the
+Mooncake facade's -600, still leave the reason where a user looks.
 """
 
 from __future__ import annotations
 
+import logging
 import socket
+import threading
+from typing import Sequence
 
 import msgspec
 
 from kvpool import protocol as P
 from kvpool.config import parse_addr
 from kvpool.errors import ErrorCode, RpcFailed
+
+log = logging.getLogger("kvpool.rpc")
+_MAX_LOGGED = 1024  # distinct refusal messages remembered (then every one is logged)
+_logged: set[str] = set()
+_logged_lock = threading.Lock()
+
+
+def _log_once(message: str) -> None:
+    """Log ``message`` at WARNING the first time this process sees it."""
+    with _logged_lock:
+        if message in _logged:
+            return
+        if len(_logged) < _MAX_LOGGED:
+            _logged.add(message)
+    log.warning("%s", message)
 
 
 class RpcChannel:
@@ -23,6 +48,7 @@ class RpcChannel:
         self.addr = addr
         self.timeout_s = timeout_s
         self._sock: socket.socket | None = None
+        self._answered = False  # the master has answered on this connection
 
     def connect(self) -> None:
         """Open the connection. Raises RpcFailed when the master is unreachable."""
@@ -31,29 +57,62 @@ class RpcChannel:
         except OSError as exc:
             raise RpcFailed(f"cannot reach master at {self.addr}: {exc.strerror or exc}") from None
         self._sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        self._answered = False
 
-    def call(self, request: msgspec.Struct, idempotent: bool = True):
-        """Send ``request``, return the decoded reply Struct.
+    def call(self, request: msgspec.Struct, idempotent: bool = True, notices: Sequence[msgspec.Struct] = ()):
+        """Send ``request``, return the decoded reply Struct. ``notices``
+        (notifications such as ReadDone, never answered) go first, in the same write.
 
         Raises RpcFailed when the master is unreachable, the stream breaks (after one
-        reconnect for idempotent requests), or the master answers with ErrorResp.
+        reconnect for idempotent requests), the master speaks another protocol version
+        (code INVALID_VERSION), or the master answers with ErrorResp (also logged once).
         """
-        frame = P.encode_frame(request)
+        frame = b"".join([*(P.encode_frame(n) for n in notices), P.encode_frame(request)])
         for attempt in (0, 1):
             if self._sock is None:
                 self.connect()
             try:
                 self._sock.sendall(frame)
                 reply = P.reply_decoder.decode(P.recv_frame(self._sock))
+                self._answered = True
                 break
+            except P.VersionMismatch as exc:
+                self.close()
+                raise RpcFailed(f"master {self.addr}: protocol version {P.PROTOCOL_VERSION}, "
+                                f"master speaks {exc.version}", ErrorCode.INVALID_VERSION) from None
             except (OSError, P.FrameError, msgspec.MsgspecError) as exc:
+                first = not self._answered
                 self.close()
                 if attempt or not idempotent:
-                    raise RpcFailed(f"master {self.addr}: {exc}") from None
+                    hint = (" (the master closed the connection at the first request: it may run "
+                            f"another kvpool release than protocol version {P.PROTOCOL_VERSION})"
+                            if first and isinstance(exc, P.FrameError) else "")
+                    raise RpcFailed(f"master {self.addr}: {exc}{hint}") from None
         if isinstance(reply, P.ErrorResp):
-            raise RpcFailed(f"master refused {type(request).__name__}: {reply.message}",
-                            _known(reply.code))
+            raise self._refused(request, reply)
         return reply
+
+    def notify(self, request: msgspec.Struct) -> bool:
+        """Send a notification (a request the master never answers, e.g. ReadDone) without
+        waiting. Returns False, raising nothing, when it could not be sent (the
+        connection is then closed; the next call reconnects)."""
+        try:
+            if self._sock is None:
+                self.connect()
+            self._sock.sendall(P.encode_frame(request))
+        except (OSError, RpcFailed):
+            self.close()
+            return False
+        return True
+
+    def _refused(self, request: msgspec.Struct, reply: P.ErrorResp) -> RpcFailed:
+        code = _known(reply.code)
+        if code == ErrorCode.INVALID_VERSION:
+            message = f"master {self.addr}: {reply.message}"
+        else:
+            message = f"master {self.addr} refused {type(request).__name__}: {reply.message}"
+        _log_once(message)
+        return RpcFailed(message, code)
 
     def close(self) -> None:
         if self._sock is not None:

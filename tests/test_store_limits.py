@@ -1,0 +1,138 @@
+"""Limits and diagnostics: segment minimum, values larger than any segment, protocol
+versions, master refusals a facade user can see, and which `serve` child died."""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import msgspec
+import numpy as np
+import pytest
+
+from kvpool import protocol as P
+from kvpool.client import Client
+from kvpool.config import parse_addr
+from kvpool.errors import ErrorCode, NoSpace, RpcFailed
+from kvpool.mooncake import ReplicateConfig
+from kvpool.mooncake.store import MooncakeDistributedStore
+from kvpool.transfer.rpc import RpcChannel
+
+MIB = 1 << 20
+
+
+def kvpool(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "kvpool", *args], capture_output=True, text=True, timeout=60)
+
+
+@pytest.mark.parametrize("command", ["node", "serve"])
+def test_a_segment_under_1mib_is_refused_with_a_clear_error(command):
+    r = kvpool(command, "--segment-size", "1")
+    assert r.returncode == 2 and "Traceback" not in r.stderr
+    assert "at least 1MiB, got 1 bytes" in r.stderr
+
+
+def test_no_space_names_the_value_and_the_largest_segment(client):
+    with pytest.raises(NoSpace, match=r"value of 68157440 bytes is larger than the largest segment \(67108864 bytes\)"):
+        client.put("huge", np.zeros(65 * MIB, dtype=np.uint8))
+
+
+def _raw_frame(sock: socket.socket) -> tuple[bytes, bytes]:
+    """(magic, body) of one frame, whatever its version."""
+    header = sock.recv(P.HEADER.size, socket.MSG_WAITALL)
+    magic, length = P.HEADER.unpack(header)
+    return magic, sock.recv(length, socket.MSG_WAITALL)
+
+
+@pytest.mark.parametrize("port", ["master", "node"])
+def test_an_older_protocol_peer_is_told_both_versions(module_cluster, port):
+    addr = module_cluster.master_addr if port == "master" else module_cluster.node_addrs[0]
+    request = P.Ping() if port == "master" else P.DataRead([0], [8])
+    with socket.create_connection(parse_addr(addr), timeout=10) as s:
+        s.sendall(P.encode_frame(request, version=1))
+        magic, body = _raw_frame(s)  # answered in the peer's own framing
+        assert magic == b"KVP1"
+        if port == "master":
+            reply = P.reply_decoder.decode(body)
+            assert reply.code == ErrorCode.INVALID_VERSION
+            assert f"protocol version 1, master speaks {P.PROTOCOL_VERSION}" in reply.message
+        else:
+            assert P.data_reply_decoder.decode(body).code == ErrorCode.INVALID_VERSION
+        assert s.recv(1) == b""  # then closed
+
+
+def test_a_client_meeting_a_newer_master_says_so_on_connect():
+    with socket.socket() as listener:
+        listener.bind(("127.0.0.1", 0))
+        listener.listen(1)
+
+        def newer_master():  # answers every request in protocol version 9 framing
+            conn, _ = listener.accept()
+            with conn:
+                conn.recv(1 << 16)
+                conn.sendall(P.encode_frame(P.Resp(), version=9))
+
+        threading.Thread(target=newer_master, daemon=True).start()
+        with pytest.raises(RpcFailed, match=f"protocol version {P.PROTOCOL_VERSION}, master speaks 9") as exc:
+            Client(f"127.0.0.1:{listener.getsockname()[1]}")
+        assert exc.value.code == ErrorCode.INVALID_VERSION
+
+
+class GetReplicaList(msgspec.Struct, tag=True, array_like=True):
+    """A request of another release: same name, a field of another type."""
+
+    key: int
+
+
+def test_a_master_refusal_is_logged_once_per_message(module_cluster, caplog):
+    chan = RpcChannel(module_cluster.master_addr)
+    with caplog.at_level(logging.WARNING, logger="kvpool.rpc"):
+        for _ in range(3):
+            with pytest.raises(RpcFailed, match="refused GetReplicaList: bad request"):
+                chan.call(GetReplicaList(7))
+    chan.close()
+    assert len([r for r in caplog.records if "refused GetReplicaList" in r.getMessage()]) == 1
+
+
+def test_the_facade_logs_why_the_master_refused_a_put(module_cluster, caplog):
+    store = MooncakeDistributedStore()
+    assert store.setup("localhost", "m", 0, 16 * MIB, "tcp", "", module_cluster.master_addr) == 0
+    config = ReplicateConfig()
+    config.replica_num = True  # a bool where the wire wants an int: the master refuses the body
+    with caplog.at_level(logging.WARNING, logger="kvpool.rpc"):
+        assert store.put("refused", b"v", config) == ErrorCode.INVALID_PARAMS
+    store.close()
+    assert any("refused PutStart: bad request" in r.getMessage() for r in caplog.records)
+
+
+def _children(pid: int) -> list[int]:
+    return [int(p) for p in Path(f"/proc/{pid}/task/{pid}/children").read_text().split()]
+
+
+def test_serve_names_the_child_that_died(tmp_path):
+    ready = tmp_path / "serve.json"
+    serve = subprocess.Popen([sys.executable, "-m", "kvpool", "serve", "--port", "0", "--segment-size", "16MiB",
+                              "--ready-file", str(ready)], stdout=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 60
+        while not ready.exists():
+            assert serve.poll() is None and time.monotonic() < deadline, "serve did not come up"
+            time.sleep(0.05)
+        node = next(pid for pid in _children(serve.pid)
+                    if b"node" in Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0"))
+        os.kill(node, signal.SIGKILL)
+        assert serve.wait(30) == 1
+        out = serve.stdout.read()
+        assert f"the node (pid {node}) was killed by SIGKILL" in out
+        assert "16MiB" in out and "last lines of the node log:" in out and "kvpool node serving" in out
+    finally:
+        serve.kill()
+        serve.wait()
+        serve.stdout.close()
