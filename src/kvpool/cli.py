@@ -74,10 +74,13 @@ def main(argv: list[str] | None = None) -> int:
     except BrokenPipeError:
         # Python's documented recipe (library/signal, "Note on SIGPIPE"): point stdout at
         # devnull so the final flush at exit cannot raise again.
+        devnull = os.open(os.devnull, os.O_WRONLY)
         try:
-            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+            os.dup2(devnull, sys.stdout.fileno())
         except (OSError, ValueError):  # stdout is not a real file (tests capture it)
             pass
+        finally:
+            os.close(devnull)
         return EXIT_BROKEN_PIPE
 
 

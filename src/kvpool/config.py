@@ -87,7 +87,7 @@ def parse_port(value: str | int) -> int:
     :func:`resolve` adds the option's name and the value to the message.
     """
     text = str(value).strip()
-    if isinstance(value, bool) or not text.isdigit() or int(text) > 65535:
+    if isinstance(value, bool) or not (text.isascii() and text.isdigit()) or int(text) > 65535:
         raise UserError("a port is a whole number from 0 to 65535 (0 = any free port)")
     return int(text)
 

@@ -159,8 +159,12 @@ def _rate_flags(args) -> dict[str, tuple[float | None, str]]:
              "--attention-flops": (args.attention_flops, "GFLOP/s"),
              "--overhead-ms": (args.overhead_ms, "ms"), "--bandwidth": (args.bandwidth, "GB/s")}
     for flag, (v, unit) in given.items():
-        bound = ">= 0" if flag == "--overhead-ms" else "> 0"
-        if v is not None and not (v >= 0 if bound == ">= 0" else v > 0) or v == float("inf"):
+        if v is None:
+            continue
+        zero_ok = flag == "--overhead-ms"
+        in_range = (v >= 0 if zero_ok else v > 0) and v != float("inf")  # NaN fails too
+        if not in_range:
+            bound = ">= 0" if zero_ok else "> 0"
             raise UserError(f"{flag} must be a finite number {bound} {unit}, got {v:g} {unit}")
     return given
 
