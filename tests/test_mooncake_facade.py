@@ -6,9 +6,12 @@ value Mooncake documents for it (0 / negative ErrorCode / b'' / None / [] ...).
 
 from __future__ import annotations
 
+import time
+
 import numpy as np
 import pytest
 
+from kvpool.client import Client
 from kvpool.errors import ErrorCode as E
 from kvpool.mooncake import BufferHandle, ReplicaStatus, ReplicateConfig, SoftPinAction
 from kvpool.mooncake.store import MooncakeDistributedStore
@@ -304,6 +307,20 @@ def test_contributed_segment_serves_others_and_goes_at_close(module_cluster, sto
     assert owner.get("on_owner") == b"z" * 3000
     assert owner.close() == 0
     assert (store.get("on_owner"), store.is_exist("on_owner")) == (b"", 0)
+
+
+def test_replica_desc_hands_its_read_grants_back(module_cluster, store, mem):
+    """Descriptors move no bytes: their read grants must not stay open until the lease
+    ends (an open grant keeps an upserted-over version's buffer allocated)."""
+    assert store.put_batch(["d1", "d2"], [b"1", b"2"]) == 0
+    with Client(module_cluster.master_addr) as admin:
+        before = admin.stats().open_grants
+        assert len(store.get_replica_desc("d1")) == 1
+        assert sorted(store.batch_get_replica_desc(["d1", "d2", "nope"])) == ["d1", "d2"]
+        deadline = time.monotonic() + 10
+        while admin.stats().open_grants != before and time.monotonic() < deadline:
+            time.sleep(0.02)  # ReadDone is sent by the client's background flusher
+        assert admin.stats().open_grants == before
 
 
 def test_buffer_handle_protocol(store, mem):

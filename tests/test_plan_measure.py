@@ -44,7 +44,23 @@ def test_measure_writes_table_json_and_png(engine_ready, tmp_path, capsys):
     assert [r["cached"] for r in result["rows"]] == [0, 32, 64, 96, 112]
     assert all(r["predicted_ms"] > 0 and r["measured_ms"] > 0 for r in result["rows"])
     assert result["threads"] == 1 and result["clock"] == "cpu"
+    # the engine's default kernel is the causal split one; the masked one is the reference
+    assert (result["attention_kernel"], result["other_kernel"]) == ("causal", "masked")
     assert out.with_suffix(".png").read_bytes()[:4] == b"\x89PNG"
+
+
+def test_measure_predicts_the_masked_kernel_for_the_stock_sdpa_path(engine_ready, tmp_path,
+                                                                    capsys):
+    config = tmp_path / "tiny.json"
+    config.write_text(json.dumps(TINY_CONFIG))
+    out = tmp_path / "measure"
+    rc = main(["plan", "prefill", str(config), "--prompt", "64", "--measure",
+               "--model", "tiny-random", "--kv-dtype", "fp32", "--repeats", "1",
+               "--threads", "1", "--engine-attention", "sdpa", "--out", str(out)])
+    assert rc == 0
+    assert "with a causal kernel ms" in capsys.readouterr().out
+    result = json.loads(out.with_suffix(".json").read_text())
+    assert (result["attention_kernel"], result["other_kernel"]) == ("masked", "causal")
 
 
 def test_cpu_clock_needs_one_thread(engine_ready, tmp_path, capsys):

@@ -125,12 +125,20 @@ class Child:
         """SIGTERM (or SIGKILL when ``kill``), wait, then SIGKILL. Returns the exit status."""
         if self.proc.poll() is None:
             self.proc.send_signal(signal.SIGKILL if kill else signal.SIGTERM)
-            try:
-                self.proc.wait(timeout_s)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
+            wait_or_kill(self.proc, timeout_s)
         return self.proc.returncode
+
+
+def wait_or_kill(proc: subprocess.Popen, timeout_s: float) -> int:
+    """Wait up to ``timeout_s`` seconds for ``proc`` to exit, then SIGKILL it and reap it.
+
+    Returns the exit status (negative signal number when killed).
+    """
+    try:
+        return proc.wait(timeout_s)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        return proc.wait()
 
 
 class Cluster:

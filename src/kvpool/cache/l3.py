@@ -23,7 +23,6 @@ from typing import Protocol
 
 import numpy as np
 
-from kvpool.cache.codec import PageFormatError, PageHeader, decode_page
 from kvpool.errors import ErrorCode
 
 
@@ -73,29 +72,18 @@ class StoreBackend:
         return list(self.client.batch_get_into(list(keys), list(bufs))) if keys else []
 
 
-def read_checked_into(backend, names: Sequence[str], expects: Sequence[PageHeader],
-                      raw: np.ndarray) -> tuple[int, str | None, int]:
-    """Read stored pages ``names[j]`` into ``raw[j]`` and check each header in place.
+def read_objects_into(backend, names: Sequence[str], raw: np.ndarray) -> list[memoryview | str]:
+    """Read stored objects ``names[j]`` straight into the rows ``raw[j]``.
 
     Args:
         backend: an L3 backend with ``get_into``.
-        names: store keys, one object per page, in chain order.
-        expects: the header each object must carry (codec.PageHeader).
-        raw: writable uint8 array ``[len(names), HEADER_SIZE + payload_len]``; after the
-            call row j holds object j as stored: header, then the payload.
-    Returns: (leading pages that passed, why the next did not or None, payload bytes of
-    the good pages). Reasons: "vanished" (gone, lease expired, transfer failed), or a
-    PageFormatError reason ("length" for an object larger than its row, "checksum", ...).
-    The payload is checked where it landed: no copy of it is made.
+        names: store keys, one object per row.
+        raw: writable uint8 array ``[len(names), row_bytes]``.
+    Returns: per object, a view of the bytes it occupies in its row (as stored: header,
+    then payload; checked by the caller, e.g. PageStore), or why it was not read:
+    "vanished" (gone, lease expired, transfer failed) or "length" (larger than its row).
     """
     sizes = backend.get_into(names, [raw[j] for j in range(len(names))])
-    for j, (size, expect) in enumerate(zip(sizes, expects, strict=True)):
-        if size == ErrorCode.BUFFER_OVERFLOW:
-            return j, "length", j * expect.payload_len
-        if size < 0:
-            return j, "vanished", j * expect.payload_len
-        try:
-            decode_page(memoryview(raw[j])[:size], expect)
-        except PageFormatError as exc:
-            return j, exc.reason, j * expect.payload_len
-    return len(names), None, sum(e.payload_len for e in expects)
+    return [memoryview(raw[j])[:size] if size >= 0 else
+            "length" if size == ErrorCode.BUFFER_OVERFLOW else "vanished"
+            for j, size in enumerate(sizes)]

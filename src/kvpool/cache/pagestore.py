@@ -17,7 +17,7 @@ import torch
 
 from kvpool.cache.codec import PageFormatError, PageHeader, decode_page, encode_page
 from kvpool.cache.keys import store_key
-from kvpool.cache.l3 import L3Backend, present_prefix
+from kvpool.cache.l3 import L3Backend, present_prefix, read_objects_into
 from kvpool.errors import InvalidParams
 
 OBJECT_LAYOUTS = {"page": ("",), "kv": ("k", "v")}
@@ -83,10 +83,8 @@ class PageStore:
         names, blobs = [], []
         for key, index, page in zip(keys, indices, pages, strict=True):
             for part, payload in zip(self.parts, self._split(page)):
-                header = PageHeader(self.ns_digest, _object_digest(key, part), index,
-                                    self.page_size, self.part_bytes)
                 names.append(store_key(key, part))
-                blobs.append(encode_page(header, payload))
+                blobs.append(encode_page(self._header(key, part, index), payload))
         stored = self.backend.put(names, blobs) if names else []
         n = len(self.parts)
         ok = [all(stored[i * n:(i + 1) * n]) for i in range(len(keys))]
@@ -98,21 +96,50 @@ class PageStore:
         Stops at the first page with an object missing or failing its header check.
         """
         blobs = self.backend.get([k for key in keys for k in self.object_keys(key)])
-        n, nbytes = len(self.parts), 0
-        for j, key in enumerate(keys):
-            payloads = []
-            for part, blob in zip(self.parts, blobs[j * n:(j + 1) * n]):
-                if blob is None:
-                    return ReadResult(j, "vanished", nbytes)
-                header = PageHeader(self.ns_digest, _object_digest(key, part), first_index + j,
-                                    self.page_size, self.part_bytes)
-                try:
-                    payloads.append(decode_page(blob, header))
-                except PageFormatError as exc:
-                    return ReadResult(j, exc.reason, nbytes)
-            self._join(payloads, out[j])
-            nbytes += sum(p.nbytes for p in payloads)
-        return ReadResult(len(keys), None, nbytes)
+        payloads, reason = self._check(["vanished" if b is None else b for b in blobs],
+                                       keys, first_index)
+        n = len(self.parts)
+        good = len(payloads) // n
+        for j in range(good):
+            self._join(payloads[j * n:(j + 1) * n], out[j])
+        return ReadResult(good, reason, good * n * self.part_bytes)
+
+    def read_into(self, keys: Sequence[bytes], first_index: int, raw: np.ndarray) -> ReadResult:
+        """Read pages ``keys`` straight into the rows ``raw[j]`` and check them there.
+
+        For a backend with ``get_into`` and ``object_layout="page"`` only. ``raw``: writable
+        uint8 ``[len(keys), HEADER_SIZE + part_bytes]``; after the call row j holds page j
+        as stored, header then payload (no copy of the payload is made). Stops at the
+        first page missing or failing its header check ("length": larger than its row).
+        Raises InvalidParams for the "kv" layout.
+        """
+        if len(self.parts) != 1:
+            raise InvalidParams("read_into needs object_layout 'page' (one object per page)")
+        objects = read_objects_into(self.backend, [store_key(key) for key in keys], raw)
+        payloads, reason = self._check(objects, keys, first_index)
+        return ReadResult(len(payloads), reason, len(payloads) * self.part_bytes)
+
+    def _check(self, objects: Sequence, keys: Sequence[bytes], first_index: int
+               ) -> tuple[list[memoryview], str | None]:
+        """Check objects (in :meth:`object_keys` order per page; each stored bytes, or a
+        reason string it was not read) against the headers they must carry. Returns (the
+        payload views of the leading objects that passed, why the next did not or None)."""
+        payloads, n = [], len(self.parts)
+        for i, obj in enumerate(objects):
+            if isinstance(obj, str):
+                return payloads, obj
+            j, part = divmod(i, n)
+            try:
+                payloads.append(decode_page(obj, self._header(keys[j], self.parts[part],
+                                                              first_index + j)))
+            except PageFormatError as exc:
+                return payloads, exc.reason
+        return payloads, None
+
+    def _header(self, key: bytes, part: str, index: int) -> PageHeader:
+        """The header object ``part`` of page ``key`` (page number ``index``) carries."""
+        return PageHeader(self.ns_digest, _object_digest(key, part), index, self.page_size,
+                          self.part_bytes)
 
     def _split(self, page: torch.Tensor) -> list[np.ndarray]:
         if len(self.parts) == 1:

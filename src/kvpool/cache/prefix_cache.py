@@ -24,10 +24,10 @@ from collections.abc import Callable, Sequence
 import numpy as np
 import torch
 
-from kvpool.cache.codec import HEADER_SIZE, PageHeader
+from kvpool.cache.codec import HEADER_SIZE
 from kvpool.cache.host_pool import HostPool
 from kvpool.cache.keys import PageChain, page_chain
-from kvpool.cache.l3 import L3Backend, read_checked_into
+from kvpool.cache.l3 import L3Backend
 from kvpool.cache.metrics import CacheMetrics
 from kvpool.cache.namespace import Namespace
 from kvpool.cache.pagestore import PageStore
@@ -540,19 +540,14 @@ class PrefixCache:
         return good, pages[:good]
 
     def _read_l3_direct(self, keys: list[bytes], first_index: int, raw: np.ndarray | None):
-        """(good, reason, payload bytes, pages view) through ``l3.read_checked_into``."""
-        payload = self.store.part_bytes
+        """(good, reason, payload bytes, pages view) through ``PageStore.read_into``."""
         if raw is None:
-            raw = np.empty((len(keys), HEADER_SIZE + payload), dtype=np.uint8)
-        # one object per page: its header binds it to the page key itself (pagestore)
-        expects = [PageHeader(self._ns_digest, key, first_index + j, self.page_size, payload)
-                   for j, key in enumerate(keys)]
-        names = [name for key in keys for name in self.store.object_keys(key)]
-        good, reason, nbytes = read_checked_into(self.l3, names, expects, raw)
+            raw = np.empty((len(keys), HEADER_SIZE + self.store.part_bytes), dtype=np.uint8)
+        result = self.store.read_into(keys, first_index, raw)
         # [n, header + payload] bytes -> [n, *page_shape] payloads: a view, rows strided
         pages = (torch.from_numpy(raw)[:, HEADER_SIZE:].view(self.dtype)
                  .view(len(keys), *self.page_shape))
-        return good, reason, nbytes, pages
+        return result.good, result.reason, result.nbytes, pages
 
     def _backup_job(self, nodes: list[Node]) -> _Backup | None:
         """Lock the pages of ``nodes`` that need an L3 backup. Caller holds the lock."""

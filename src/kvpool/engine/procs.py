@@ -23,6 +23,7 @@ from pathlib import Path
 import numpy as np
 
 from kvpool.errors import KVPoolError
+from kvpool.launch import child_preexec, wait_or_kill
 
 _SRC = str(Path(__file__).resolve().parents[2])  # so children import this kvpool
 
@@ -58,9 +59,11 @@ class EngineProcess:
         env = dict(os.environ)
         env["PYTHONPATH"] = _SRC + os.pathsep + env.get("PYTHONPATH", "")
         cmd = [sys.executable, "-m", "kvpool", "generate", "--worker", *worker_args]
+        # the worker dies with the demo (SIGTERM on parent death), even if it is SIGKILLed;
+        # start engines from the main thread: PDEATHSIG follows the forking thread
         with open(self.log_path, "ab") as log:
             self.proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                                         stderr=log, env=env)
+                                         stderr=log, env=env, preexec_fn=child_preexec())
         self._inbox: queue.Queue = queue.Queue()
         self._next_id = 0
         self.info: dict = {}
@@ -141,9 +144,5 @@ class EngineProcess:
                 self.proc.wait(timeout_s)
             except subprocess.TimeoutExpired:
                 self.proc.terminate()
-                try:
-                    self.proc.wait(timeout_s)
-                except subprocess.TimeoutExpired:
-                    self.proc.kill()
-                    self.proc.wait()
+                wait_or_kill(self.proc, timeout_s)
         return self.proc.returncode

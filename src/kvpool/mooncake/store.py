@@ -514,53 +514,60 @@ class MooncakeDistributedStore:
 
     # ------------------------------------------------------------ existence, size, descriptors
 
-    def is_exist(self, key: str) -> int:
-        """1 if readable now, 0 if not, negative on error (grants a read lease)."""
+    def _code_for(self, key, call) -> int:
+        """``int(call(client, key))``; INVALID for no client or a malformed key, the
+        error's code if the call raises a KVPoolError."""
         client = self._client
         key = _key(key)
         if client is None or key is None:
             return INVALID
         try:
-            return int(client.is_exist(key))
+            return int(call(client, key))
         except KVPoolError as exc:
             return int(exc.code)
 
-    def batch_is_exist(self, keys: Sequence[str]) -> list[int]:
-        """1 / 0 / negative code per key."""
+    def _codes_for(self, keys, call) -> list[int]:
+        """One int per key: INVALID for a malformed key (or no client); for the rest the
+        ints ``call(client, well_formed_keys)`` returns in one batch, or all the code of
+        the KVPoolError it raises."""
         client, keys = self._client, _keys(keys)
         out = [INVALID] * len(keys)
         idx = [i for i, k in enumerate(keys) if k is not None]
         if client is None or not idx:
             return out
         try:
-            found = [int(b) for b in client.batch_is_exist([keys[i] for i in idx])]
+            values = [int(v) for v in call(client, [keys[i] for i in idx])]
         except KVPoolError as exc:
-            found = [int(exc.code)] * len(idx)
-        for i, value in zip(idx, found):
+            values = [int(exc.code)] * len(idx)
+        for i, value in zip(idx, values):
             out[i] = value
         return out
 
+    def is_exist(self, key: str) -> int:
+        """1 if readable now, 0 if not, negative on error (grants a read lease)."""
+        return self._code_for(key, lambda client, k: client.is_exist(k))
+
+    def batch_is_exist(self, keys: Sequence[str]) -> list[int]:
+        """1 / 0 / negative code per key."""
+        return self._codes_for(keys, lambda client, ks: client.batch_is_exist(ks))
+
     def get_size(self, key: str) -> int:
         """Value size in bytes, or a negative code (-704 miss). Grants a read lease."""
-        client = self._client
-        key = _key(key)
-        if client is None or key is None:
-            return INVALID
-        try:
-            return client.get_size(key)
-        except KVPoolError as exc:
-            return int(exc.code)
+        return self._code_for(key, lambda client, k: client.get_size(k))
 
     def get_replica_desc(self, key: str) -> list[ReplicaDescriptor]:
-        """Descriptors of the COMPLETE replicas of ``key``; [] on a miss. Grants a lease."""
+        """Descriptors of the COMPLETE replicas of ``key``; [] on a miss. Grants a lease
+        (the object's); the read grant is handed back at once, as nothing is read here."""
         client = self._client
         key = _key(key)
         if client is None or key is None:
             return []
         try:
-            return [_descriptor(d) for d in client.query(key).replicas]
+            handle = client.query(key)
         except KVPoolError:
             return []
+        client.release([handle])  # else the grant pins an old version until the lease ends
+        return [_descriptor(d) for d in handle.replicas]
 
     def batch_get_replica_desc(self, keys: Sequence[str]) -> dict[str, list[ReplicaDescriptor]]:
         """{key: descriptors} for the keys found (missing keys are left out, as in Mooncake)."""
@@ -572,36 +579,22 @@ class MooncakeDistributedStore:
             handles = client.batch_query(wanted)
         except KVPoolError:
             return {}
-        return {k: [_descriptor(d) for d in h.replicas] for k, h in zip(wanted, handles) if isinstance(h, ReadHandle)}
+        found = {k: h for k, h in zip(wanted, handles) if isinstance(h, ReadHandle)}
+        client.release(list(found.values()))  # nothing is read here: hand the grants back
+        return {k: [_descriptor(d) for d in h.replicas] for k, h in found.items()}
 
     # ------------------------------------------------------------ removal
 
     def remove(self, key: str, force: bool = False) -> int:
         """0, -704 (miss) or -706 (read lease held; ``force=True`` removes anyway)."""
-        client = self._client
-        key = _key(key)
-        if client is None or key is None:
-            return INVALID
-        try:
-            client.remove(key, force=bool(force))
-        except KVPoolError as exc:
-            return int(exc.code)
-        return OK
+        def remove(client, k):
+            client.remove(k, force=bool(force))
+            return OK
+        return self._code_for(key, remove)
 
     def batch_remove(self, keys: Sequence[str], force: bool = False) -> list[int]:
         """One code per key (0, -704, -706, -600)."""
-        client, keys = self._client, _keys(keys)
-        out = [INVALID] * len(keys)
-        idx = [i for i, k in enumerate(keys) if k is not None]
-        if client is None or not idx:
-            return out
-        try:
-            codes = [int(c) for c in client.batch_remove([keys[i] for i in idx], force=bool(force))]
-        except KVPoolError as exc:
-            codes = [int(exc.code)] * len(idx)
-        for i, code in zip(idx, codes):
-            out[i] = code
-        return out
+        return self._codes_for(keys, lambda client, ks: client.batch_remove(ks, force=bool(force)))
 
     def remove_all(self, force: bool = False) -> int:
         """Remove every object (leased ones skipped unless ``force``); the count or a code."""

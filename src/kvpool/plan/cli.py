@@ -52,11 +52,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                     help=f"fixed per-request overhead in ms (default {DEFAULT_OVERHEAD_MS:g})")
     pf.add_argument("--attention-kernel", choices=KERNELS, default=None,
                     help="causal: skips masked pairs after cached tokens (FlashAttention, "
-                    "vLLM, SGLang; default); masked: computes all (N-P)*N pairs (PyTorch SDPA "
-                    "with a mask, as transformers and the reference engine; --measure's default)")
+                    "vLLM, SGLang, kvpool's engine; default); masked: computes all (N-P)*N "
+                    "pairs (PyTorch SDPA with a mask: transformers' stock sdpa path); "
+                    "--measure's default: the kernel its engine runs")
     pf.add_argument("--measure", action="store_true",
                     help="fit the speeds on the reference engine here, then compare predicted "
                     "and measured TTFT at hits 0, 25, 50, 75, 90%%")
+    pf.add_argument("--engine-attention", default="kvpool_causal",
+                    choices=("kvpool_causal", "sdpa"),
+                    help="--measure engine attention: kvpool_causal (the engine's default, "
+                    "predicted as causal) or sdpa (the stock masked path, predicted as masked)")
     pf.add_argument("--model", default="smollm2",
                     help="engine model for --measure (default smollm2; must match CONFIG)")
     pf.add_argument("--repeats", type=int, default=3,
@@ -220,7 +225,8 @@ def _run_measure(args, spec) -> int:
     if dtype is None:
         raise UserError("--measure runs the engine in fp32, bf16 or fp16 (--kv-dtype)")
     meter = measure.EngineMeter(args.model, dtype=dtype, page_size=args.page_size,
-                                max_prompt=args.prompt, clock=args.clock)
+                                max_prompt=args.prompt, clock=args.clock,
+                                attention=args.engine_attention)
     measure.check_same_model(spec, meter.spec, args.kv_dtype)
     bandwidth = args.bandwidth * 1e9 if args.bandwidth is not None else None
     result = measure.run_measure(meter, args.prompt, repeats=args.repeats, bandwidth=bandwidth,

@@ -2,13 +2,15 @@
 
 1. Cold runs (nothing cached) at a few prompt lengths fit the overhead and the linear
    and attention FLOP/s (:func:`kvpool.plan.fit.fit_cold`).
-2. The KV load bandwidth is measured on the engine's own load path (prefix-cache
-   lookup, page gather, pages -> transformers cache) for pages the cold runs stored,
-   unless ``--bandwidth`` is given.
+2. The KV load bandwidth is measured on the engine's own load step (prefix-cache
+   lookup, then ``cache.load(m, out=...)`` copying each page straight into the
+   engine's KV buffer, then the transformers cache over it) for pages the cold runs
+   stored, unless ``--bandwidth`` is given.
 3. For each hit ratio, a prompt's first ``P`` tokens are cached by a priming request,
    then the whole prompt runs and its TTFT is compared with the prediction, made for
-   the engine's attention kernel (``masked``: transformers' SDPA with an explicit
-   mask; see :mod:`kvpool.plan.prefill`) and, for reference, for a causal one.
+   the engine's attention kernel (``causal`` for its default ``kvpool_causal`` split
+   kernel, ``masked`` for transformers' SDPA with an explicit mask; see
+   :mod:`kvpool.plan.prefill`) and, for reference, for the other one.
 
 Every run uses a fresh random prompt (its own prefix chain), so a run only ever reuses
 what its own priming stored. Rounds interleave all points, so a slow spell of the
@@ -21,6 +23,7 @@ sample is kept in the JSON.
 from __future__ import annotations
 
 import json
+import math
 import statistics
 import time
 from dataclasses import asdict, dataclass
@@ -42,6 +45,10 @@ TOLERANCE = 0.20  # the goal: predictions within 20% of the measured TTFT
 class EngineMeter:
     """Measures TTFT on :class:`kvpool.engine.Engine` with an L1-only PrefixCache.
 
+    ``attention`` is the engine's kernel ("kvpool_causal", its default, or "sdpa", the
+    stock masked path; InvalidParams otherwise); ``attention_kernel`` is the planner's
+    name for the one that runs ("causal" or "masked").
+
     ``clock="wall"`` is the engine's own ``ttft_ms``. ``clock="cpu"`` is the CPU time
     of this thread from the start of the request to the end of the prefill forward
     (one torch thread only): on a machine shared with busy processes, wall time mostly
@@ -54,7 +61,7 @@ class EngineMeter:
     """
 
     def __init__(self, model: str = "smollm2", dtype: str = "float32", page_size: int = 16,
-                 max_prompt: int = 2048, clock: str = "wall"):
+                 max_prompt: int = 2048, clock: str = "wall", attention: str = "kvpool_causal"):
         import torch
 
         if clock not in CLOCKS:
@@ -62,14 +69,16 @@ class EngineMeter:
         if clock == "cpu" and torch.get_num_threads() != 1:
             raise UserError("--clock cpu counts one thread's CPU time: use --threads 1")
         self.clock = clock
-        # transformers runs a prefill after cached tokens through SDPA with an explicit
-        # mask, which computes the whole (new tokens x all tokens) rectangle
-        self.attention_kernel = "masked"
 
         from kvpool.cache import PrefixCache
         from kvpool.engine import Engine
+        from kvpool.engine import attention as attn
 
-        self.engine = Engine(model, dtype=dtype)
+        self.engine = Engine(model, dtype=dtype, attention=attention)
+        # the engine's split kernel computes only the causal pairs after a prefix; the
+        # stock SDPA path (its fallback) gets an explicit mask and computes the whole
+        # (new tokens x all tokens) rectangle
+        self.attention_kernel = "causal" if self.engine.attention == attn.NAME else "masked"
         self.page_size = page_size
         self.kv_dtype = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16"}[dtype]
         config = self.engine.config
@@ -103,31 +112,37 @@ class EngineMeter:
         return r.ttft_ms if self.clock == "wall" else (marks[0] - start) * 1e3
 
     def load_bandwidth(self, prompt_ids: list[int]) -> float:
-        """Bytes/s of the engine's load path for the cached pages of ``prompt_ids``."""
-        from kvpool.engine.kv import pages_to_cache
+        """Bytes/s of the engine's own load step (lookup, then ``cache.load`` straight
+        into the engine's KV buffer, then the cache over it) for the cached pages of
+        ``prompt_ids``. Raises KVPoolError when none of them is cached."""
+        import torch
 
+        engine, cache = self.engine, self.cache
         now = time.perf_counter if self.clock == "wall" else time.thread_time
-        start = now()
-        m = self.cache.match(prompt_ids)
-        try:
-            pages = self.cache.load(m)
-        finally:
-            self.cache.release(m)
-        pages_to_cache(pages, self.engine.config)
-        seconds = now() - start
-        return pages.numel() * pages.element_size() / seconds
+        with torch.inference_mode():  # as in Engine.generate
+            seq = engine._kv_buffer(len(prompt_ids) + 1)
+            start = now()
+            timings = dict.fromkeys(("lookup", "load"), 0.0)
+            kv, _ = engine._load_prefix(cache, prompt_ids, seq, timings)
+            seconds = now() - start
+        pages = kv.get_seq_length() // cache.page_size
+        if not pages:
+            raise KVPoolError("no cached page to time the load path on")
+        page_bytes = math.prod(engine.page_shape(cache.page_size)) * seq.element_size()
+        return pages * page_bytes / seconds
 
 
 @dataclass(frozen=True)
 class Row:
     """One hit ratio: predicted and measured TTFT (ms) and the relative error;
-    ``causal_kernel_ms`` is the prediction had the engine a causal attention kernel."""
+    ``other_kernel_ms`` is the prediction for the other attention kernel
+    (``MeasureResult.other_kernel``: "masked" when the engine's is "causal", and back)."""
 
     hit: float
     cached: int
     predicted_ms: float
     measured_ms: float
-    causal_kernel_ms: float
+    other_kernel_ms: float
     samples_ms: list
     error: float
     parts_ms: dict
@@ -146,6 +161,7 @@ class MeasureResult:
     bandwidth_gbps: float
     bandwidth_source: str
     attention_kernel: str
+    other_kernel: str
     rows: list
     max_error: float
     within_tolerance: bool
@@ -201,15 +217,16 @@ def run_measure(meter, prompt: int, hits=HITS, repeats: int = 3, bandwidth: floa
         ids = fresh(prompt)
         meter.measure_ttft(ids, 0)  # stores the prompt's pages
         bandwidth = statistics.median([meter.load_bandwidth(ids) for _ in range(3)])
-        source = "measured: engine load path (L1 gather + pages -> cache)"
+        source = "measured: engine load path (lookup + cache.load into the KV buffer)"
     kernel = kernel or meter.attention_kernel
-    rates, causal = fit.rates(bandwidth, kernel), fit.rates(bandwidth, "causal")
+    other = "masked" if kernel == "causal" else "causal"
+    rates, other_rates = fit.rates(bandwidth, kernel), fit.rates(bandwidth, other)
     rows = []
     for h, (n, cached), measured in zip(hits, points[len(lengths):], figure[len(lengths):]):
         t = predict_ttft(meter.spec, n, cached, rates, meter.kv_dtype)
-        ideal = predict_ttft(meter.spec, n, cached, causal, meter.kv_dtype)
+        alt = predict_ttft(meter.spec, n, cached, other_rates, meter.kv_dtype)
         rows.append(Row(hit=h, cached=cached, predicted_ms=t.total * 1e3, measured_ms=measured,
-                        causal_kernel_ms=ideal.total * 1e3,
+                        other_kernel_ms=alt.total * 1e3,
                         samples_ms=samples[len(lengths) + len(rows)],
                         error=t.total * 1e3 / measured - 1,
                         parts_ms={"overhead": t.overhead * 1e3, "linear": t.linear * 1e3,
@@ -220,7 +237,7 @@ def run_measure(meter, prompt: int, hits=HITS, repeats: int = 3, bandwidth: floa
         clock=getattr(meter, "clock", "wall"), repeats=repeats, stat=stat,
         fit_runs_ms={str(n): ms for n, ms in cold}, fit=_fit_dict(fit),
         bandwidth_gbps=bandwidth / 1e9, bandwidth_source=source, attention_kernel=kernel,
-        rows=[asdict(r) for r in rows],
+        other_kernel=other, rows=[asdict(r) for r in rows],
         max_error=float(worst), within_tolerance=bool(worst <= TOLERANCE))
 
 
@@ -246,12 +263,12 @@ def check_same_model(config_spec: ModelSpec, engine_spec: ModelSpec, kv_dtype: s
 def format_table(result: MeasureResult) -> str:
     """The predicted-vs-measured table as Markdown."""
     lines = ["| hit | cached tokens | predicted TTFT ms | measured TTFT ms | error "
-             "| with a causal kernel ms |",
+             f"| with a {result.other_kernel} kernel ms |",
              "|---:|---:|---:|---:|---:|---:|"]
     for r in result.rows:
         lines.append(f"| {r['hit']:.0%} | {r['cached']} | {r['predicted_ms']:.0f} | "
                      f"{r['measured_ms']:.0f} | {r['error']:+.1%} | "
-                     f"{r['causal_kernel_ms']:.0f} |")
+                     f"{r['other_kernel_ms']:.0f} |")
     return "\n".join(lines)
 
 
@@ -272,9 +289,8 @@ def write_outputs(result: MeasureResult, out: str) -> tuple[Path, Path]:
             label=f"predicted ({result.attention_kernel} attention kernel)")
     ax.plot(hits, [r["measured_ms"] for r in result.rows], "s",
             label=f"measured ({result.stat} of {result.repeats})")
-    if result.attention_kernel != "causal":
-        ax.plot(hits, [r["causal_kernel_ms"] for r in result.rows], "--", color="tab:green",
-                label="predicted with a causal attention kernel")
+    ax.plot(hits, [r["other_kernel_ms"] for r in result.rows], "--", color="tab:green",
+            label=f"predicted with a {result.other_kernel} attention kernel")
     cold = result.rows[0]["measured_ms"] if result.rows[0]["hit"] == 0 else None
     if cold is not None:
         ax.plot(hits, [cold * (1 - h / 100) for h in hits], ":", color="grey",

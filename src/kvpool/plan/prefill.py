@@ -22,12 +22,13 @@ break-even bandwidth is ``B* = bytes(P) / (T_compute(N, 0) − T_compute(N, P))`
 
 Attention kernels (:data:`KERNELS`) differ in the pairs they really compute after a
 cached prefix. ``causal``: a kernel with a bottom-right causal mask (FlashAttention,
-FlashInfer, as vLLM and SGLang run it) skips the masked pairs, as above. ``masked``: a
-kernel handed an explicit mask computes every (new query, key) pair, ``(N − P) · N``,
-and masks afterwards; PyTorch's ``scaled_dot_product_attention`` with ``attn_mask``
-does this, and it is how transformers runs a prefill after cached tokens (kvpool's
-reference engine). There a 50% hit saves no attention work at all. A cold prefill
-(``P = 0``) runs the causal kernel in both.
+FlashInfer, as vLLM and SGLang run it; kvpool's engine by default, with its
+``kvpool_causal`` split kernel) skips the masked pairs, as above. ``masked``: a kernel
+handed an explicit mask computes every (new query, key) pair, ``(N − P) · N``, and
+masks afterwards; PyTorch's ``scaled_dot_product_attention`` with ``attn_mask`` does
+this, and it is how transformers' stock ``sdpa`` path runs a prefill after cached
+tokens (the engine's ``attention="sdpa"``). There a 50% hit saves no attention work at
+all. A cold prefill (``P = 0``) runs the causal kernel in both.
 """
 
 from __future__ import annotations

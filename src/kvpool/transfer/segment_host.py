@@ -139,7 +139,8 @@ class SegmentHost:
 def _touch_pages(buf: memoryview) -> None:
     """Write one byte per page so the kernel allocates (and zeroes) the whole segment
     now, at start, not as page faults during the first transfers (~1 GB/s instead of
-    ~10 GB/s): about 0.75 s per GiB here. Clients then map it with MAP_POPULATE cheaply."""
+    ~10 GB/s): about 0.75 s per GiB here. Clients map it without populating and fill
+    their page tables lazily before writes (see transfer/shm.py)."""
     import mmap
 
     import numpy as np
