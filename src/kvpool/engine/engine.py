@@ -151,8 +151,8 @@ class Engine:
             self.model.set_attn_implementation(self.attention)
         timings = dict.fromkeys(("lookup", "load", "prefill", "decode", "store"), 0.0)
         start = time.perf_counter()
-        seq = self._kv_buffer(len(prompt_ids) + max_new_tokens)
-        kv, by_tier = self._load_prefix(cache, prompt_ids, seq, timings)
+        seq = self.sequence_buffer(len(prompt_ids) + max_new_tokens)
+        kv, by_tier = self.load_prefix(cache, prompt_ids, seq, timings)
         reused = kv.get_seq_length()
 
         mark = time.perf_counter()
@@ -175,7 +175,7 @@ class Engine:
             decode_tok_s=decoded / (timings["decode"] / 1e3) if decoded else 0.0,
             last_logits=logits.float(), timings_ms=timings)
 
-    def _kv_buffer(self, capacity: int) -> torch.Tensor:
+    def sequence_buffer(self, capacity: int) -> torch.Tensor:
         """KV storage ``[L, 2, 1, H_kv, >= capacity, D]`` for one request.
 
         Kept from one request to the next (one request at a time) and grown to the
@@ -189,10 +189,10 @@ class Engine:
             self._seq = kv_buffer(page_shape(self.config, 1), capacity, self.model.dtype)
         return self._seq
 
-    def _load_prefix(self, cache, prompt_ids, seq, timings
+    def load_prefix(self, cache, prompt_ids, seq, timings
                      ) -> tuple[DynamicCache, dict[str, int]]:
         """The KV of the longest reusable cached prefix, as a cache over ``seq`` (see
-        :meth:`_kv_buffer`), and the reused tokens per tier."""
+        :meth:`sequence_buffer`), and the reused tokens per tier."""
         if cache is None:
             return seq_cache(seq, 0, self.config), {}
         mark = time.perf_counter()

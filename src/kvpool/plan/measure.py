@@ -120,10 +120,10 @@ class EngineMeter:
         engine, cache = self.engine, self.cache
         now = time.perf_counter if self.clock == "wall" else time.thread_time
         with torch.inference_mode():  # as in Engine.generate
-            seq = engine._kv_buffer(len(prompt_ids) + 1)
+            seq = engine.sequence_buffer(len(prompt_ids) + 1)
             start = now()
             timings = dict.fromkeys(("lookup", "load"), 0.0)
-            kv, _ = engine._load_prefix(cache, prompt_ids, seq, timings)
+            kv, _ = engine.load_prefix(cache, prompt_ids, seq, timings)
             seconds = now() - start
         pages = kv.get_seq_length() // cache.page_size
         if not pages:
