@@ -5,7 +5,7 @@ import random
 
 import numpy as np
 
-from kvpool.bench.cache import NS, ChainBuilder, TraceRequest, load_trace
+from kvpool.bench.cache import NS, QUICK, ChainBuilder, TraceRequest, generated_trace, load_trace
 from kvpool.cache import page_chain
 from kvpool.cli import main
 
@@ -98,3 +98,25 @@ def test_engine_sweep_on_a_tiny_model_reports_reuse_per_tier(tmp_path):
     for policy in ("write_through", "write_back"):
         row = rows[f"L1 small + L2 {policy}"]
         assert row["token_hit_rate"] == roomy and row["reused_by_tier"].get("L2", 0) > 0
+
+
+def test_quick_runs_both_workloads_and_a_generated_trace(tmp_path):
+    out, png = tmp_path / "q.json", tmp_path / "q.png"
+    # --quick's own plan, on the tiny model and one session (kept: not their defaults)
+    rc = main(["bench", "cache", "--quick", "--model", "tiny-random", "--sessions", "1",
+               "--json", str(out), "--plot", str(png), "--no-progress"])
+    assert rc == 0
+    doc = json.loads(out.read_text())
+    for workload in ("chat", "system"):
+        run = doc["engine"][workload]
+        assert run["workload"] == workload and run["repeats"] == QUICK["repeats"]
+        assert run["requests"] == QUICK["turns"]  # one session (chat) or user per turn
+        rows = {r["name"]: r for r in run["configs"]}
+        assert rows["no cache"]["token_hit_rate"] == 0 < rows["L1 roomy"]["token_hit_rate"]
+        assert (tmp_path / f"q_{workload}.png").stat().st_size > 1000
+    lines = [{"input_length": r.input_length, "hash_ids": r.hash_ids}
+             for r in generated_trace(12, 5)]
+    assert doc["trace"]["requests"] == len(lines)
+    assert abs(doc["trace"]["infinite"]["hit_rate"] - max_hit_rate(lines)) < 1e-12
+    assert doc["trace"]["claims"] == []  # the paper's claims are about its own traces
+    assert (tmp_path / "q_trace.png").stat().st_size > 1000

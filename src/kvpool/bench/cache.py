@@ -17,8 +17,12 @@ Reported (token hit rate = matched prompt tokens / all prompt tokens):
   the least loaded), and the same with load-only routing, against one pooled cache of N*C;
 - the paper's claims (section 5.2.1 / 5.3.1), each with the replay's numbers.
 
-``--engine`` instead runs the reference engine (a real model, CPU) on multi-turn
-sessions of token ids and sweeps L1/L2 sizes and write policies: TTFT and reuse per tier.
+``--engine`` instead runs the reference engine (a real model, CPU) on a workload of token
+ids (``--workload chat``: multi-turn sessions; ``system``: one shared system prompt, a
+distinct question per user) and sweeps L1/L2 sizes and write policies: TTFT and reuse per
+tier. ``--quick`` runs both workloads with few short requests, then replays a small
+generated trace: a smoke run of every path in under two minutes (about 30 s with
+SmolLM2 on 2 CPU cores).
 """
 
 from __future__ import annotations
@@ -30,8 +34,8 @@ import math
 import os
 import sys
 import time
-from collections.abc import Sequence
 from pathlib import Path
+from collections.abc import Sequence
 
 import numpy as np
 import torch
@@ -48,6 +52,14 @@ DEFAULT_LOCAL = "1e5,3e5,1e6,3e6,1e7"
 AFFINITY_THRESHOLD = 0.5  # share of a prompt's blocks cached on an instance to follow it
 PAGE_SHAPE = (1,)  # one byte per page: the replay measures hits, not bytes
 NS = Namespace(model="trace-replay", dtype="uint8", page_size=BLOCK_TOKENS)
+WORKLOADS = ("chat", "system")
+# --quick: what replaces each option left at its parser default (a small engine sweep on
+# the same model, then a replay of a generated trace of QUICK_TRACE sessions x turns)
+QUICK = {"sessions": 2, "turns": 2, "prefix_tokens": 64,
+         "turn_tokens": 32, "new_tokens": 2, "repeats": 1, "capacities": "1024,4096,1e6",
+         "local_capacities": "2048,1e5", "instances": 3, "json_path": "cache_quick.json",
+         "plot_path": "cache_quick.png"}
+QUICK_TRACE = (12, 5)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -256,6 +268,30 @@ def session_prompts(sessions: int, turns: int, prefix_tokens: int, turn_tokens: 
     return prompts
 
 
+def system_prompt_prompts(users: int, prefix_tokens: int, question_tokens: int, vocab: int,
+                          seed: int = 0) -> list[list[int]]:
+    """One system prompt of ``prefix_tokens`` shared by every request, each followed by a
+    distinct question of ``question_tokens`` (one request per user)."""
+    rng = np.random.default_rng(seed)
+    system = rng.integers(0, vocab, prefix_tokens).tolist()
+    return [system + rng.integers(0, vocab, question_tokens).tolist() for _ in range(users)]
+
+
+def workload_prompts(args, vocab: int) -> tuple[list[list[int]], int]:
+    """The prompts of ``args.workload`` and their working set in pages (every distinct
+    page once): chat = sessions x turns; system = sessions * turns single questions."""
+    if args.workload == "system":
+        users = args.sessions * args.turns
+        prompts = system_prompt_prompts(users, args.prefix_tokens, args.turn_tokens, vocab)
+        return prompts, args.prefix_tokens // args.page_size + users * (
+            (args.prefix_tokens + args.turn_tokens) // args.page_size
+            - args.prefix_tokens // args.page_size)
+    prompts = session_prompts(args.sessions, args.turns, args.prefix_tokens, args.turn_tokens,
+                              vocab)
+    return prompts, (args.prefix_tokens
+                     + args.sessions * args.turns * args.turn_tokens) // args.page_size
+
+
 def tier_configs(working_pages: int) -> list[TierConfig]:
     """Cold, a roomy L1, and a quarter-size L1 alone and with an L2 under each policy."""
     small = max(2, working_pages // 4)
@@ -266,15 +302,15 @@ def tier_configs(working_pages: int) -> list[TierConfig]:
         for p in ("write_through", "write_through_selective", "write_back")]
 
 
-def engine_sweep(args) -> dict:
-    """Run the session workload once per TierConfig on the reference engine."""
-    from kvpool.engine.engine import Engine  # lazily: the trace replay needs no model
+def engine_sweep(args, engine=None) -> dict:
+    """Run ``args.workload`` once per TierConfig on the reference engine (loaded from
+    ``args.model`` unless given)."""
+    if engine is None:
+        from kvpool.engine.engine import Engine  # lazily: the trace replay needs no model
 
-    engine = Engine(args.model, dtype="float32")
+        engine = Engine(args.model, dtype="float32")
     vocab = engine.model.get_input_embeddings().num_embeddings
-    prompts = session_prompts(args.sessions, args.turns, args.prefix_tokens,
-                              args.turn_tokens, vocab)
-    working = (args.prefix_tokens + args.sessions * args.turns * args.turn_tokens) // args.page_size
+    prompts, working = workload_prompts(args, vocab)
     engine.generate(prompts[0][:32], max_new_tokens=1, use_cache=False)  # warm the kernels
     configs = tier_configs(working)
     progress = _progress(args.repeats * len(configs) * len(prompts), args.no_progress)
@@ -288,9 +324,11 @@ def engine_sweep(args) -> dict:
     for i, cfg in enumerate(configs):
         row = runs[0][i]
         ttfts = np.min([run[i].pop("ttfts_ms") for run in runs], axis=0)
-        row.update(mean_ttft_ms=float(ttfts.mean()), p50_ttft_ms=float(np.median(ttfts)))
+        row.update(mean_ttft_ms=float(ttfts.mean()), p50_ttft_ms=float(np.median(ttfts)),
+                   p99_ttft_ms=float(np.percentile(ttfts, 99)))
         rows.append(row)
-    return {"model": engine.loaded.name, "page_size": args.page_size, "requests": len(prompts),
+    return {"model": engine.loaded.name, "workload": args.workload,
+            "page_size": args.page_size, "requests": len(prompts),
             "repeats": args.repeats, "working_set_pages": working, "configs": rows}
 
 
@@ -324,12 +362,15 @@ def _engine_run(engine, cfg: TierConfig, prompts: list[list[int]], args, progres
 
 
 def _print_engine(doc: dict) -> None:
-    print(f"engine sweep: {doc['model']}, {doc['requests']} requests, page {doc['page_size']}, "
+    print(f"engine sweep: {doc['model']}, {doc['workload']} workload, {doc['requests']} "
+          f"requests, page {doc['page_size']}, "
           f"working set {doc['working_set_pages']} pages")
-    print(f"{'config':>34} {'L1':>5} {'L2':>5} {'hit':>6} {'mean TTFT':>10} {'p50':>8}  by tier")
+    print(f"{'config':>34} {'L1':>5} {'L2':>5} {'hit':>6} {'mean TTFT':>10} {'p50':>8} "
+          f"{'p99':>8}  by tier")
     for r in doc["configs"]:
         print(f"{r['name']:>34} {r['l1_pages']:>5} {r['l2_pages']:>5} {r['token_hit_rate']:>6.1%} "
-              f"{r['mean_ttft_ms']:>8.1f}ms {r['p50_ttft_ms']:>6.1f}ms  {r['reused_by_tier']}")
+              f"{r['mean_ttft_ms']:>8.1f}ms {r['p50_ttft_ms']:>6.1f}ms {r['p99_ttft_ms']:>6.1f}ms"
+              f"  {r['reused_by_tier']}")
 
 
 def _plot_engine(doc: dict, path: str) -> None:
@@ -341,7 +382,7 @@ def _plot_engine(doc: dict, path: str) -> None:
         Panel("token hit rate", names,
               {t: [100 * r["reused_by_tier"].get(t, 0) / max(1, sum(r["reused_by_tier"].values()))
                    * r["token_hit_rate"] for r in doc["configs"]] for t in ("L1", "L2")}, "%"),
-    ], title=f"{doc['model']}: L1/L2 sizes and write policies")
+    ], title=f"{doc['model']}, {doc['workload']} workload: L1/L2 sizes and write policies")
 
 
 # -- CLI --------------------------------------------------------------------------------
@@ -365,6 +406,9 @@ def add_arguments(p) -> None:
     g = p.add_argument_group("model-based sweep (--engine)")
     g.add_argument("--engine", action="store_true",
                    help="sweep L1/L2 sizes and write policies on the reference engine instead")
+    g.add_argument("--workload", choices=WORKLOADS, default="chat",
+                   help="chat: multi-turn sessions on a shared prefix (default); system: one "
+                        "shared system prompt, a distinct question per user")
     g.add_argument("--model", default="smollm2", help="engine model (default smollm2)")
     g.add_argument("--sessions", type=int, default=4, help="concurrent sessions (default 4)")
     g.add_argument("--turns", type=int, default=3, help="turns per session (default 3)")
@@ -374,6 +418,11 @@ def add_arguments(p) -> None:
     g.add_argument("--page-size", type=int, default=16, help="tokens per page")
     g.add_argument("--repeats", type=int, default=2,
                    help="runs of the whole sweep; TTFT per request is the minimum (default 2)")
+    p.add_argument("--quick", action="store_true",
+                   help="smoke run in under 2 minutes: both engine workloads with few short "
+                        "requests, then a small generated trace (or --trace with --limit); an "
+                        "option set to other than its default keeps that value (writes "
+                        "cache_quick.json and cache_quick_{chat,system,trace}.png)")
 
 
 def _capacities(text: str, what: str) -> list[int]:
@@ -388,15 +437,35 @@ def _capacities(text: str, what: str) -> list[int]:
 
 def run(args) -> int:
     torch.set_num_threads(1)
+    if args.quick:
+        return _run_quick(args)
     if args.engine:
         return _run_engine(args)
-    capacities = _capacities(args.capacities, "--capacities")
-    local_caps = _capacities(args.local_capacities, "--local-capacities")
+    _check_replay_args(args)
+    args.trace = args.trace or default_trace()
+    doc = trace_replay(load_trace(args.trace, args.limit), args, os.path.abspath(args.trace))
+    _print(doc)
+    _write(doc, args.json_path)
+    if args.plot_path:
+        _plot(doc, args.plot_path)
+    return 0
+
+
+def _check_replay_args(args) -> None:
+    _capacities(args.capacities, "--capacities")
+    _capacities(args.local_capacities, "--local-capacities")
     if args.instances < 1:
         raise UserError("--instances must be >= 1")
+
+
+def trace_replay(requests: list[TraceRequest], args, trace_name: str,
+                 claims: bool = True) -> dict:
+    """Replay ``requests`` at ``args.capacities`` and infinite capacity, then local vs
+    global at ``args.local_capacities`` x ``args.instances``; the report as a dict, with
+    the paper's claims checked unless ``claims`` is False (a trace not from the paper)."""
+    capacities = _capacities(args.capacities, "--capacities")
+    local_caps = _capacities(args.local_capacities, "--local-capacities")
     started = time.monotonic()
-    args.trace = args.trace or default_trace()
-    requests = load_trace(args.trace, args.limit)
     builder = ChainBuilder()
     chains = [builder.chain(r) for r in requests]
     unique = len({k for c in chains for k in c.keys})
@@ -418,8 +487,8 @@ def run(args) -> int:
         })
     if progress is not None:
         progress.close()
-    doc = {
-        "trace": os.path.abspath(args.trace),
+    return {
+        "trace": trace_name,
         "requests": len(requests),
         "input_tokens": infinite.input_tokens,
         "unique_blocks": unique,
@@ -430,30 +499,95 @@ def run(args) -> int:
                             "evictions": r.evictions} for r in sweep],
         "infinite": {"hit_rate": infinite.hit_rate},
         "local_vs_global": local_global,
-        "claims": check_claims(sweep, infinite, local_global),
+        "claims": check_claims(sweep, infinite, local_global) if claims else [],
         "elapsed_s": round(time.monotonic() - started, 1),
     }
-    _print(doc)
-    if args.json_path:
-        with open(args.json_path, "w") as f:
-            json.dump(doc, f, indent=1)
+
+
+def generated_trace(sessions: int, turns: int, seed: int = 0) -> list[TraceRequest]:
+    """A Mooncake-style conversation trace: one shared system block, then each turn extends
+    its session's prefix by 1-2 fresh blocks (ids unique per prefix, as in the real traces);
+    sessions interleave in random order within a turn."""
+    rng = np.random.default_rng(seed)
+    next_id, requests = 1, []
+    history = {s: [0] for s in range(sessions)}
+    for turn in range(turns):
+        for s in rng.permutation(sessions).tolist():
+            grow = int(rng.integers(1, 3))
+            history[s] += range(next_id, next_id + grow)
+            next_id += grow
+            ids = tuple(history[s])
+            requests.append(TraceRequest(turn * 1000, BLOCK_TOKENS * len(ids)
+                                         - int(rng.integers(0, 300)), ids))
+    return requests
+
+
+def _apply_quick(args) -> None:
+    """Replace each option still at its parser default by its QUICK value."""
+    import argparse
+
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    defaults = vars(parser.parse_args([]))
+    for name, value in QUICK.items():
+        if getattr(args, name) == defaults[name]:
+            setattr(args, name, value)
+
+
+def _run_quick(args) -> int:
+    """Both engine workloads on one loaded model, then the replay of a generated trace
+    (``--trace``: that one); one JSON, one PNG per part (``<plot stem>_<part>.png``)."""
+    _apply_quick(args)
+    _check_engine_args(args)
+    _check_replay_args(args)
+    from kvpool.engine.engine import Engine
+
+    started = time.monotonic()
+    engine = Engine(args.model, dtype="float32")
+    doc = {"quick": True, "engine": {}}
+    for workload in WORKLOADS:
+        args.workload = workload
+        doc["engine"][workload] = engine_sweep(args, engine)
+        _print_engine(doc["engine"][workload])
+    if args.trace:  # the user's trace, cut by --limit
+        requests, name = load_trace(args.trace, args.limit), os.path.abspath(args.trace)
+    else:
+        sessions, turns = QUICK_TRACE
+        requests = generated_trace(sessions, turns)
+        name = f"generated: {sessions} sessions x {turns} turns"
+    doc["trace"] = trace_replay(requests, args, name, claims=bool(args.trace))
+    _print(doc["trace"])
+    doc["elapsed_s"] = round(time.monotonic() - started, 1)
+    print(f"quick run: {doc['elapsed_s']} s")
+    _write(doc, args.json_path)
     if args.plot_path:
-        _plot(doc, args.plot_path)
+        stem = Path(args.plot_path)
+        for workload in WORKLOADS:
+            _plot_engine(doc["engine"][workload], str(stem.with_stem(f"{stem.stem}_{workload}")))
+        _plot(doc["trace"], str(stem.with_stem(f"{stem.stem}_trace")))
     return 0
 
 
-def _run_engine(args) -> int:
+def _write(doc: dict, path: str) -> None:
+    if path:
+        with open(path, "w") as f:
+            json.dump(doc, f, indent=1)
+
+
+def _check_engine_args(args) -> None:
     if min(args.sessions, args.turns, args.turn_tokens, args.new_tokens, args.page_size,
            args.repeats) < 1 or args.prefix_tokens < 0:
         raise UserError("--sessions, --turns, --turn-tokens, --new-tokens, --page-size and "
                         "--repeats must be >= 1")
+
+
+def _run_engine(args) -> int:
+    _check_engine_args(args)
     started = time.monotonic()
     doc = engine_sweep(args)
     doc["elapsed_s"] = round(time.monotonic() - started, 1)
     _print_engine(doc)
-    if args.json_path:
-        with open(args.json_path, "w") as f:
-            json.dump(doc, f, indent=1)
+    _write(doc, args.json_path)
     if args.plot_path:
         _plot_engine(doc, args.plot_path)
     return 0

@@ -12,6 +12,9 @@ Names (all monotonically increasing integers):
     l3_errors                        L3 calls that failed as a whole (treated as misses)
     key_collisions                   same page key, different token ids (never a hit)
     l1_full                          inserts cut short: every L1 page locked
+
+Gauges are read live rather than counted here: pages used per tier, tree pages and the
+backup queue depth (:mod:`kvpool.cache.prometheus` exposes them).
 """
 
 from __future__ import annotations

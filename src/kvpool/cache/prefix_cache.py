@@ -263,6 +263,12 @@ class PrefixCache:
         with self._lock:
             return len(self.tree.match(keys, toks)[0])
 
+    @property
+    def backup_queue_depth(self) -> int:
+        """L3 backups (one per insert) queued or being written; 0 without a backup
+        thread (no L3, synchronous backups, or closed)."""
+        return self._backups.depth if self._backups is not None else 0
+
     def flush(self) -> None:
         """Wait until every L3 backup queued so far is written."""
         if self._backups is not None:

@@ -3,7 +3,8 @@
 Counters ``kvpool_cache_<name>_total`` come from ``cache.metrics``; a per-tier name
 (``hit_tokens_l1``) becomes one family with a ``tier`` label, and ``page_rejects_<why>``
 becomes ``kvpool_cache_page_rejects_by_reason_total{reason=...}``. Gauges give the pages
-in use per tier and the tree size. The process that hosts the cache serves them.
+in use per tier, the tree size and ``kvpool_cache_backup_queue_depth``, the L3 backups
+(one per insert) queued or being written. The process that hosts the cache serves them.
 """
 
 from __future__ import annotations
@@ -52,6 +53,10 @@ class CacheCollector(Collector):
                                   labels=names)
         nodes.add_metric(values, self.cache.tree.num_nodes)
         yield nodes
+        depth = GaugeMetricFamily("kvpool_cache_backup_queue_depth",
+                                  "L3 backups queued or being written", labels=names)
+        depth.add_metric(values, self.cache.backup_queue_depth)
+        yield depth
 
 
 def serve_metrics(cache, port: int = 0, addr: str = "127.0.0.1",
