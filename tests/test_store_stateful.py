@@ -86,6 +86,7 @@ class Outcome:
     result: object
     error: KVPoolError | None
     elapsed: float  # seconds the call took, client side
+    raced: bool = False  # an eviction happened during the call
 
 
 @pytest.fixture(scope="module")
@@ -132,13 +133,14 @@ class StoreMachine(RuleBasedStateMachine):
         racing the call (the master's watermark thread) relaxes the model before the
         outcome is judged."""
         self._sync()
-        start = time.monotonic()
+        before, start = self.evictions, time.monotonic()
         try:
             result, error = fn(), None
         except TOLERATED as e:
             result, error = None, e
         outcome = Outcome(result, error, time.monotonic() - start)
         self._sync()
+        outcome.raced = self.evictions != before
         return outcome
 
     def _new_version(self) -> int:
@@ -181,9 +183,12 @@ class StoreMachine(RuleBasedStateMachine):
             assert upsert or entry.value is None or entry.maybe_gone, f"{key}: put over a live value"
             assert size <= SEGMENT_BYTES
             entry.set_present((version, size))
+            # a put grants no lease: an eviction racing the call may already have taken it
+            entry.maybe_gone = out.raced
         elif isinstance(out.error, ObjectExists):
             assert not upsert and entry.value is not None, f"{key}: ObjectExists, model says absent"
             entry.set_present()
+            entry.maybe_gone = out.raced
         elif isinstance(out.error, NoSpace):
             assert upsert or entry.value is None or entry.maybe_gone, f"{key}: NoSpace before ObjectExists"
             if not upsert:
