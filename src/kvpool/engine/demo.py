@@ -77,11 +77,14 @@ def run(args) -> int:
         lambda text: print(f"[demo] {text}", file=sys.stderr, flush=True))
     workload = load_workload()
     plan = plan_requests(workload, args.questions)
-    previous = signal.signal(signal.SIGTERM, _interrupt)
+    # SIGINT too: a shell starts background jobs with SIGINT ignored, and the demo must
+    # still stop (and stop its children) when one is sent.
+    previous = {sig: signal.signal(sig, _interrupt) for sig in (signal.SIGTERM, signal.SIGINT)}
     try:
         rows, info = _run(args, workload, plan, say)
     finally:
-        signal.signal(signal.SIGTERM, previous)
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
     report = build_report(args, rows, info, time.monotonic() - started)
     print_replay(rows)
     print(report["verdict"])
