@@ -76,6 +76,9 @@ def run(args) -> int:
     say = (lambda text: None) if args.quiet else (
         lambda text: print(f"[demo] {text}", file=sys.stderr, flush=True))
     workload = load_workload()
+    if args.questions > len(workload["questions"]):
+        raise UserError(f"--questions {args.questions}: the shipped workload has "
+                        f"{len(workload['questions'])} questions")
     plan = plan_requests(workload, args.questions)
     # SIGINT too: a shell starts background jobs with SIGINT ignored, and the demo must
     # still stop (and stop its children) when one is sent.
@@ -101,6 +104,9 @@ def _check_args(args) -> None:
         raise UserError("--max-new-tokens, --page-size, --questions and --threads must be >= 1")
     parse_size(args.segment_size)
     parse_size(args.l1_size)
+    # fail now, not after minutes of work, on what can only fail at the end
+    if args.json and not Path(args.json).resolve().parent.is_dir():
+        raise UserError(f"--json {args.json}: folder {Path(args.json).parent} does not exist")
 
 
 def _interrupt(signum, frame):
