@@ -86,6 +86,9 @@ def test_unknown_model_is_a_user_error(tmp_path):
     (tmp_path / "empty").mkdir()
     with pytest.raises(UserError, match="unknown model"):
         resolve_source(str(tmp_path / "empty"))
+    (tmp_path / "bad.gguf").write_bytes(b"garbage\n")
+    with pytest.raises(UserError, match="not a GGUF file"):
+        resolve_source(str(tmp_path / "bad.gguf"))
 
 
 @pytest.mark.parametrize("command", [["generate", "--prompt", "hi"], ["demo"]])

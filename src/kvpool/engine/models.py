@@ -118,6 +118,9 @@ def resolve_source(spec: str) -> tuple[str, str, Path | None]:
         return "gguf", SMOLLM2_NAME, smollm2_gguf_path()
     path = Path(spec).expanduser()
     if path.is_file() and path.suffix == ".gguf":
+        with path.open("rb") as f:  # a bad file is the user's mistake, not a traceback
+            if f.read(4) != b"GGUF":
+                raise UserError(f"--model {spec}: not a GGUF file (no GGUF magic bytes)")
         return "gguf", _gguf_model_name(path), path
     if path.is_dir() and (path / "config.json").is_file():
         return "folder", path.name, path
