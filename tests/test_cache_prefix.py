@@ -8,6 +8,7 @@ import torch
 
 from kvpool.cache import DiskBackend, Namespace, PrefixCache, max_reusable_pages, page_keys, store_key
 from kvpool.errors import InvalidParams
+from cache_helpers import lookup
 
 PAGE = 4
 SHAPE = (2, 2, 1, PAGE, 3)  # layers, K/V, kv heads, page_size, head_dim
@@ -29,14 +30,6 @@ def disk(tmp_path):
     return DiskBackend(tmp_path / "l3", max_bytes=1 << 20)
 
 
-def lookup(cache, tokens):
-    """(num_pages, tiers, kv) of a match + load, released afterwards."""
-    m = cache.match(tokens)
-    try:
-        pages = cache.load(m)
-        return m.num_pages, m.tiers, pages
-    finally:
-        cache.release(m)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])

@@ -7,6 +7,7 @@ import torch
 
 from kvpool.cache import Namespace, PrefixCache, StoreBackend, page_keys, store_key
 from kvpool.cache.codec import HEADER_SIZE
+from cache_helpers import lookup
 
 PAGE = 4
 SHAPE = (2, 2, 1, PAGE, 3)
@@ -26,13 +27,6 @@ def make(store, ns=NS):
     return PrefixCache(ns, SHAPE, torch.float32, l1_pages=32, l3=store, async_backup=False)
 
 
-def lookup(cache, tokens):
-    m = cache.match(tokens)
-    try:
-        pages = cache.load(m)
-        return m.num_pages, m.tiers, pages
-    finally:
-        cache.release(m)
 
 
 def test_pages_round_trip_byte_exact_through_the_store(store):

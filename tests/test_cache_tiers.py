@@ -8,6 +8,7 @@ import threading
 import pytest
 import torch
 
+from cache_helpers import lookup
 from kvpool.cache import DiskBackend, Namespace, PrefixCache
 from kvpool.cache.host_pool import HostPool
 
@@ -39,14 +40,6 @@ def seq(i, pages=2):
     return [1000 * i + t for t in range(pages * PAGE)]
 
 
-def lookup(cache, tokens):
-    m = cache.match(tokens)
-    try:
-        return m.tiers, cache.load(m)
-    finally:
-        cache.release(m)
-
-
 @pytest.mark.parametrize("layout", ["layer_first", "page_first", "page_first_direct"])
 def test_pages_evicted_from_l1_come_back_exact_from_l2(caches, layout):
     cache = caches(l2_layout=layout)
@@ -54,9 +47,9 @@ def test_pages_evicted_from_l1_come_back_exact_from_l2(caches, layout):
     cache.insert(seq(2), kv(2, 2))
     cache.insert(seq(3), kv(2, 3))  # L1 holds 4 pages: seq 1 leaves L1, stays in L2
     assert cache.metrics["evictions_l1"] == 2
-    tiers, got = lookup(cache, seq(1))
+    _, tiers, got = lookup(cache, seq(1))
     assert tiers == ["L2", "L2"] and torch.equal(got, kv(2, 1))
-    assert lookup(cache, seq(1))[0] == ["L1", "L1"]  # promoted back on load
+    assert lookup(cache, seq(1))[1] == ["L1", "L1"]  # promoted back on load
 
 
 @pytest.mark.parametrize("layout, dims", [
@@ -110,7 +103,7 @@ def test_write_back_copies_to_l2_only_at_l1_eviction(caches):
     cache.insert(seq(2), kv(2, 2))
     cache.insert(seq(3), kv(2, 3))
     assert cache.metrics["l2_writes"] == 2  # seq 1, evicted from L1
-    tiers, got = lookup(cache, seq(1))
+    _, tiers, got = lookup(cache, seq(1))
     assert tiers == ["L2", "L2"] and torch.equal(got, kv(2, 1))
 
 
@@ -119,7 +112,7 @@ def test_without_room_in_l2_an_l1_eviction_drops_the_page(caches):
     for i in range(1, 5):
         cache.insert(seq(i), kv(2, i))
     assert cache.tree.num_nodes <= 6  # 4 in L1 + 2 in L2
-    assert lookup(cache, seq(1))[0] == []
+    assert lookup(cache, seq(1))[1] == []
 
 
 def test_pages_of_a_running_request_stay_in_every_tier(caches):

@@ -17,6 +17,22 @@ from kvpool.errors import UserError
 HELP = "generate greedily with the reference engine, reusing prefix KV from a kvpool store"
 
 
+def add_cache_arguments(parser: argparse.ArgumentParser) -> None:
+    """Page, L1, transport, thread and attention options of one engine process; shared
+    by ``generate`` and ``demo`` (whose engines are ``generate --worker`` processes)."""
+    parser.add_argument("--page-size", type=int, default=16, help="tokens per KV page (16)")
+    parser.add_argument("--l1-size", default="512MiB", help="each engine's L1 page pool (512MiB)")
+    parser.add_argument("--force-tcp", action="store_true",
+                        help="move store data over TCP instead of mapping shared memory")
+    parser.add_argument("--threads", type=int, default=1,
+                        help="torch threads per engine (1: servers run beside the model; more "
+                        "slows prefill badly when another process is busy on a 2-core machine)")
+    parser.add_argument("--attention", default="kvpool_causal", choices=("kvpool_causal", "sdpa"),
+                        help="attention kernel: kvpool_causal (default) computes only the "
+                        "causal pairs after a cached prefix; sdpa is transformers' stock "
+                        "kernel, which computes every (new token x all tokens) pair")
+
+
 def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
     """Options shared by ``generate`` and its worker mode."""
     parser.add_argument("--model", default="smollm2",
@@ -26,17 +42,7 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
                         help="weights and KV dtype (default float32, the correctness reference)")
     parser.add_argument("--master", default=None, metavar="HOST:PORT",
                         help="kvpool master; its store becomes the cache's L3 tier")
-    parser.add_argument("--page-size", type=int, default=16, help="tokens per KV page (16)")
-    parser.add_argument("--l1-size", default="512MiB", help="in-process L1 page pool (512MiB)")
-    parser.add_argument("--force-tcp", action="store_true",
-                        help="move store data over TCP even on the same host")
-    parser.add_argument("--threads", type=int, default=1,
-                        help="torch threads (1: servers run beside the model; more slows "
-                        "prefill on a busy 2-core machine)")
-    parser.add_argument("--attention", default="kvpool_causal", choices=("kvpool_causal", "sdpa"),
-                        help="attention kernel: kvpool_causal (default) computes only the "
-                        "causal pairs after a cached prefix; sdpa is transformers' stock "
-                        "kernel, which computes every (new token x all tokens) pair")
+    add_cache_arguments(parser)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

@@ -30,6 +30,7 @@ from pathlib import Path
 import numpy as np
 
 from kvpool.config import parse_size
+from kvpool.engine.cli import add_cache_arguments
 from kvpool.engine.procs import EngineProcess, decode_logits
 from kvpool.errors import UserError
 
@@ -51,18 +52,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--questions", type=int, default=4,
                         help="questions about the document (1-6, default 4); follow-ups "
                         "are added for conversations 1, 2 and 4 when present")
-    parser.add_argument("--page-size", type=int, default=16, help="tokens per KV page (16)")
     parser.add_argument("--segment-size", default="1GiB",
                         help="the storage node's shared-memory segment (1GiB)")
-    parser.add_argument("--l1-size", default="512MiB", help="each engine's L1 page pool (512MiB)")
-    parser.add_argument("--force-tcp", action="store_true",
-                        help="move store data over TCP instead of mapping shared memory")
-    parser.add_argument("--threads", type=int, default=1,
-                        help="torch threads per engine (1: more slows prefill badly when "
-                        "another process is busy on a 2-core machine)")
-    parser.add_argument("--attention", default="kvpool_causal", choices=("kvpool_causal", "sdpa"),
-                        help="engines' attention kernel: kvpool_causal (default) skips the "
-                        "masked pairs after a cached prefix; sdpa is transformers' stock one")
+    add_cache_arguments(parser)
     parser.add_argument("--quiet", action="store_true", help="no progress lines")
 
 
