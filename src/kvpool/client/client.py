@@ -38,7 +38,7 @@ import msgspec
 from kvpool import protocol as P
 from kvpool.protocol import MAX_KEY_BYTES
 from kvpool.errors import (
-    ErrorCode, InvalidParams, KVPoolError, LeaseExpired, TransferFailed, code_name, code_of, raise_for,
+    BufferOverflow, ErrorCode, InvalidParams, KVPoolError, LeaseExpired, TransferFailed, code_name, code_of, raise_for,
 )
 from kvpool.transfer import as_byte_view, local_host_id
 from kvpool.transfer.buffers import BufferRegistry, RegisteredBuffer
@@ -454,9 +454,14 @@ class Client:
     def read_into(self, handle: ReadHandle, buf) -> int:
         """Copy the value behind ``handle`` into writable ``buf``; returns its size.
 
-        Raises BufferOverflow, LeaseExpired (buf content then undefined), TransferFailed.
+        Raises BufferOverflow (the message gives the value's and the buffer's sizes),
+        LeaseExpired (buf content then undefined), TransferFailed.
         """
-        return self._check_read(self.batch_read_into([handle], [buf])[0], handle)
+        n = self.batch_read_into([handle], [buf])[0]
+        if n == ErrorCode.BUFFER_OVERFLOW:
+            raise BufferOverflow(f"read of {handle.key!r}: the value is {handle.size} bytes, "
+                                 f"the buffer {len(_destination(buf))} bytes")
+        return self._check_read(n, handle)
 
     def batch_read_into(self, handles: Sequence[ReadHandle], bufs: Sequence) -> list[int]:
         """Copy each handle's value into its buffer: same-host replicas by memcpy, the
@@ -610,9 +615,13 @@ class Client:
 
     def pin(self, key: str, mode: str = "hard") -> None:
         """Set ``key``'s pin: "hard" (never evicted), "soft" (evicted last, until the
-        master's soft_pin_ttl from now) or "none". Raises ObjectNotFound, InvalidParams."""
+        master's soft_pin_ttl from now) or "none". Raises ObjectNotFound, InvalidParams
+        (an unknown mode: the message names it and the valid ones; nothing is sent)."""
         check_key(key)
-        raise_for(self._call(P.SetPin(key, mode)).code, f"pin {key!r}")
+        if mode not in P.PIN_MODES:
+            raise InvalidParams(f"pin {key!r}: unknown mode {mode!r}; valid modes: {', '.join(P.PIN_MODES)}")
+        reply = self._call(P.SetPin(key, mode))
+        raise_for(reply.code, f"pin {key!r}: {reply.message or code_name(reply.code)}")
 
     def stats(self) -> P.StatsResp:
         """Master statistics: object count, used/total bytes, segments, counters."""

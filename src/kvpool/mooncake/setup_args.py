@@ -26,9 +26,12 @@ _TRUE = ("1", "true", "yes", "on")
 
 @dataclass
 class SetupArgs:
-    """Validated setup values. ``bind_host``: address of this client's segment data server."""
+    """Validated setup values. ``host``/``port``: local_hostname split (port 0 when it
+    names none); ``bind_host``: the address this store's sockets bind."""
 
     local_hostname: str
+    host: str
+    port: int
     master_server_addr: str
     global_segment_size: int
     local_buffer_size: int
@@ -36,8 +39,7 @@ class SetupArgs:
 
     @property
     def bind_host(self) -> str:
-        host = self.local_hostname.rpartition(":")[0] if ":" in self.local_hostname else self.local_hostname
-        return "127.0.0.1" if host in ("localhost", "") else host
+        return "127.0.0.1" if self.host == "localhost" else self.host
 
 
 def _size(name: str, value) -> int:
@@ -74,9 +76,11 @@ def build(local_hostname, metadata_server, global_segment_size, local_buffer_siz
             raise InvalidParams(f"{option} is not supported by kvpool")
     try:
         host, port = parse_addr(master_server_addr)
+        own_host, own_port = parse_addr(local_hostname, default_port=0)
     except UserError as exc:
-        raise InvalidParams(f"master_server_addr: {exc}") from None
-    return SetupArgs(local_hostname, f"{host}:{port}", _size("global_segment_size", global_segment_size),
+        raise InvalidParams(f"master_server_addr or local_hostname: {exc}") from None
+    return SetupArgs(local_hostname, own_host, own_port, f"{host}:{port}",
+                     _size("global_segment_size", global_segment_size),
                      _size("local_buffer_size", local_buffer_size), protocol)
 
 

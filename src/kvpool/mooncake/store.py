@@ -22,17 +22,21 @@ a request the master refuses (-600, e.g. from a client of another release) by lo
 from __future__ import annotations
 
 import logging
+import socket
 import weakref
 from typing import Sequence
 
 from kvpool.client import Client, ReadHandle, check_key
-from kvpool.errors import BufferOverflow, ErrorCode, InvalidParams, KVPoolError, ObjectExists
+from kvpool.config import parse_addr
+from kvpool.errors import BufferOverflow, ErrorCode, InvalidParams, KVPoolError, ObjectExists, UserError
 from kvpool.mooncake import setup_args
 from kvpool.mooncake.buffers import RegisteredBuffers
 from kvpool.mooncake.types import (
     BufferHandle, Descriptor, MemoryDescriptor, ReplicaDescriptor, ReplicateConfig, SoftPinAction,
 )
 from kvpool.transfer import as_byte_view
+from kvpool.transfer.buffers import is_torch_tensor
+from kvpool.transfer.segment_host import bind_listener
 
 log = logging.getLogger("kvpool.mooncake")
 
@@ -66,14 +70,18 @@ def _keys(keys) -> list[str | None]:
 
 
 def _value_view(value) -> memoryview | None:
-    """Byte view of a bytes-like value; None if not C-contiguous; TypeError if not a buffer."""
-    try:
-        memoryview(value)
-    except TypeError:
-        raise TypeError(f"value must support the buffer protocol, not {type(value).__name__}") from None
+    """Byte view of a value the native client's put accepts (bytes-like, numpy array,
+    CPU torch tensor of any dtype); None (-600) for one that is not C-contiguous or has
+    no host memory; TypeError for an object that is no buffer at all, as pybind raises."""
+    if not is_torch_tensor(value):
+        try:
+            memoryview(value)
+        except TypeError:
+            raise TypeError(f"value must be bytes-like or a tensor, not {type(value).__name__}") from None
     try:
         return as_byte_view(value)
-    except InvalidParams:
+    except InvalidParams as exc:
+        log.error("value refused: %s", exc)
         return None
 
 
@@ -108,6 +116,27 @@ def _invalid_like(n_buffers: int, all_keys, all_dst_offsets) -> list:
     return out
 
 
+def _identity(args: setup_args.SetupArgs, client: Client) -> tuple[str, socket.socket | None]:
+    """(get_hostname()'s "host:port", the socket holding its port or None). A store with
+    a segment is identified by its data server's port; a pure client reserves the port
+    local_hostname names (port 0: one the OS picks), so two stores on one host never
+    share an identity (K08). Raises UserError when that port is taken."""
+    if client.segment is not None:
+        port = parse_addr(client.segment.data_addr)[1]
+        if args.port not in (0, port):
+            log.warning("local_hostname %s: the segment's data server listens on port %d instead "
+                        "(get_hostname() reports it)", args.local_hostname, port)
+        return f"{args.host}:{port}", None
+    sock = bind_listener(args.bind_host, args.port)  # held, never served: it only reserves the port
+    return f"{args.host}:{sock.getsockname()[1]}", sock
+
+
+def _release(client: Client, reservation: socket.socket | None) -> None:
+    client.close()
+    if reservation is not None:
+        reservation.close()
+
+
 class MooncakeDistributedStore:
     """Mooncake's store client API on a kvpool cluster. Create, ``setup(...)``, use,
     ``close()``. Thread-safe once set up (the underlying Client is)."""
@@ -117,6 +146,7 @@ class MooncakeDistributedStore:
         self._args: setup_args.SetupArgs | None = None
         self._buffers = RegisteredBuffers()
         self._finalizer: weakref.finalize | None = None
+        self._hostname = ""  # "host:port" with a port this store holds bound (K08)
         self._segment_names: dict[str, str] = {}  # data server "host:port" or name -> segment name
 
     # ------------------------------------------------------------ lifecycle
@@ -165,8 +195,14 @@ class MooncakeDistributedStore:
         except OSError as exc:  # the segment's shared memory could not be created
             log.error("setup failed: %s", exc)
             return int(ErrorCode.INTERNAL_ERROR)
+        try:
+            self._hostname, reservation = _identity(args, client)
+        except UserError as exc:  # an explicit port that is taken, or a host that is not local
+            client.close()
+            log.error("setup failed: %s", exc)
+            return INVALID
         self._client, self._args = client, args
-        self._finalizer = weakref.finalize(self, client.close)  # unmount at exit if not closed
+        self._finalizer = weakref.finalize(self, _release, client, reservation)  # at exit if not closed
         return OK
 
     def close(self) -> int:
@@ -175,6 +211,7 @@ class MooncakeDistributedStore:
         if self._finalizer is not None:
             self._finalizer()
         self._client = self._finalizer = None
+        self._hostname = ""
         self._buffers.clear()
         self._segment_names.clear()
         return OK
@@ -191,12 +228,12 @@ class MooncakeDistributedStore:
         return HC_HEALTHY
 
     def get_hostname(self) -> str:
-        """"host:port" of this store's segment data server, else the local_hostname given
-        to setup ("" before setup). Usable as ``ReplicateConfig.preferred_segment``."""
-        client = self._client
-        if client is not None and client.segment is not None:
-            return client.segment.data_addr
-        return self._args.local_hostname if self._args else ""
+        """This store's identity "host:port" ("" before setup or after close), as
+        Mooncake's: the host of ``local_hostname`` and a port this store holds bound
+        until close: its segment's data server port, or for a pure client the port
+        ``local_hostname`` named, else a free one it picked. Usable as
+        ``ReplicateConfig.preferred_segment``."""
+        return self._hostname
 
     # ------------------------------------------------------------ put forms
 
@@ -207,20 +244,15 @@ class MooncakeDistributedStore:
         config = ReplicateConfig() if config is None else config
         if not isinstance(config, ReplicateConfig):
             raise TypeError(f"config must be ReplicateConfig, not {type(config).__name__}")
-        n = config.replica_num
-        if not isinstance(n, int) or n < 1:
-            raise InvalidParams(f"replica_num must be >= 1, got {n!r}")
+        n = config.replica_num  # the config's fields are type-checked when set
+        if n < 1:
+            raise InvalidParams(f"replica_num must be >= 1, got {n}")
         if config.prefer_alloc_in_same_node:
             raise InvalidParams("prefer_alloc_in_same_node is not supported by put (as in Mooncake)")
         if config.preferred_segments and len(config.preferred_segments) != n:
             raise InvalidParams("preferred_segments must name one segment per replica")
-        try:
-            action = SoftPinAction(config.soft_pin_action)
-        except ValueError:
-            raise InvalidParams(f"soft_pin_action must be a SoftPinAction, got {config.soft_pin_action!r}") from None
-        pins = {"soft_pin": _SOFT_PIN[action], "hard_pin": bool(config.with_hard_pin)}
-        if config.soft_pin_ttl_ms is not None:
-            pins["soft_pin_ttl_ms"] = _int("soft_pin_ttl_ms", config.soft_pin_ttl_ms)
+        pins = {"soft_pin": _SOFT_PIN[config.soft_pin_action], "hard_pin": config.with_hard_pin,
+                "soft_pin_ttl_ms": config.soft_pin_ttl_ms}
         preferred = config.preferred_segments[0] if config.preferred_segments else config.preferred_segment
         return n, pins, self._segment_name(client, preferred)
 
@@ -238,10 +270,30 @@ class MooncakeDistributedStore:
                 self._segment_names[seg.data_addr] = self._segment_names[seg.name] = seg.name
         return self._segment_names.get(addr, preferred)
 
-    def _put_view(self, key, src: memoryview | None, config, upsert: bool) -> int:
+    def _staged(self, sizes: Sequence[int], what: str) -> list[bool]:
+        """Which of these values, taken in order, fit the local buffer together.
+
+        Mooncake copies each value a put sends or a get returns as bytes through the
+        client's local buffer (setup's ``local_buffer_size``) and fails one that no
+        longer fits (-600 for a put, a miss for a read); kvpool needs no staging copy
+        but keeps that limit so ported code meets the same failures. Logs each refusal."""
+        room, fits = self._args.local_buffer_size, []
+        for size in sizes:
+            fits.append(size <= room)
+            room -= size if fits[-1] else 0
+            if not fits[-1]:
+                log.error("%s: %d bytes do not fit the %d-byte local buffer (local_buffer_size)",
+                          what, size, self._args.local_buffer_size)
+        return fits
+
+    def _put_view(self, key, src: memoryview | None, config, upsert: bool, staged: bool = True) -> int:
+        """``staged``: the value comes from Python objects (Mooncake stages it in the local
+        buffer), not from registered memory."""
         client = self._client
         key = _key(key)
         if client is None or key is None or src is None:
+            return INVALID
+        if staged and not self._staged([len(src)], f"put {key!r}")[0]:
             return INVALID
         try:
             n, pins, preferred = self._put_options(client, config)
@@ -253,15 +305,16 @@ class MooncakeDistributedStore:
             return _put_code(exc.code)
         return OK
 
-    def _batch_put(self, keys, srcs: list[memoryview | None], config, upsert: bool) -> list[int]:
-        """Put every (key, view); None views and bad keys get -600. One code per key."""
+    def _batch_put(self, keys, srcs: list[memoryview | None], config, upsert: bool, staged: bool = True) -> list[int]:
+        """Put every (key, view); None views and bad keys get -600. One code per key.
+        ``staged``: as in :meth:`_put_view`; a batch that does not fit fails whole."""
         client = self._client
         if client is None:
             return [INVALID] * len(keys)
         codes = [INVALID] * len(keys)
         keys = _keys(keys)
         sent = [i for i, k in enumerate(keys) if k is not None and srcs[i] is not None]
-        if not sent:
+        if not sent or staged and not all(self._staged([len(srcs[i]) for i in sent], "put_batch")):
             return codes
         try:
             n, pins, preferred = self._put_options(client, config)
@@ -317,65 +370,65 @@ class MooncakeDistributedStore:
     def put_from(self, key: str, buffer_ptr: int, size: int, config: ReplicateConfig | None = None) -> int:
         """Store ``size`` bytes at registered address ``buffer_ptr`` (-600 if unregistered)."""
         return self._put_view(key, self._buffers.view(_int("buffer_ptr", buffer_ptr), _int("size", size)),
-                              config, upsert=False)
+                              config, upsert=False, staged=False)
 
     def upsert_from(self, key: str, buffer_ptr: int, size: int, config: ReplicateConfig | None = None) -> int:
         """Insert or replace ``key`` from registered memory."""
         return self._put_view(key, self._buffers.view(_int("buffer_ptr", buffer_ptr), _int("size", size)),
-                              config, upsert=True)
+                              config, upsert=True, staged=False)
 
     def batch_put_from(self, keys: Sequence[str], buffer_ptrs: Sequence[int], sizes: Sequence[int],
                        config: ReplicateConfig | None = None) -> list[int]:
         """Store each ``sizes[i]`` bytes at ``buffer_ptrs[i]``; one code per key."""
         if not len(keys) == len(buffer_ptrs) == len(sizes):
             return [INVALID] * len(keys)
-        return self._batch_put(keys, self._registered_views(buffer_ptrs, sizes), config, upsert=False)
+        return self._batch_put(keys, self._registered_views(buffer_ptrs, sizes), config, upsert=False, staged=False)
 
     def batch_upsert_from(self, keys: Sequence[str], buffer_ptrs: Sequence[int], sizes: Sequence[int],
                           config: ReplicateConfig | None = None) -> list[int]:
         """Insert or replace each key from registered memory; one code per key."""
         if not len(keys) == len(buffer_ptrs) == len(sizes):
             return [INVALID] * len(keys)
-        return self._batch_put(keys, self._registered_views(buffer_ptrs, sizes), config, upsert=True)
+        return self._batch_put(keys, self._registered_views(buffer_ptrs, sizes), config, upsert=True, staged=False)
 
     # ------------------------------------------------------------ reads
 
-    def get(self, key: str) -> bytes:
-        """The value, or b'' on a miss or any failure (Mooncake's convention)."""
-        client = self._client
-        key = _key(key)
-        if client is None or key is None:
-            return b""
-        try:
-            return client.get(key)
-        except KVPoolError:
-            return b""
-
-    def get_batch(self, keys: Sequence[str]) -> list[bytes]:
-        """One value per key; b'' for each miss."""
-        client, keys = self._client, _keys(keys)
-        out = [b""] * len(keys)
-        idx = [i for i, k in enumerate(keys) if k is not None]
-        if client is None or not idx:
-            return out
-        try:
-            values = client.batch_get([keys[i] for i in idx])
-        except KVPoolError:
-            return out
-        for i, value in zip(idx, values):
-            out[i] = value if value is not None else b""
-        return out
-
-    def get_buffer(self, key: str) -> BufferHandle | None:
-        """The value as a :class:`BufferHandle` (buffer protocol, ptr(), size()); None on a miss."""
+    def _query_staged(self, key) -> ReadHandle | None:
+        """A read handle for ``key`` whose value fits the local buffer, else None (no
+        client, malformed key, miss, or too large: then its grant goes back at once).
+        Raises KVPoolError from the query."""
         client = self._client
         key = _key(key)
         if client is None or key is None:
             return None
+        handle = client.query(key)
+        if not self._staged([handle.size], f"get {key!r}")[0]:
+            client.release([handle])
+            return None
+        return handle
+
+    def get(self, key: str) -> bytes:
+        """The value, or b'' on a miss or any failure (Mooncake's convention; also for a
+        value larger than the local buffer, see :meth:`_staged`)."""
         try:
-            handle = client.query(key)
+            handle = self._query_staged(key)
+            return b"" if handle is None else self._client.read(handle)
+        except KVPoolError:
+            return b""
+
+    def get_batch(self, keys: Sequence[str]) -> list[bytes]:
+        """One value per key; b'' for each miss (and each value that no longer fits the
+        local buffer, as in Mooncake)."""
+        return [b"" if buf is None else bytes(buf) for buf in self.batch_get_buffer(keys)]
+
+    def get_buffer(self, key: str) -> BufferHandle | None:
+        """The value as a :class:`BufferHandle` (buffer protocol, ptr(), size()); None on a miss."""
+        try:
+            handle = self._query_staged(key)
+            if handle is None:
+                return None
             buf = BufferHandle(handle.size)
-            client.read_into(handle, buf)
+            self._client.read_into(handle, buf)
         except KVPoolError:
             return None
         return buf
@@ -390,6 +443,9 @@ class MooncakeDistributedStore:
         try:
             handles = client.batch_query([keys[i] for i in idx])
             found = [(i, h) for i, h in zip(idx, handles) if isinstance(h, ReadHandle)]
+            fits = self._staged([h.size for _, h in found], "batch_get")
+            client.release([h for (_, h), ok in zip(found, fits) if not ok])
+            found = [pair for pair, ok in zip(found, fits) if ok]
             bufs = [BufferHandle(h.size) for _, h in found]
             sizes = client.batch_read_into([h for _, h in found], bufs)
         except KVPoolError:
@@ -409,7 +465,8 @@ class MooncakeDistributedStore:
             return INVALID
         try:
             return client.get_into(key, view)
-        except BufferOverflow:
+        except BufferOverflow as exc:  # Mooncake's code for it is -600; the sizes go to the log
+            log.error("get_into: %s", exc)
             return INVALID
         except KVPoolError as exc:
             return int(exc.code)
