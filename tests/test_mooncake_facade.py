@@ -378,3 +378,113 @@ def test_one_store_shared_by_threads(store, mem):
     for th in threads:
         th.join(timeout=60)
     assert errors == [] and not any(th.is_alive() for th in threads)
+
+
+# ------------------------------------------------------------ differences a porting user would meet
+
+
+def _pure_store(addr: str, local_hostname: str = "localhost", local_buffer_size: int = 16 * MIB):
+    s = MooncakeDistributedStore()
+    rc = s.setup(local_hostname, "P2PHANDSHAKE", 0, local_buffer_size, "tcp", "", addr)
+    return s, rc
+
+
+def test_k08_get_hostname_is_host_and_a_port_each_store_holds(module_cluster):
+    """Without a port in local_hostname Mooncake returns "host:port" with a port it
+    reserved; two stores on one host get distinct identities, and the port is really
+    held (binding it again fails) until close."""
+    import socket
+
+    a, rc_a = _pure_store(module_cluster.master_addr)
+    b, rc_b = _pure_store(module_cluster.master_addr)
+    assert (rc_a, rc_b) == (0, 0)
+    host_a, _, port_a = a.get_hostname().partition(":")
+    assert host_a == "localhost" and port_a.isdigit() and a.get_hostname() != b.get_hostname()
+    with socket.socket() as probe, pytest.raises(OSError):
+        probe.bind(("127.0.0.1", int(port_a)))
+    # an explicit port is the identity; taken already, setup fails clearly
+    c, rc_c = _pure_store(module_cluster.master_addr, f"localhost:{port_a}")
+    assert rc_c == E.INVALID_PARAMS and c.get_hostname() == ""
+    assert a.close() == 0 and a.get_hostname() == ""
+    d, rc_d = _pure_store(module_cluster.master_addr, f"localhost:{port_a}")
+    assert rc_d == 0 and d.get_hostname() == f"localhost:{port_a}"
+    for s in (b, d):
+        s.close()
+
+
+@pytest.mark.parametrize("field,value", [
+    ("soft_pin_ttl_ms", "abc"), ("soft_pin_ttl_ms", -1), ("soft_pin_ttl_ms", 1.5),
+    ("replica_num", "2"), ("replica_num", None), ("replica_num", -1), ("replica_num", 2.0),
+    ("with_soft_pin", "yes"), ("with_hard_pin", "yes"), ("prefer_alloc_in_same_node", []),
+    ("preferred_segment", None), ("preferred_segment", 5), ("preferred_segments", "seg"),
+    ("preferred_segments", [1]), ("soft_pin_action", 1), ("soft_pin_action", "ENABLE"),
+])
+def test_replicate_config_rejects_wrong_types_like_pybind(field, value):
+    c = ReplicateConfig()
+    with pytest.raises(TypeError, match=field):
+        setattr(c, field, value)
+
+
+def test_replicate_config_converts_like_pybind():
+    """None resets the optional TTL; numpy ints and bools convert; lists read back as
+    copies (pybind converts a std::vector on every read)."""
+    c = ReplicateConfig()
+    c.soft_pin_ttl_ms = 500
+    assert c.soft_pin_ttl_ms == 500 and "soft_pin_ttl_ms: 500" in str(c)
+    c.soft_pin_ttl_ms = None
+    assert c.soft_pin_ttl_ms is None and "soft_pin_ttl_ms: default" in str(c)
+    c.replica_num, c.with_hard_pin, c.prefer_alloc_in_same_node = np.int64(2), 1, None
+    assert (c.replica_num, type(c.replica_num), c.with_hard_pin, c.prefer_alloc_in_same_node) == (2, int, True, False)
+    c.preferred_segments = ("a", b"b")
+    c.preferred_segments.append("lost")
+    assert c.preferred_segments == ["a", "b"]
+
+
+def test_local_buffer_size_0_fails_staged_puts_and_gets_as_in_mooncake(module_cluster, caplog):
+    """Mooncake copies put values and get results through the local buffer: with none,
+    put/get fail (-600 / miss), while the zero-copy forms on registered memory work."""
+    s, rc = _pure_store(module_cluster.master_addr, local_buffer_size=0)
+    assert rc == 0
+    with caplog.at_level("ERROR", logger="kvpool.mooncake"):
+        codes = (s.put("lb", b"v"), s.upsert("lb", b"v"), s.put_parts("lb", b"v"), s.put_batch(["lb"], [b"v"]))
+    assert codes == (E.INVALID_PARAMS,) * 4
+    assert any("local buffer" in r.getMessage() for r in caplog.records)
+    src = np.frombuffer(b"zero-copy", dtype=np.uint8).copy()
+    dst = np.zeros(64, dtype=np.uint8)
+    for a in (src, dst):
+        assert s.register_buffer(a.ctypes.data, a.nbytes) == 0
+    assert s.put_from("lb", src.ctypes.data, src.nbytes) == 0
+    assert s.get_into("lb", dst.ctypes.data, dst.nbytes) == src.nbytes and bytes(dst[:9]) == b"zero-copy"
+    assert (s.get("lb"), s.get_buffer("lb"), s.get_batch(["lb"]), s.batch_get_buffer(["lb"])) == (b"", None, [b""], [None])
+    assert s.is_exist("lb") == 1 and s.remove("lb", force=True) == 0
+    s.close()
+
+
+def test_local_buffer_limits_a_batch_read_in_order(module_cluster):
+    s, rc = _pure_store(module_cluster.master_addr, local_buffer_size=4096)
+    assert rc == 0
+    assert [s.put(k, v) for k, v in (("a", b"1" * 3000), ("b", b"2" * 2000), ("c", b"3" * 1000))] == [0, 0, 0]
+    assert s.get_batch(["a", "b", "c"]) == [b"1" * 3000, b"", b"3" * 1000]
+    assert s.put_batch(["d", "e"], [b"x" * 3000, b"y" * 2000]) == E.INVALID_PARAMS
+    assert s.batch_is_exist(["d", "e"]) == [0, 0]
+    s.remove_all(force=True)
+    s.close()
+
+
+def test_put_takes_what_the_native_client_takes(store, mem):
+    """Torch tensors (bf16 included), numpy arrays and bytes-likes, through every value form."""
+    torch = pytest.importorskip("torch")
+    t = torch.arange(8, dtype=torch.bfloat16)
+    raw = t.view(torch.uint8).numpy().tobytes()
+    assert store.put("t1", t) == 0 and store.get("t1") == raw
+    assert store.upsert("t1", t * 2) == 0 and store.get("t1") == (t * 2).view(torch.uint8).numpy().tobytes()
+    assert store.put_parts("t2", t, b"!") == 0 and store.get("t2") == raw + b"!"
+    assert store.put_batch(["t3", "t4"], [t, np.arange(3, dtype=np.int16)]) == 0
+    assert store.get_batch(["t3", "t4"]) == [raw, np.arange(3, dtype=np.int16).tobytes()]
+    assert store.put("t5", t[::2]) == E.INVALID_PARAMS  # not contiguous: refused, as by the native put
+    # zero-copy forms on a tensor's memory, as Mooncake users write them
+    dst = torch.zeros(16, dtype=torch.uint8)
+    assert store.register_buffer(dst.data_ptr(), dst.numel()) == 0
+    assert store.get_into("t1", dst.data_ptr(), dst.numel()) == 16 and bytes(dst.numpy()) == store.get("t1")
+    assert store.put_from("t6", dst.data_ptr(), 4) == 0 and store.get("t6") == bytes(dst.numpy()[:4])
+    assert store.unregister_buffer(dst.data_ptr()) == 0
