@@ -14,7 +14,10 @@ Mooncake's pybind module (mooncake-integration/store/store_py.cpp) and its RealC
 - empty values and empty keys are refused with -600 (K09).
 
 kvpool's native :class:`~kvpool.client.Client` says what happened with typed exceptions;
-this facade only translates. Where only a code comes back, the reason is still logged:
+this facade only translates. The class stays one file of ~40 short methods because it
+mirrors Mooncake's one pybind class method for method; argument conversion lives in
+``convert``, setup values and the store's identity in ``setup_args``, the ranged read in
+``ranges``, value types in ``types``. Where only a code comes back, the reason is still logged:
 a request the master refuses (-600, e.g. from a client of another release) by logger
 ``kvpool.rpc`` at WARNING, once per distinct message. Intended differences are listed in docs/mooncake-compat.md.
 """
@@ -22,119 +25,28 @@ a request the master refuses (-600, e.g. from a client of another release) by lo
 from __future__ import annotations
 
 import logging
-import socket
 import weakref
 from typing import Sequence
 
-from kvpool.client import Client, ReadHandle, check_key
-from kvpool.config import parse_addr
+from kvpool.client import Client, ReadHandle
 from kvpool.errors import BufferOverflow, ErrorCode, InvalidParams, KVPoolError, ObjectExists, UserError
-from kvpool.mooncake import setup_args
+from kvpool.mooncake import ranges, setup_args
+from kvpool.mooncake.convert import INVALID, OK, as_int, as_key, as_keys, put_code, read_code, value_view
 from kvpool.mooncake.buffers import RegisteredBuffers
 from kvpool.mooncake.types import (
     BufferHandle, Descriptor, MemoryDescriptor, ReplicaDescriptor, ReplicateConfig, SoftPinAction,
 )
-from kvpool.transfer import as_byte_view
-from kvpool.transfer.buffers import is_torch_tensor
-from kvpool.transfer.segment_host import bind_listener
 
 log = logging.getLogger("kvpool.mooncake")
 
-OK = 0
-INVALID = int(ErrorCode.INVALID_PARAMS)
 # SoftPinAction -> the native client's soft_pin argument (None keeps an existing pin)
 _SOFT_PIN = {SoftPinAction.PRESERVE: None, SoftPinAction.ENABLE: True, SoftPinAction.DISABLE: False}
 HC_HEALTHY, HC_NOT_INITIALIZED, HC_MASTER_UNREACHABLE = 0, 1, 2  # Mooncake's health_check codes
 
 
-def _key(key) -> str | None:
-    """``key`` as a kvpool key (str). Bytes are decoded as UTF-8, since pybind passes
-    them through as std::string; None for an empty, over-long or undecodable key;
-    TypeError for any other type, as pybind raises."""
-    if isinstance(key, (bytes, bytearray)):
-        try:
-            key = bytes(key).decode("utf-8")
-        except UnicodeDecodeError:
-            return None
-    elif not isinstance(key, str):
-        raise TypeError(f"key must be str, not {type(key).__name__}")
-    try:
-        check_key(key)
-    except InvalidParams:
-        return None
-    return key
-
-
-def _keys(keys) -> list[str | None]:
-    return [_key(k) for k in keys]
-
-
-def _value_view(value) -> memoryview | None:
-    """Byte view of a value the native client's put accepts (bytes-like, numpy array,
-    CPU torch tensor of any dtype); None (-600) for one that is not C-contiguous or has
-    no host memory; TypeError for an object that is no buffer at all, as pybind raises."""
-    if not is_torch_tensor(value):
-        try:
-            memoryview(value)
-        except TypeError:
-            raise TypeError(f"value must be bytes-like or a tensor, not {type(value).__name__}") from None
-    try:
-        return as_byte_view(value)
-    except InvalidParams as exc:
-        log.error("value refused: %s", exc)
-        return None
-
-
-def _int(name: str, value) -> int:
-    if not isinstance(value, int) or isinstance(value, bool):
-        raise TypeError(f"{name} must be int, not {type(value).__name__}")
-    return value
-
-
-def _put_code(code: int) -> int:
-    """Mooncake's put reports an existing key as success (the old value stays)."""
-    return OK if code == ErrorCode.OBJECT_ALREADY_EXISTS else int(code)
-
-
-def _read_code(code: int) -> int:
-    """Mooncake answers a destination smaller than the value with INVALID_PARAMS."""
-    return INVALID if code == ErrorCode.BUFFER_OVERFLOW else int(code)
-
-
 def _descriptor(desc) -> ReplicaDescriptor:
     buf = Descriptor(desc.length, desc.offset, desc.segment.data_addr, desc.segment.name)
     return ReplicaDescriptor(MemoryDescriptor(buf))
-
-
-def _invalid_like(n_buffers: int, all_keys, all_dst_offsets) -> list:
-    """get_into_ranges' result shape filled with -600 (for a call that is malformed)."""
-    out = []
-    for i in range(n_buffers):
-        keys = all_keys[i] if i < len(all_keys) else []
-        dsts = all_dst_offsets[i] if i < len(all_dst_offsets) else []
-        out.append([[INVALID] * (len(dsts[j]) if j < len(dsts) else 0) for j in range(len(keys))])
-    return out
-
-
-def _identity(args: setup_args.SetupArgs, client: Client) -> tuple[str, socket.socket | None]:
-    """(get_hostname()'s "host:port", the socket holding its port or None). A store with
-    a segment is identified by its data server's port; a pure client reserves the port
-    local_hostname names (port 0: one the OS picks), so two stores on one host never
-    share an identity (K08). Raises UserError when that port is taken."""
-    if client.segment is not None:
-        port = parse_addr(client.segment.data_addr)[1]
-        if args.port not in (0, port):
-            log.warning("local_hostname %s: the segment's data server listens on port %d instead "
-                        "(get_hostname() reports it)", args.local_hostname, port)
-        return f"{args.host}:{port}", None
-    sock = bind_listener(args.bind_host, args.port)  # held, never served: it only reserves the port
-    return f"{args.host}:{sock.getsockname()[1]}", sock
-
-
-def _release(client: Client, reservation: socket.socket | None) -> None:
-    client.close()
-    if reservation is not None:
-        reservation.close()
 
 
 class MooncakeDistributedStore:
@@ -167,7 +79,11 @@ class MooncakeDistributedStore:
         ``metadata_server``, ``rdma_devices``, ``tenant_id``, ``client_http_port`` and
         ``ssd_offload_path`` are accepted and unused; ``engine``,
         ``enable_ssd_offload`` and ``enable_client_http_server`` are refused (-600).
-        Returns -600 for bad parameters, -900 when the master cannot be reached.
+        ``local_buffer_size`` bounds the values put and got as Python objects, as
+        Mooncake's staging buffer does (see :meth:`_staged`). The store's identity
+        (:meth:`get_hostname`) takes a port it holds bound until close (K08).
+        Returns -600 for bad parameters or a port in ``local_hostname`` that is taken,
+        -900 when the master cannot be reached.
         """
         as_dict = config if config is not None else local_hostname if isinstance(local_hostname, dict) else None
         if as_dict is not None and not isinstance(as_dict, dict):
@@ -196,13 +112,13 @@ class MooncakeDistributedStore:
             log.error("setup failed: %s", exc)
             return int(ErrorCode.INTERNAL_ERROR)
         try:
-            self._hostname, reservation = _identity(args, client)
+            self._hostname, reservation = setup_args.identity(args, client)
         except UserError as exc:  # an explicit port that is taken, or a host that is not local
             client.close()
             log.error("setup failed: %s", exc)
             return INVALID
         self._client, self._args = client, args
-        self._finalizer = weakref.finalize(self, _release, client, reservation)  # at exit if not closed
+        self._finalizer = weakref.finalize(self, setup_args.release, client, reservation)  # at exit if not closed
         return OK
 
     def close(self) -> int:
@@ -290,7 +206,7 @@ class MooncakeDistributedStore:
         """``staged``: the value comes from Python objects (Mooncake stages it in the local
         buffer), not from registered memory."""
         client = self._client
-        key = _key(key)
+        key = as_key(key)
         if client is None or key is None or src is None:
             return INVALID
         if staged and not self._staged([len(src)], f"put {key!r}")[0]:
@@ -302,7 +218,7 @@ class MooncakeDistributedStore:
         except ObjectExists:
             return OK
         except KVPoolError as exc:
-            return _put_code(exc.code)
+            return put_code(exc.code)
         return OK
 
     def _batch_put(self, keys, srcs: list[memoryview | None], config, upsert: bool, staged: bool = True) -> list[int]:
@@ -312,7 +228,7 @@ class MooncakeDistributedStore:
         if client is None:
             return [INVALID] * len(keys)
         codes = [INVALID] * len(keys)
-        keys = _keys(keys)
+        keys = as_keys(keys)
         sent = [i for i, k in enumerate(keys) if k is not None and srcs[i] is not None]
         if not sent or staged and not all(self._staged([len(srcs[i]) for i in sent], "put_batch")):
             return codes
@@ -323,20 +239,20 @@ class MooncakeDistributedStore:
         except KVPoolError as exc:
             results = [exc.code] * len(sent)
         for i, code in zip(sent, results):
-            codes[i] = _put_code(code)
+            codes[i] = put_code(code)
         return codes
 
     def _registered_views(self, buffer_ptrs, sizes) -> list[memoryview | None]:
-        return [self._buffers.view(_int("buffer_ptr", p), _int("size", n)) for p, n in zip(buffer_ptrs, sizes)]
+        return [self._buffers.view(as_int("buffer_ptr", p), as_int("size", n)) for p, n in zip(buffer_ptrs, sizes)]
 
     def put(self, key: str, value, config: ReplicateConfig | None = None) -> int:
         """Store bytes-like ``value``. 0 (also when ``key`` exists: the old value stays),
         -600 (empty key/value, bad config), -200 (no space), ..."""
-        return self._put_view(key, _value_view(value), config, upsert=False)
+        return self._put_view(key, value_view(value), config, upsert=False)
 
     def upsert(self, key: str, value, config: ReplicateConfig | None = None) -> int:
         """Insert or replace ``key``; readers see the old or the new value, whole."""
-        return self._put_view(key, _value_view(value), config, upsert=True)
+        return self._put_view(key, value_view(value), config, upsert=True)
 
     def put_parts(self, key: str, *parts, config: ReplicateConfig | None = None) -> int:
         """Store the concatenation of bytes-like ``parts`` as one object."""
@@ -348,7 +264,7 @@ class MooncakeDistributedStore:
 
     @staticmethod
     def _join(parts) -> memoryview | None:
-        views = [_value_view(p) for p in parts]
+        views = [value_view(p) for p in parts]
         if any(v is None for v in views):
             return None
         return views[0] if len(views) == 1 else memoryview(b"".join(views))
@@ -357,24 +273,24 @@ class MooncakeDistributedStore:
         """Store many objects; 0 if all stored (or existed), else the first error code."""
         if len(keys) != len(values):
             return INVALID
-        codes = self._batch_put(keys, [_value_view(v) for v in values], config, upsert=False)
+        codes = self._batch_put(keys, [value_view(v) for v in values], config, upsert=False)
         return next((c for c in codes if c != OK), OK)
 
     def upsert_batch(self, keys: Sequence[str], values: Sequence, config: ReplicateConfig | None = None) -> int:
         """Insert or replace many objects; 0 or the first error code."""
         if len(keys) != len(values):
             return INVALID
-        codes = self._batch_put(keys, [_value_view(v) for v in values], config, upsert=True)
+        codes = self._batch_put(keys, [value_view(v) for v in values], config, upsert=True)
         return next((c for c in codes if c != OK), OK)
 
     def put_from(self, key: str, buffer_ptr: int, size: int, config: ReplicateConfig | None = None) -> int:
         """Store ``size`` bytes at registered address ``buffer_ptr`` (-600 if unregistered)."""
-        return self._put_view(key, self._buffers.view(_int("buffer_ptr", buffer_ptr), _int("size", size)),
+        return self._put_view(key, self._buffers.view(as_int("buffer_ptr", buffer_ptr), as_int("size", size)),
                               config, upsert=False, staged=False)
 
     def upsert_from(self, key: str, buffer_ptr: int, size: int, config: ReplicateConfig | None = None) -> int:
         """Insert or replace ``key`` from registered memory."""
-        return self._put_view(key, self._buffers.view(_int("buffer_ptr", buffer_ptr), _int("size", size)),
+        return self._put_view(key, self._buffers.view(as_int("buffer_ptr", buffer_ptr), as_int("size", size)),
                               config, upsert=True, staged=False)
 
     def batch_put_from(self, keys: Sequence[str], buffer_ptrs: Sequence[int], sizes: Sequence[int],
@@ -398,7 +314,7 @@ class MooncakeDistributedStore:
         client, malformed key, miss, or too large: then its grant goes back at once).
         Raises KVPoolError from the query."""
         client = self._client
-        key = _key(key)
+        key = as_key(key)
         if client is None or key is None:
             return None
         handle = client.query(key)
@@ -435,7 +351,7 @@ class MooncakeDistributedStore:
 
     def batch_get_buffer(self, keys: Sequence[str]) -> list[BufferHandle | None]:
         """One BufferHandle per key; None for each miss."""
-        client, keys = self._client, _keys(keys)
+        client, keys = self._client, as_keys(keys)
         out: list[BufferHandle | None] = [None] * len(keys)
         idx = [i for i, k in enumerate(keys) if k is not None]
         if client is None or not idx:
@@ -459,8 +375,8 @@ class MooncakeDistributedStore:
         Returns bytes written, or -704 (miss), -600 (unregistered or too small), -707 (lease
         expired before the copy finished; the buffer content is then undefined)."""
         client = self._client
-        view = self._buffers.view(_int("buffer_ptr", buffer_ptr), _int("size", size))
-        key = _key(key)
+        view = self._buffers.view(as_int("buffer_ptr", buffer_ptr), as_int("size", size))
+        key = as_key(key)
         if client is None or key is None or view is None:
             return INVALID
         try:
@@ -476,7 +392,7 @@ class MooncakeDistributedStore:
         client = self._client
         if client is None or not len(keys) == len(buffer_ptrs) == len(sizes):
             return [INVALID] * len(keys)
-        views, keys = self._registered_views(buffer_ptrs, sizes), _keys(keys)
+        views, keys = self._registered_views(buffer_ptrs, sizes), as_keys(keys)
         out = [INVALID] * len(keys)
         idx = [i for i in range(len(keys)) if keys[i] is not None and views[i] is not None]
         if not idx:
@@ -486,7 +402,7 @@ class MooncakeDistributedStore:
         except KVPoolError as exc:
             results = [int(exc.code)] * len(idx)
         for i, n in zip(idx, results):
-            out[i] = _read_code(n)
+            out[i] = read_code(n)
         return out
 
     def get_into_ranges(self, buffer_ptrs: Sequence[int], all_keys, all_dst_offsets, all_src_offsets,
@@ -497,77 +413,11 @@ class MooncakeDistributedStore:
         ``all_src_offsets[i][j][k]`` of object ``all_keys[i][j]`` land at offset
         ``all_dst_offsets[i][j][k]`` of buffer ``buffer_ptrs[i]``. Returns the same nested
         shape: bytes copied per fragment, or -704 (miss), -707 (lease expired), -600
-        (shape mismatch, range outside the object or the registered buffer). One
-        replica-list RPC for all keys, then only the requested ranges move, straight
-        into the buffers, checked against each key's lease.
+        (shape mismatch, range outside the object or the registered buffer). See
+        :func:`kvpool.mooncake.ranges.get_into_ranges`.
         """
-        client = self._client
-        n = len(buffer_ptrs)
-        if client is None or not n == len(all_keys) == len(all_dst_offsets) == len(all_src_offsets) == len(all_sizes):
-            return _invalid_like(n, all_keys, all_dst_offsets)
-        handles = self._query_all(client, {k for keys in all_keys for k in keys})
-        out, reads = [], []  # reads: (codes row to fill, handle, [(fragment index, src, view)])
-        for i, ptr in enumerate(buffer_ptrs):
-            ptr = _int("buffer_ptr", ptr)
-            row = []
-            for j, key in enumerate(all_keys[i]):
-                dsts, srcs, sizes = all_dst_offsets[i][j], all_src_offsets[i][j], all_sizes[i][j]
-                handle = handles.get(_key(key), INVALID) if len(dsts) == len(srcs) == len(sizes) else INVALID
-                if isinstance(handle, int):
-                    row.append([handle] * len(dsts))
-                    continue
-                codes, frags = self._plan_ranges(ptr, handle.size, dsts, srcs, sizes)
-                row.append(codes)
-                if frags:
-                    reads.append((codes, handle, frags))
-            out.append(row)
-        try:
-            self._read_ranges(client, reads)
-        finally:  # a key whose every fragment was refused is never read: its grant goes back
-            client.release([h for h in handles.values() if isinstance(h, ReadHandle)])
-        return out
-
-    def _plan_ranges(self, ptr: int, value_size: int, dsts, srcs, sizes) -> tuple[list[int], list]:
-        """Codes per fragment (-600 where the range is outside the object or the
-        registered memory, 0 for an empty one) and the fragments to read."""
-        codes, frags = [INVALID] * len(dsts), []
-        for k, (dst, src, size) in enumerate(zip(dsts, srcs, sizes)):
-            if min(dst, src, size) < 0 or src + size > value_size:
-                continue
-            view = self._buffers.view(ptr + dst, size)
-            if view is None:
-                continue
-            if size == 0:
-                codes[k] = 0
-            else:
-                frags.append((k, src, view))
-        return codes, frags
-
-    @staticmethod
-    def _read_ranges(client: Client, reads: list) -> None:
-        """Run every planned fragment in one batch and write results into the rows."""
-        if not reads:
-            return
-        try:
-            results = client.batch_read_ranges([h for _, h, _ in reads],
-                                               [[(src, view) for _, src, view in frags] for _, _, frags in reads])
-        except KVPoolError as exc:
-            results = [[int(exc.code)] * len(frags) for _, _, frags in reads]
-        for (codes, _, frags), got in zip(reads, results):
-            for (k, _, _), n in zip(frags, got):
-                codes[k] = int(n)
-
-    @staticmethod
-    def _query_all(client: Client, keys: set) -> dict[str, ReadHandle | int]:
-        """{key: ReadHandle, or a negative code} for every well-formed key (one RPC)."""
-        wanted = sorted({k for k in _keys(keys) if k is not None})
-        if not wanted:
-            return {}
-        try:
-            handles = client.batch_query(wanted)
-        except KVPoolError as exc:
-            return {k: int(exc.code) for k in wanted}
-        return {k: h if isinstance(h, ReadHandle) else int(h) for k, h in zip(wanted, handles)}
+        return ranges.get_into_ranges(self._client, self._buffers, buffer_ptrs, all_keys, all_dst_offsets,
+                                      all_src_offsets, all_sizes)
 
     # ------------------------------------------------------------ existence, size, descriptors
 
@@ -575,7 +425,7 @@ class MooncakeDistributedStore:
         """``int(call(client, key))``; INVALID for no client or a malformed key, the
         error's code if the call raises a KVPoolError."""
         client = self._client
-        key = _key(key)
+        key = as_key(key)
         if client is None or key is None:
             return INVALID
         try:
@@ -587,7 +437,7 @@ class MooncakeDistributedStore:
         """One int per key: INVALID for a malformed key (or no client); for the rest the
         ints ``call(client, well_formed_keys)`` returns in one batch, or all the code of
         the KVPoolError it raises."""
-        client, keys = self._client, _keys(keys)
+        client, keys = self._client, as_keys(keys)
         out = [INVALID] * len(keys)
         idx = [i for i, k in enumerate(keys) if k is not None]
         if client is None or not idx:
@@ -616,7 +466,7 @@ class MooncakeDistributedStore:
         """Descriptors of the COMPLETE replicas of ``key``; [] on a miss. Grants a lease
         (the object's); the read grant is handed back at once, as nothing is read here."""
         client = self._client
-        key = _key(key)
+        key = as_key(key)
         if client is None or key is None:
             return []
         try:
@@ -628,7 +478,7 @@ class MooncakeDistributedStore:
 
     def batch_get_replica_desc(self, keys: Sequence[str]) -> dict[str, list[ReplicaDescriptor]]:
         """{key: descriptors} for the keys found (missing keys are left out, as in Mooncake)."""
-        client, keys = self._client, _keys(keys)
+        client, keys = self._client, as_keys(keys)
         wanted = [k for k in keys if k is not None]
         if client is None or not wanted:
             return {}
@@ -680,11 +530,11 @@ class MooncakeDistributedStore:
     def register_buffer(self, buffer_ptr: int, size: int) -> int:
         """Allow zero-copy calls on ``size`` bytes at address ``buffer_ptr``; 0 or -600.
         The memory must stay valid until :meth:`unregister_buffer` or :meth:`close`."""
-        ptr, size = _int("buffer_ptr", buffer_ptr), _int("size", size)
+        ptr, size = as_int("buffer_ptr", buffer_ptr), as_int("size", size)
         if self._client is None:
             return INVALID
         return OK if self._buffers.register(ptr, size) else INVALID
 
     def unregister_buffer(self, buffer_ptr: int) -> int:
         """Forget the region registered at ``buffer_ptr``; 0, or -600 if none was."""
-        return OK if self._buffers.unregister(_int("buffer_ptr", buffer_ptr)) else INVALID
+        return OK if self._buffers.unregister(as_int("buffer_ptr", buffer_ptr)) else INVALID
