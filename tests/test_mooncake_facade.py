@@ -488,3 +488,14 @@ def test_put_takes_what_the_native_client_takes(store, mem):
     assert store.get_into("t1", dst.data_ptr(), dst.numel()) == 16 and bytes(dst.numpy()) == store.get("t1")
     assert store.put_from("t6", dst.data_ptr(), 4) == 0 and store.get("t6") == bytes(dst.numpy()[:4])
     assert store.unregister_buffer(dst.data_ptr()) == 0
+
+
+def test_too_small_buffers_log_both_sizes_on_every_into_path(store, mem, caplog):
+    assert store.put("small", b"x" * 100) == 0
+    with caplog.at_level("ERROR", logger="kvpool.mooncake"):
+        assert store.get_into("small", mem.ptr("dst"), 40) == E.INVALID_PARAMS
+        assert store.batch_get_into(["small", "nope"], [mem.ptr("dst"), mem.ptr("dst", 100)], [30, 8]) == [
+            E.INVALID_PARAMS, E.OBJECT_NOT_FOUND]
+    logged = [r.getMessage() for r in caplog.records]
+    assert any("100 bytes" in m and "40 bytes" in m for m in logged)
+    assert any("100 bytes" in m and "30 bytes" in m for m in logged)

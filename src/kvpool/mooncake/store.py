@@ -388,7 +388,8 @@ class MooncakeDistributedStore:
             return int(exc.code)
 
     def batch_get_into(self, keys: Sequence[str], buffer_ptrs: Sequence[int], sizes: Sequence[int]) -> list[int]:
-        """:meth:`get_into` for many keys; bytes written or a negative code per key."""
+        """:meth:`get_into` for many keys; bytes written or a negative code per key
+        (one replica-list RPC, then one exchange per node)."""
         client = self._client
         if client is None or not len(keys) == len(buffer_ptrs) == len(sizes):
             return [INVALID] * len(keys)
@@ -397,11 +398,19 @@ class MooncakeDistributedStore:
         idx = [i for i in range(len(keys)) if keys[i] is not None and views[i] is not None]
         if not idx:
             return out
-        try:
-            results = client.batch_get_into([keys[i] for i in idx], [views[i] for i in idx])
+        try:  # query, then read: the handles know each value's size for the log
+            handles = client.batch_query([keys[i] for i in idx])
+            found = [(i, h) for i, h in zip(idx, handles) if isinstance(h, ReadHandle)]
+            results = client.batch_read_into([h for _, h in found], [views[i] for i, _ in found])
         except KVPoolError as exc:
-            results = [int(exc.code)] * len(idx)
-        for i, n in zip(idx, results):
+            for i in idx:
+                out[i] = int(exc.code)
+            return out
+        for i, h in zip(idx, handles):
+            out[i] = int(h) if not isinstance(h, ReadHandle) else INVALID
+        for (i, h), n in zip(found, results):
+            if n == ErrorCode.BUFFER_OVERFLOW:  # Mooncake's code for it is -600; the sizes go to the log
+                log.error("batch_get_into %r: the value is %d bytes, the buffer %d bytes", h.key, h.size, len(views[i]))
             out[i] = read_code(n)
         return out
 
