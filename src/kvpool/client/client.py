@@ -36,10 +36,11 @@ from typing import Sequence
 import msgspec
 
 from kvpool import protocol as P
-from kvpool.protocol import MAX_KEY_BYTES
 from kvpool.errors import (
-    BufferOverflow, ErrorCode, InvalidParams, KVPoolError, LeaseExpired, TransferFailed, code_name, code_of, raise_for,
+    BufferOverflow, ErrorCode, InvalidParams, KVPoolError, LeaseExpired, TransferFailed, code_name, code_of,
+    raise_for,
 )
+from kvpool.protocol import MAX_KEY_BYTES
 from kvpool.transfer import as_byte_view, local_host_id
 from kvpool.transfer.buffers import BufferRegistry, RegisteredBuffer
 from kvpool.transfer.engine import TransferEngine

@@ -31,8 +31,8 @@ from typing import Sequence
 from kvpool.client import Client, ReadHandle
 from kvpool.errors import BufferOverflow, ErrorCode, InvalidParams, KVPoolError, ObjectExists, UserError
 from kvpool.mooncake import ranges, setup_args
-from kvpool.mooncake.convert import INVALID, OK, as_int, as_key, as_keys, put_code, read_code, value_view
 from kvpool.mooncake.buffers import RegisteredBuffers
+from kvpool.mooncake.convert import INVALID, OK, as_int, as_key, as_keys, put_code, read_code, value_view
 from kvpool.mooncake.types import (
     BufferHandle, Descriptor, MemoryDescriptor, ReplicaDescriptor, ReplicateConfig, SoftPinAction,
 )
