@@ -78,7 +78,9 @@ TABLE = [
     ("put_empty_key", lambda s, m: s.put("", b"v"), E.INVALID_PARAMS),
     ("put_bytes_key", lambda s, m: (s.put(b"bk", b"v"), s.get("bk"), s.get_batch([b"bk"]), s.is_exist(b"\xff")),
      (0, b"v", [b"v"], E.INVALID_PARAMS)),
-    ("put_no_space", lambda s, m: s.put("huge", memoryview(m.big)), E.NO_AVAILABLE_HANDLE),
+    ("put_no_space", lambda s, m: s.put_from("huge", m.ptr("big"), m.big.nbytes), E.NO_AVAILABLE_HANDLE),
+    ("put_larger_than_local_buffer", lambda s, m: (s.put("huge", memoryview(m.big)[: 17 * MIB]), s.is_exist("huge")),
+     (E.INVALID_PARAMS, 0)),
     ("put_replica_num_0", lambda s, m: s.put("k", b"v", cfg(replica_num=0)), E.INVALID_PARAMS),
     ("put_prefer_same_node", lambda s, m: s.put("k", b"v", cfg(prefer_alloc_in_same_node=True)), E.INVALID_PARAMS),
     ("put_preferred_segments_count", lambda s, m: s.put("k", b"v", cfg(replica_num=2, preferred_segments=["a"])),
@@ -177,7 +179,8 @@ TABLE = [
     ("unregister_buffer", lambda s, m: (s.unregister_buffer(m.ptr("src")), s.put_from("k", m.ptr("src"), 4)),
      (0, E.INVALID_PARAMS)),
     ("unregister_buffer_unknown", lambda s, m: s.unregister_buffer(12345), E.INVALID_PARAMS),
-    ("get_hostname_pure_client", lambda s, m: s.get_hostname(), "localhost"),
+    ("get_hostname_pure_client", lambda s, m: s.get_hostname().partition(":")[::2] == ("localhost", s.get_hostname()[10:])
+     and s.get_hostname()[10:].isdigit(), True),
     ("health_check", lambda s, m: s.health_check(), 0),
 ]
 
@@ -300,10 +303,10 @@ def test_contributed_segment_serves_others_and_goes_at_close(module_cluster, sto
     assert owner.setup({"local_hostname": "localhost", "metadata_server": "m", "global_segment_size": "4MB",
                         "master_server_addr": module_cluster.master_addr}) == 0
     host = owner.get_hostname()
-    assert host.startswith("127.0.0.1:") and owner.health_check() == 0
+    assert host.startswith("localhost:") and owner.health_check() == 0
     assert store.put("on_owner", b"z" * 3000, cfg(preferred_segment=host)) == 0
     [desc] = store.get_replica_desc("on_owner")
-    assert desc.get_memory_descriptor().buffer_descriptor.transport_endpoint == host
+    assert desc.get_memory_descriptor().buffer_descriptor.transport_endpoint == host.replace("localhost", "127.0.0.1")
     assert owner.get("on_owner") == b"z" * 3000
     assert owner.close() == 0
     assert (store.get("on_owner"), store.is_exist("on_owner")) == (b"", 0)
@@ -337,7 +340,7 @@ def test_lease_expired_before_bytes_arrive_hands_out_nothing(cluster):
     """With a 1 ms lease no 32 MiB copy can finish in time: every read path reports the
     expiry (-707) or its miss value, never bytes (field case K05 through the facade)."""
     s = MooncakeDistributedStore()
-    assert s.setup("localhost", "m", 0, 16 * MIB, "tcp", "", cluster.master_addr) == 0
+    assert s.setup("localhost", "m", 0, 64 * MIB, "tcp", "", cluster.master_addr) == 0
     value = np.full(32 * MIB, 7, dtype=np.uint8)
     dst = np.zeros(32 * MIB, dtype=np.uint8)
     assert s.register_buffer(dst.ctypes.data, dst.nbytes) == 0
@@ -375,3 +378,124 @@ def test_one_store_shared_by_threads(store, mem):
     for th in threads:
         th.join(timeout=60)
     assert errors == [] and not any(th.is_alive() for th in threads)
+
+
+# ------------------------------------------------------------ differences a porting user would meet
+
+
+def _pure_store(addr: str, local_hostname: str = "localhost", local_buffer_size: int = 16 * MIB):
+    s = MooncakeDistributedStore()
+    rc = s.setup(local_hostname, "P2PHANDSHAKE", 0, local_buffer_size, "tcp", "", addr)
+    return s, rc
+
+
+def test_k08_get_hostname_is_host_and_a_port_each_store_holds(module_cluster):
+    """Without a port in local_hostname Mooncake returns "host:port" with a port it
+    reserved; two stores on one host get distinct identities, and the port is really
+    held (binding it again fails) until close."""
+    import socket
+
+    a, rc_a = _pure_store(module_cluster.master_addr)
+    b, rc_b = _pure_store(module_cluster.master_addr)
+    assert (rc_a, rc_b) == (0, 0)
+    host_a, _, port_a = a.get_hostname().partition(":")
+    assert host_a == "localhost" and port_a.isdigit() and a.get_hostname() != b.get_hostname()
+    with socket.socket() as probe, pytest.raises(OSError):
+        probe.bind(("127.0.0.1", int(port_a)))
+    # an explicit port is the identity; taken already, setup fails clearly
+    c, rc_c = _pure_store(module_cluster.master_addr, f"localhost:{port_a}")
+    assert rc_c == E.INVALID_PARAMS and c.get_hostname() == ""
+    assert a.close() == 0 and a.get_hostname() == ""
+    d, rc_d = _pure_store(module_cluster.master_addr, f"localhost:{port_a}")
+    assert rc_d == 0 and d.get_hostname() == f"localhost:{port_a}"
+    for s in (b, d):
+        s.close()
+
+
+@pytest.mark.parametrize("field,value", [
+    ("soft_pin_ttl_ms", "abc"), ("soft_pin_ttl_ms", -1), ("soft_pin_ttl_ms", 1.5),
+    ("replica_num", "2"), ("replica_num", None), ("replica_num", -1), ("replica_num", 2.0),
+    ("with_soft_pin", "yes"), ("with_hard_pin", "yes"), ("prefer_alloc_in_same_node", []),
+    ("preferred_segment", None), ("preferred_segment", 5), ("preferred_segments", "seg"),
+    ("preferred_segments", [1]), ("soft_pin_action", 1), ("soft_pin_action", "ENABLE"),
+])
+def test_replicate_config_rejects_wrong_types_like_pybind(field, value):
+    c = ReplicateConfig()
+    with pytest.raises(TypeError, match=field):
+        setattr(c, field, value)
+
+
+def test_replicate_config_converts_like_pybind():
+    """None resets the optional TTL; numpy ints and bools convert; lists read back as
+    copies (pybind converts a std::vector on every read)."""
+    c = ReplicateConfig()
+    c.soft_pin_ttl_ms = 500
+    assert c.soft_pin_ttl_ms == 500 and "soft_pin_ttl_ms: 500" in str(c)
+    c.soft_pin_ttl_ms = None
+    assert c.soft_pin_ttl_ms is None and "soft_pin_ttl_ms: default" in str(c)
+    c.replica_num, c.with_hard_pin, c.prefer_alloc_in_same_node = np.int64(2), 1, None
+    assert (c.replica_num, type(c.replica_num), c.with_hard_pin, c.prefer_alloc_in_same_node) == (2, int, True, False)
+    c.preferred_segments = ("a", b"b")
+    c.preferred_segments.append("lost")
+    assert c.preferred_segments == ["a", "b"]
+
+
+def test_local_buffer_size_0_fails_staged_puts_and_gets_as_in_mooncake(module_cluster, caplog):
+    """Mooncake copies put values and get results through the local buffer: with none,
+    put/get fail (-600 / miss), while the zero-copy forms on registered memory work."""
+    s, rc = _pure_store(module_cluster.master_addr, local_buffer_size=0)
+    assert rc == 0
+    with caplog.at_level("ERROR", logger="kvpool.mooncake"):
+        codes = (s.put("lb", b"v"), s.upsert("lb", b"v"), s.put_parts("lb", b"v"), s.put_batch(["lb"], [b"v"]))
+    assert codes == (E.INVALID_PARAMS,) * 4
+    assert any("local buffer" in r.getMessage() for r in caplog.records)
+    src = np.frombuffer(b"zero-copy", dtype=np.uint8).copy()
+    dst = np.zeros(64, dtype=np.uint8)
+    for a in (src, dst):
+        assert s.register_buffer(a.ctypes.data, a.nbytes) == 0
+    assert s.put_from("lb", src.ctypes.data, src.nbytes) == 0
+    assert s.get_into("lb", dst.ctypes.data, dst.nbytes) == src.nbytes and bytes(dst[:9]) == b"zero-copy"
+    assert (s.get("lb"), s.get_buffer("lb"), s.get_batch(["lb"]), s.batch_get_buffer(["lb"])) == (b"", None, [b""], [None])
+    assert s.is_exist("lb") == 1 and s.remove("lb", force=True) == 0
+    s.close()
+
+
+def test_local_buffer_limits_a_batch_read_in_order(module_cluster):
+    s, rc = _pure_store(module_cluster.master_addr, local_buffer_size=4096)
+    assert rc == 0
+    assert [s.put(k, v) for k, v in (("a", b"1" * 3000), ("b", b"2" * 2000), ("c", b"3" * 1000))] == [0, 0, 0]
+    assert s.get_batch(["a", "b", "c"]) == [b"1" * 3000, b"", b"3" * 1000]
+    assert s.put_batch(["d", "e"], [b"x" * 3000, b"y" * 2000]) == E.INVALID_PARAMS
+    assert s.batch_is_exist(["d", "e"]) == [0, 0]
+    s.remove_all(force=True)
+    s.close()
+
+
+def test_put_takes_what_the_native_client_takes(store, mem):
+    """Torch tensors (bf16 included), numpy arrays and bytes-likes, through every value form."""
+    torch = pytest.importorskip("torch")
+    t = torch.arange(8, dtype=torch.bfloat16)
+    raw = t.view(torch.uint8).numpy().tobytes()
+    assert store.put("t1", t) == 0 and store.get("t1") == raw
+    assert store.upsert("t1", t * 2) == 0 and store.get("t1") == (t * 2).view(torch.uint8).numpy().tobytes()
+    assert store.put_parts("t2", t, b"!") == 0 and store.get("t2") == raw + b"!"
+    assert store.put_batch(["t3", "t4"], [t, np.arange(3, dtype=np.int16)]) == 0
+    assert store.get_batch(["t3", "t4"]) == [raw, np.arange(3, dtype=np.int16).tobytes()]
+    assert store.put("t5", t[::2]) == E.INVALID_PARAMS  # not contiguous: refused, as by the native put
+    # zero-copy forms on a tensor's memory, as Mooncake users write them
+    dst = torch.zeros(16, dtype=torch.uint8)
+    assert store.register_buffer(dst.data_ptr(), dst.numel()) == 0
+    assert store.get_into("t1", dst.data_ptr(), dst.numel()) == 16 and bytes(dst.numpy()) == store.get("t1")
+    assert store.put_from("t6", dst.data_ptr(), 4) == 0 and store.get("t6") == bytes(dst.numpy()[:4])
+    assert store.unregister_buffer(dst.data_ptr()) == 0
+
+
+def test_too_small_buffers_log_both_sizes_on_every_into_path(store, mem, caplog):
+    assert store.put("small", b"x" * 100) == 0
+    with caplog.at_level("ERROR", logger="kvpool.mooncake"):
+        assert store.get_into("small", mem.ptr("dst"), 40) == E.INVALID_PARAMS
+        assert store.batch_get_into(["small", "nope"], [mem.ptr("dst"), mem.ptr("dst", 100)], [30, 8]) == [
+            E.INVALID_PARAMS, E.OBJECT_NOT_FOUND]
+    logged = [r.getMessage() for r in caplog.records]
+    assert any("100 bytes" in m and "40 bytes" in m for m in logged)
+    assert any("100 bytes" in m and "30 bytes" in m for m in logged)

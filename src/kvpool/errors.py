@@ -136,12 +136,26 @@ _BY_CODE = {
 }
 
 
-def raise_for(code: int, message: str = "") -> None:
-    """Raise the specific :class:`KVPoolError` subclass for ``code``; return if OK."""
+def code_of(code: int, unknown: ErrorCode = ErrorCode.INTERNAL_ERROR) -> ErrorCode:
+    """``code`` as an :class:`ErrorCode`; ``unknown`` for an integer this version does
+    not know (a peer of a newer release may send one)."""
     try:
-        code = ErrorCode(code)
-    except ValueError:  # an integer this version does not know: still an error
-        raise KVPoolError(message or f"error code {code}", ErrorCode.INTERNAL_ERROR) from None
+        return ErrorCode(code)
+    except ValueError:
+        return unknown
+
+
+def code_name(code: int) -> str:
+    """The ErrorCode name of ``code`` ("OBJECT_NOT_FOUND"), or the integer as text for
+    one this version does not know ("-12345"), so a log or metric label never lies."""
+    known = code_of(code, ErrorCode.OK)
+    return known.name if known == code else str(code)
+
+
+def raise_for(code: int, message: str = "") -> None:
+    """Raise the specific :class:`KVPoolError` subclass for ``code``; return if OK.
+    An integer this version does not know is still an error (INTERNAL_ERROR)."""
     if code == ErrorCode.OK:
         return
-    raise _BY_CODE.get(code, KVPoolError)(message or code.name, code)
+    known = code_of(code)
+    raise _BY_CODE.get(known, KVPoolError)(message or code_name(code), known)

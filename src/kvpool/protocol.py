@@ -39,6 +39,7 @@ PROTOCOL_VERSION = 2  # 2: GetResp.grant_id, ReadDone, PutStartResp.message
 MAGIC_PREFIX = b"KVP"
 HEADER = struct.Struct("<4sI")
 MAX_FRAME = 64 << 20  # bytes; a batch of 4096 keys of 4 KiB each still fits
+MAX_KEY_BYTES = 4096  # a key is a str of 1..MAX_KEY_BYTES UTF-8 bytes (client, master and admin agree)
 
 
 
@@ -224,6 +225,9 @@ class RemoveAll(_Msg):
 class RemoveByRegex(_Msg):
     pattern: str
     force: bool = False
+
+
+PIN_MODES = ("hard", "soft", "none")  # SetPin.mode values
 
 
 class SetPin(_Msg):

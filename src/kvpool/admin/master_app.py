@@ -39,12 +39,12 @@ from prometheus_client import CollectorRegistry, ProcessCollector
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from kvpool.admin.http import error_response, metrics_response, start_site
-from kvpool.errors import ErrorCode
+from kvpool.errors import ErrorCode, code_name
+from kvpool.protocol import MAX_KEY_BYTES
 
 if TYPE_CHECKING:  # the master imports this package, never the reverse at run time
     from kvpool.master.server import MasterServer
 
-MAX_KEY_BYTES = 4096
 DEFAULT_KEY_LIMIT = 1000
 MAX_KEY_LIMIT = 100_000
 
@@ -56,13 +56,6 @@ def reply_codes(reply) -> list[int]:
     if hasattr(reply, "codes"):  # CodesResp
         return list(reply.codes)
     return [reply.code] if hasattr(reply, "code") else []
-
-
-def code_name(code: int) -> str:
-    try:
-        return ErrorCode(code).name
-    except ValueError:
-        return str(code)
 
 
 class OpCounters:

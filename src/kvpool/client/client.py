@@ -37,8 +37,10 @@ import msgspec
 
 from kvpool import protocol as P
 from kvpool.errors import (
-    ErrorCode, InvalidParams, KVPoolError, LeaseExpired, TransferFailed, raise_for,
+    BufferOverflow, ErrorCode, InvalidParams, KVPoolError, LeaseExpired, TransferFailed, code_name, code_of,
+    raise_for,
 )
+from kvpool.protocol import MAX_KEY_BYTES
 from kvpool.transfer import as_byte_view, local_host_id
 from kvpool.transfer.buffers import BufferRegistry, RegisteredBuffer
 from kvpool.transfer.engine import TransferEngine
@@ -48,12 +50,11 @@ from kvpool.transfer.segment_host import SegmentHost
 from kvpool.transfer.shm import LocalTransport, ShmTransport
 from kvpool.transfer.tcp import TcpTransport
 
-MAX_KEY_BYTES = 4096
 DONE_DELAY_S = 0.01  # a ReadDone waits this long for a request to ride on, then goes alone
 
 
 def check_key(key: str) -> None:
-    """Raise InvalidParams unless ``key`` is a str of 1..4096 UTF-8 bytes."""
+    """Raise InvalidParams unless ``key`` is a str of 1..MAX_KEY_BYTES (4096) UTF-8 bytes."""
     try:
         size = len(key.encode("utf-8")) if isinstance(key, str) else 0
     except UnicodeEncodeError:  # lone surrogates cannot go on the wire
@@ -346,7 +347,7 @@ class Client:
         item.size = len(src)
         reply = self._call(P.PutStart(item, self.host_id), idempotent=False)
         detail = f": {reply.message}" if reply.message else ""
-        raise_for(reply.code, f"put {key!r}: {_code(reply.code).name}{detail}")
+        raise_for(reply.code, f"put {key!r}: {code_name(reply.code)}{detail}")
         token = P.PutToken(key, reply.put_id)
         written, why = self._write_all([(0, d, src) for d in reply.replicas])
         if not written[0]:
@@ -387,7 +388,7 @@ class Client:
         results = self._call(P.BatchPutStart(items, self.host_id), idempotent=False).results
         jobs, tokens = [], {}
         for i, src, res in zip(sent, srcs, results):
-            codes[i] = _code(res.code)
+            codes[i] = code_of(res.code)
             if res.code == ErrorCode.OK:
                 tokens[i] = P.PutToken(keys[i], res.put_id)
                 jobs.extend((i, d, src) for d in res.replicas)
@@ -401,7 +402,7 @@ class Client:
         if good:
             ends = self._call(P.BatchPutEnd([tokens[i] for i in good])).codes
             for i, code in zip(good, ends):
-                codes[i] = _code(code)
+                codes[i] = code_of(code)
         return codes
 
     # ------------------------------------------------------------ get
@@ -415,7 +416,7 @@ class Client:
         check_key(key)
         sent = time.monotonic()
         reply = self._call(P.GetReplicaList(key))
-        raise_for(reply.code, f"{key!r}: {_code(reply.code).name}")
+        raise_for(reply.code, f"{key!r}: {code_name(reply.code)}")
         return ReadHandle(key, reply.size, reply.replicas, sent + reply.lease_ttl_ms / 1000, reply.grant_id)
 
     def batch_query(self, keys: Sequence[str]) -> list[ReadHandle | ErrorCode]:
@@ -426,7 +427,7 @@ class Client:
         replies = self._call(P.BatchGetReplicaList(list(keys))).results
         return [
             ReadHandle(k, r.size, r.replicas, sent + r.lease_ttl_ms / 1000, r.grant_id) if r.code == ErrorCode.OK
-            else _code(r.code)
+            else code_of(r.code)
             for k, r in zip(keys, replies)
         ]
 
@@ -454,9 +455,14 @@ class Client:
     def read_into(self, handle: ReadHandle, buf) -> int:
         """Copy the value behind ``handle`` into writable ``buf``; returns its size.
 
-        Raises BufferOverflow, LeaseExpired (buf content then undefined), TransferFailed.
+        Raises BufferOverflow (the message gives the value's and the buffer's sizes),
+        LeaseExpired (buf content then undefined), TransferFailed.
         """
-        return self._check_read(self.batch_read_into([handle], [buf])[0], handle)
+        n = self.batch_read_into([handle], [buf])[0]
+        if n == ErrorCode.BUFFER_OVERFLOW:
+            raise BufferOverflow(f"read of {handle.key!r}: the value is {handle.size} bytes, "
+                                 f"the buffer {len(_destination(buf))} bytes")
+        return self._check_read(n, handle)
 
     def batch_read_into(self, handles: Sequence[ReadHandle], bufs: Sequence) -> list[int]:
         """Copy each handle's value into its buffer: same-host replicas by memcpy, the
@@ -567,7 +573,7 @@ class Client:
     @staticmethod
     def _check_read(n: int, handle: ReadHandle) -> int:
         if n < 0:
-            raise_for(n, f"read of {handle.key!r}: {_code(n).name}")
+            raise_for(n, f"read of {handle.key!r}: {code_name(n)}")
         return n
 
     # ------------------------------------------------------------ existence, removal, pins
@@ -595,7 +601,7 @@ class Client:
         """One ErrorCode per key (OK, OBJECT_NOT_FOUND, OBJECT_HAS_LEASE)."""
         for key in keys:
             check_key(key)
-        return [_code(c) for c in self._call(P.BatchRemove(list(keys), force)).codes]
+        return [code_of(c) for c in self._call(P.BatchRemove(list(keys), force)).codes]
 
     def remove_all(self, force: bool = False) -> int:
         """Remove every object (leased ones skipped unless ``force``); returns the count."""
@@ -610,9 +616,13 @@ class Client:
 
     def pin(self, key: str, mode: str = "hard") -> None:
         """Set ``key``'s pin: "hard" (never evicted), "soft" (evicted last, until the
-        master's soft_pin_ttl from now) or "none". Raises ObjectNotFound, InvalidParams."""
+        master's soft_pin_ttl from now) or "none". Raises ObjectNotFound, InvalidParams
+        (an unknown mode: the message names it and the valid ones; nothing is sent)."""
         check_key(key)
-        raise_for(self._call(P.SetPin(key, mode)).code, f"pin {key!r}")
+        if mode not in P.PIN_MODES:
+            raise InvalidParams(f"pin {key!r}: unknown mode {mode!r}; valid modes: {', '.join(P.PIN_MODES)}")
+        reply = self._call(P.SetPin(key, mode))
+        raise_for(reply.code, f"pin {key!r}: {reply.message or code_name(reply.code)}")
 
     def stats(self) -> P.StatsResp:
         """Master statistics: object count, used/total bytes, segments, counters."""
@@ -697,13 +707,6 @@ def _destination(buf) -> memoryview:
     if buf.view.readonly:
         raise InvalidParams("registered buffer is read-only: it cannot receive a value")
     return buf.view
-
-
-def _code(code: int) -> ErrorCode:
-    try:
-        return ErrorCode(code)
-    except ValueError:
-        return ErrorCode.INTERNAL_ERROR
 
 
 __all__ = ["Client", "KVPoolError", "ReadHandle", "check_key"]

@@ -30,12 +30,11 @@ from kvpool.master.eviction import EvictionQueue
 from kvpool.master.objects import Grants, ObjectMeta, PendingPut, Replica, Zombie
 from kvpool.master.segments import SegmentTable
 from kvpool.protocol import (
-    SOFT_PIN_DISABLE, SOFT_PIN_ENABLE, SOFT_PIN_PRESERVE, CodesResp, CountResp, GetResp,
+    MAX_KEY_BYTES, SOFT_PIN_DISABLE, SOFT_PIN_ENABLE, SOFT_PIN_PRESERVE, CodesResp, CountResp, GetResp,
     MountResp, PutItem, PutStartResp, PutToken, ReplicaDesc, Resp, SegmentInfo, SegmentStats,
     StatsResp,
 )
 
-MAX_KEY_BYTES = 4096
 MIN_SEGMENT_SIZE = 1 << 10  # bytes; Mooncake's MIN_SEGMENT_SIZE: smaller mounts are refused
 log = logging.getLogger("kvpool.master")
 OK = ErrorCode.OK

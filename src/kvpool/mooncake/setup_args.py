@@ -6,14 +6,21 @@ local_buffer_size, protocol, rdma_devices, master_server_addr, ...)`` and
 every value is text and sizes use binary units ("16MB" = 16 MiB). Both become one
 :class:`SetupArgs`, checked the way Mooncake's RealClient checks them (sizes 0 or
 1 KiB .. 1 TiB), plus kvpool's own limits (features it does not have are refused).
+:func:`identity` then gives the set-up store its "host:port" (K08).
 """
 
 from __future__ import annotations
 
+import logging
+import socket
 from dataclasses import dataclass
 
+from kvpool.client import Client
 from kvpool.config import parse_addr, parse_size_mooncake
 from kvpool.errors import InvalidParams, UserError
+from kvpool.transfer.segment_host import bind_listener
+
+log = logging.getLogger("kvpool.mooncake")
 
 MIN_SEGMENT_SIZE = 1 << 10  # Mooncake's MIN_SEGMENT_SIZE
 MAX_SEGMENT_SIZE = 1 << 40  # Mooncake's MAX_SEGMENT_SIZE
@@ -26,9 +33,12 @@ _TRUE = ("1", "true", "yes", "on")
 
 @dataclass
 class SetupArgs:
-    """Validated setup values. ``bind_host``: address of this client's segment data server."""
+    """Validated setup values. ``host``/``port``: local_hostname split (port 0 when it
+    names none); ``bind_host``: the address this store's sockets bind."""
 
     local_hostname: str
+    host: str
+    port: int
     master_server_addr: str
     global_segment_size: int
     local_buffer_size: int
@@ -36,8 +46,7 @@ class SetupArgs:
 
     @property
     def bind_host(self) -> str:
-        host = self.local_hostname.rpartition(":")[0] if ":" in self.local_hostname else self.local_hostname
-        return "127.0.0.1" if host in ("localhost", "") else host
+        return "127.0.0.1" if self.host == "localhost" else self.host
 
 
 def _size(name: str, value) -> int:
@@ -74,9 +83,11 @@ def build(local_hostname, metadata_server, global_segment_size, local_buffer_siz
             raise InvalidParams(f"{option} is not supported by kvpool")
     try:
         host, port = parse_addr(master_server_addr)
+        own_host, own_port = parse_addr(local_hostname, default_port=0)
     except UserError as exc:
-        raise InvalidParams(f"master_server_addr: {exc}") from None
-    return SetupArgs(local_hostname, f"{host}:{port}", _size("global_segment_size", global_segment_size),
+        raise InvalidParams(f"master_server_addr or local_hostname: {exc}") from None
+    return SetupArgs(local_hostname, own_host, own_port, f"{host}:{port}",
+                     _size("global_segment_size", global_segment_size),
                      _size("local_buffer_size", local_buffer_size), protocol)
 
 
@@ -91,3 +102,25 @@ def from_dict(config: dict) -> SetupArgs:
         {"enable_ssd_offload": get("enable_ssd_offload"),
          "enable_client_http_server": get("enable_client_http_server")},
     )
+
+
+def identity(args: SetupArgs, client: Client) -> tuple[str, socket.socket | None]:
+    """(get_hostname()'s "host:port", the socket holding its port or None). A store with
+    a segment is identified by its data server's port; a pure client reserves the port
+    local_hostname names (port 0: one the OS picks), so two stores on one host never
+    share an identity (K08). Raises UserError when that port is taken."""
+    if client.segment is not None:
+        port = parse_addr(client.segment.data_addr)[1]
+        if args.port not in (0, port):
+            log.warning("local_hostname %s: the segment's data server listens on port %d instead "
+                        "(get_hostname() reports it)", args.local_hostname, port)
+        return f"{args.host}:{port}", None
+    sock = bind_listener(args.bind_host, args.port)  # held, never served: it only reserves the port
+    return f"{args.host}:{sock.getsockname()[1]}", sock
+
+
+def release(client: Client, reservation: socket.socket | None) -> None:
+    """Close ``client`` (its segment is unmounted) and free the reserved port."""
+    client.close()
+    if reservation is not None:
+        reservation.close()

@@ -14,7 +14,10 @@ Mooncake's pybind module (mooncake-integration/store/store_py.cpp) and its RealC
 - empty values and empty keys are refused with -600 (K09).
 
 kvpool's native :class:`~kvpool.client.Client` says what happened with typed exceptions;
-this facade only translates. Where only a code comes back, the reason is still logged:
+this facade only translates. The class stays one file of ~40 short methods because it
+mirrors Mooncake's one pybind class method for method; argument conversion lives in
+``convert``, setup values and the store's identity in ``setup_args``, the ranged read in
+``ranges``, value types in ``types``. Where only a code comes back, the reason is still logged:
 a request the master refuses (-600, e.g. from a client of another release) by logger
 ``kvpool.rpc`` at WARNING, once per distinct message. Intended differences are listed in docs/mooncake-compat.md.
 """
@@ -25,87 +28,25 @@ import logging
 import weakref
 from typing import Sequence
 
-from kvpool.client import Client, ReadHandle, check_key
-from kvpool.errors import BufferOverflow, ErrorCode, InvalidParams, KVPoolError, ObjectExists
-from kvpool.mooncake import setup_args
+from kvpool.client import Client, ReadHandle
+from kvpool.errors import BufferOverflow, ErrorCode, InvalidParams, KVPoolError, ObjectExists, UserError
+from kvpool.mooncake import ranges, setup_args
 from kvpool.mooncake.buffers import RegisteredBuffers
+from kvpool.mooncake.convert import INVALID, OK, as_int, as_key, as_keys, put_code, read_code, value_view
 from kvpool.mooncake.types import (
     BufferHandle, Descriptor, MemoryDescriptor, ReplicaDescriptor, ReplicateConfig, SoftPinAction,
 )
-from kvpool.transfer import as_byte_view
 
 log = logging.getLogger("kvpool.mooncake")
 
-OK = 0
-INVALID = int(ErrorCode.INVALID_PARAMS)
 # SoftPinAction -> the native client's soft_pin argument (None keeps an existing pin)
 _SOFT_PIN = {SoftPinAction.PRESERVE: None, SoftPinAction.ENABLE: True, SoftPinAction.DISABLE: False}
 HC_HEALTHY, HC_NOT_INITIALIZED, HC_MASTER_UNREACHABLE = 0, 1, 2  # Mooncake's health_check codes
 
 
-def _key(key) -> str | None:
-    """``key`` as a kvpool key (str). Bytes are decoded as UTF-8, since pybind passes
-    them through as std::string; None for an empty, over-long or undecodable key;
-    TypeError for any other type, as pybind raises."""
-    if isinstance(key, (bytes, bytearray)):
-        try:
-            key = bytes(key).decode("utf-8")
-        except UnicodeDecodeError:
-            return None
-    elif not isinstance(key, str):
-        raise TypeError(f"key must be str, not {type(key).__name__}")
-    try:
-        check_key(key)
-    except InvalidParams:
-        return None
-    return key
-
-
-def _keys(keys) -> list[str | None]:
-    return [_key(k) for k in keys]
-
-
-def _value_view(value) -> memoryview | None:
-    """Byte view of a bytes-like value; None if not C-contiguous; TypeError if not a buffer."""
-    try:
-        memoryview(value)
-    except TypeError:
-        raise TypeError(f"value must support the buffer protocol, not {type(value).__name__}") from None
-    try:
-        return as_byte_view(value)
-    except InvalidParams:
-        return None
-
-
-def _int(name: str, value) -> int:
-    if not isinstance(value, int) or isinstance(value, bool):
-        raise TypeError(f"{name} must be int, not {type(value).__name__}")
-    return value
-
-
-def _put_code(code: int) -> int:
-    """Mooncake's put reports an existing key as success (the old value stays)."""
-    return OK if code == ErrorCode.OBJECT_ALREADY_EXISTS else int(code)
-
-
-def _read_code(code: int) -> int:
-    """Mooncake answers a destination smaller than the value with INVALID_PARAMS."""
-    return INVALID if code == ErrorCode.BUFFER_OVERFLOW else int(code)
-
-
 def _descriptor(desc) -> ReplicaDescriptor:
     buf = Descriptor(desc.length, desc.offset, desc.segment.data_addr, desc.segment.name)
     return ReplicaDescriptor(MemoryDescriptor(buf))
-
-
-def _invalid_like(n_buffers: int, all_keys, all_dst_offsets) -> list:
-    """get_into_ranges' result shape filled with -600 (for a call that is malformed)."""
-    out = []
-    for i in range(n_buffers):
-        keys = all_keys[i] if i < len(all_keys) else []
-        dsts = all_dst_offsets[i] if i < len(all_dst_offsets) else []
-        out.append([[INVALID] * (len(dsts[j]) if j < len(dsts) else 0) for j in range(len(keys))])
-    return out
 
 
 class MooncakeDistributedStore:
@@ -117,6 +58,7 @@ class MooncakeDistributedStore:
         self._args: setup_args.SetupArgs | None = None
         self._buffers = RegisteredBuffers()
         self._finalizer: weakref.finalize | None = None
+        self._hostname = ""  # "host:port" with a port this store holds bound (K08)
         self._segment_names: dict[str, str] = {}  # data server "host:port" or name -> segment name
 
     # ------------------------------------------------------------ lifecycle
@@ -137,7 +79,11 @@ class MooncakeDistributedStore:
         ``metadata_server``, ``rdma_devices``, ``tenant_id``, ``client_http_port`` and
         ``ssd_offload_path`` are accepted and unused; ``engine``,
         ``enable_ssd_offload`` and ``enable_client_http_server`` are refused (-600).
-        Returns -600 for bad parameters, -900 when the master cannot be reached.
+        ``local_buffer_size`` bounds the values put and got as Python objects, as
+        Mooncake's staging buffer does (see :meth:`_staged`). The store's identity
+        (:meth:`get_hostname`) takes a port it holds bound until close (K08).
+        Returns -600 for bad parameters or a port in ``local_hostname`` that is taken,
+        -900 when the master cannot be reached.
         """
         as_dict = config if config is not None else local_hostname if isinstance(local_hostname, dict) else None
         if as_dict is not None and not isinstance(as_dict, dict):
@@ -165,8 +111,14 @@ class MooncakeDistributedStore:
         except OSError as exc:  # the segment's shared memory could not be created
             log.error("setup failed: %s", exc)
             return int(ErrorCode.INTERNAL_ERROR)
+        try:
+            self._hostname, reservation = setup_args.identity(args, client)
+        except UserError as exc:  # an explicit port that is taken, or a host that is not local
+            client.close()
+            log.error("setup failed: %s", exc)
+            return INVALID
         self._client, self._args = client, args
-        self._finalizer = weakref.finalize(self, client.close)  # unmount at exit if not closed
+        self._finalizer = weakref.finalize(self, setup_args.release, client, reservation)  # at exit if not closed
         return OK
 
     def close(self) -> int:
@@ -175,6 +127,7 @@ class MooncakeDistributedStore:
         if self._finalizer is not None:
             self._finalizer()
         self._client = self._finalizer = None
+        self._hostname = ""
         self._buffers.clear()
         self._segment_names.clear()
         return OK
@@ -191,12 +144,12 @@ class MooncakeDistributedStore:
         return HC_HEALTHY
 
     def get_hostname(self) -> str:
-        """"host:port" of this store's segment data server, else the local_hostname given
-        to setup ("" before setup). Usable as ``ReplicateConfig.preferred_segment``."""
-        client = self._client
-        if client is not None and client.segment is not None:
-            return client.segment.data_addr
-        return self._args.local_hostname if self._args else ""
+        """This store's identity "host:port" ("" before setup or after close), as
+        Mooncake's: the host of ``local_hostname`` and a port this store holds bound
+        until close: its segment's data server port, or for a pure client the port
+        ``local_hostname`` named, else a free one it picked. Usable as
+        ``ReplicateConfig.preferred_segment``."""
+        return self._hostname
 
     # ------------------------------------------------------------ put forms
 
@@ -207,20 +160,15 @@ class MooncakeDistributedStore:
         config = ReplicateConfig() if config is None else config
         if not isinstance(config, ReplicateConfig):
             raise TypeError(f"config must be ReplicateConfig, not {type(config).__name__}")
-        n = config.replica_num
-        if not isinstance(n, int) or n < 1:
-            raise InvalidParams(f"replica_num must be >= 1, got {n!r}")
+        n = config.replica_num  # the config's fields are type-checked when set
+        if n < 1:
+            raise InvalidParams(f"replica_num must be >= 1, got {n}")
         if config.prefer_alloc_in_same_node:
             raise InvalidParams("prefer_alloc_in_same_node is not supported by put (as in Mooncake)")
         if config.preferred_segments and len(config.preferred_segments) != n:
             raise InvalidParams("preferred_segments must name one segment per replica")
-        try:
-            action = SoftPinAction(config.soft_pin_action)
-        except ValueError:
-            raise InvalidParams(f"soft_pin_action must be a SoftPinAction, got {config.soft_pin_action!r}") from None
-        pins = {"soft_pin": _SOFT_PIN[action], "hard_pin": bool(config.with_hard_pin)}
-        if config.soft_pin_ttl_ms is not None:
-            pins["soft_pin_ttl_ms"] = _int("soft_pin_ttl_ms", config.soft_pin_ttl_ms)
+        pins = {"soft_pin": _SOFT_PIN[config.soft_pin_action], "hard_pin": config.with_hard_pin,
+                "soft_pin_ttl_ms": config.soft_pin_ttl_ms}
         preferred = config.preferred_segments[0] if config.preferred_segments else config.preferred_segment
         return n, pins, self._segment_name(client, preferred)
 
@@ -238,10 +186,30 @@ class MooncakeDistributedStore:
                 self._segment_names[seg.data_addr] = self._segment_names[seg.name] = seg.name
         return self._segment_names.get(addr, preferred)
 
-    def _put_view(self, key, src: memoryview | None, config, upsert: bool) -> int:
+    def _staged(self, sizes: Sequence[int], what: str) -> list[bool]:
+        """Which of these values, taken in order, fit the local buffer together.
+
+        Mooncake copies each value a put sends or a get returns as bytes through the
+        client's local buffer (setup's ``local_buffer_size``) and fails one that no
+        longer fits (-600 for a put, a miss for a read); kvpool needs no staging copy
+        but keeps that limit so ported code meets the same failures. Logs each refusal."""
+        room, fits = self._args.local_buffer_size, []
+        for size in sizes:
+            fits.append(size <= room)
+            room -= size if fits[-1] else 0
+            if not fits[-1]:
+                log.error("%s: %d bytes do not fit the %d-byte local buffer (local_buffer_size)",
+                          what, size, self._args.local_buffer_size)
+        return fits
+
+    def _put_view(self, key, src: memoryview | None, config, upsert: bool, staged: bool = True) -> int:
+        """``staged``: the value comes from Python objects (Mooncake stages it in the local
+        buffer), not from registered memory."""
         client = self._client
-        key = _key(key)
+        key = as_key(key)
         if client is None or key is None or src is None:
+            return INVALID
+        if staged and not self._staged([len(src)], f"put {key!r}")[0]:
             return INVALID
         try:
             n, pins, preferred = self._put_options(client, config)
@@ -250,18 +218,19 @@ class MooncakeDistributedStore:
         except ObjectExists:
             return OK
         except KVPoolError as exc:
-            return _put_code(exc.code)
+            return put_code(exc.code)
         return OK
 
-    def _batch_put(self, keys, srcs: list[memoryview | None], config, upsert: bool) -> list[int]:
-        """Put every (key, view); None views and bad keys get -600. One code per key."""
+    def _batch_put(self, keys, srcs: list[memoryview | None], config, upsert: bool, staged: bool = True) -> list[int]:
+        """Put every (key, view); None views and bad keys get -600. One code per key.
+        ``staged``: as in :meth:`_put_view`; a batch that does not fit fails whole."""
         client = self._client
         if client is None:
             return [INVALID] * len(keys)
         codes = [INVALID] * len(keys)
-        keys = _keys(keys)
+        keys = as_keys(keys)
         sent = [i for i, k in enumerate(keys) if k is not None and srcs[i] is not None]
-        if not sent:
+        if not sent or staged and not all(self._staged([len(srcs[i]) for i in sent], "put_batch")):
             return codes
         try:
             n, pins, preferred = self._put_options(client, config)
@@ -270,20 +239,20 @@ class MooncakeDistributedStore:
         except KVPoolError as exc:
             results = [exc.code] * len(sent)
         for i, code in zip(sent, results):
-            codes[i] = _put_code(code)
+            codes[i] = put_code(code)
         return codes
 
     def _registered_views(self, buffer_ptrs, sizes) -> list[memoryview | None]:
-        return [self._buffers.view(_int("buffer_ptr", p), _int("size", n)) for p, n in zip(buffer_ptrs, sizes)]
+        return [self._buffers.view(as_int("buffer_ptr", p), as_int("size", n)) for p, n in zip(buffer_ptrs, sizes)]
 
     def put(self, key: str, value, config: ReplicateConfig | None = None) -> int:
         """Store bytes-like ``value``. 0 (also when ``key`` exists: the old value stays),
         -600 (empty key/value, bad config), -200 (no space), ..."""
-        return self._put_view(key, _value_view(value), config, upsert=False)
+        return self._put_view(key, value_view(value), config, upsert=False)
 
     def upsert(self, key: str, value, config: ReplicateConfig | None = None) -> int:
         """Insert or replace ``key``; readers see the old or the new value, whole."""
-        return self._put_view(key, _value_view(value), config, upsert=True)
+        return self._put_view(key, value_view(value), config, upsert=True)
 
     def put_parts(self, key: str, *parts, config: ReplicateConfig | None = None) -> int:
         """Store the concatenation of bytes-like ``parts`` as one object."""
@@ -295,7 +264,7 @@ class MooncakeDistributedStore:
 
     @staticmethod
     def _join(parts) -> memoryview | None:
-        views = [_value_view(p) for p in parts]
+        views = [value_view(p) for p in parts]
         if any(v is None for v in views):
             return None
         return views[0] if len(views) == 1 else memoryview(b"".join(views))
@@ -304,85 +273,85 @@ class MooncakeDistributedStore:
         """Store many objects; 0 if all stored (or existed), else the first error code."""
         if len(keys) != len(values):
             return INVALID
-        codes = self._batch_put(keys, [_value_view(v) for v in values], config, upsert=False)
+        codes = self._batch_put(keys, [value_view(v) for v in values], config, upsert=False)
         return next((c for c in codes if c != OK), OK)
 
     def upsert_batch(self, keys: Sequence[str], values: Sequence, config: ReplicateConfig | None = None) -> int:
         """Insert or replace many objects; 0 or the first error code."""
         if len(keys) != len(values):
             return INVALID
-        codes = self._batch_put(keys, [_value_view(v) for v in values], config, upsert=True)
+        codes = self._batch_put(keys, [value_view(v) for v in values], config, upsert=True)
         return next((c for c in codes if c != OK), OK)
 
     def put_from(self, key: str, buffer_ptr: int, size: int, config: ReplicateConfig | None = None) -> int:
         """Store ``size`` bytes at registered address ``buffer_ptr`` (-600 if unregistered)."""
-        return self._put_view(key, self._buffers.view(_int("buffer_ptr", buffer_ptr), _int("size", size)),
-                              config, upsert=False)
+        return self._put_view(key, self._buffers.view(as_int("buffer_ptr", buffer_ptr), as_int("size", size)),
+                              config, upsert=False, staged=False)
 
     def upsert_from(self, key: str, buffer_ptr: int, size: int, config: ReplicateConfig | None = None) -> int:
         """Insert or replace ``key`` from registered memory."""
-        return self._put_view(key, self._buffers.view(_int("buffer_ptr", buffer_ptr), _int("size", size)),
-                              config, upsert=True)
+        return self._put_view(key, self._buffers.view(as_int("buffer_ptr", buffer_ptr), as_int("size", size)),
+                              config, upsert=True, staged=False)
 
     def batch_put_from(self, keys: Sequence[str], buffer_ptrs: Sequence[int], sizes: Sequence[int],
                        config: ReplicateConfig | None = None) -> list[int]:
         """Store each ``sizes[i]`` bytes at ``buffer_ptrs[i]``; one code per key."""
         if not len(keys) == len(buffer_ptrs) == len(sizes):
             return [INVALID] * len(keys)
-        return self._batch_put(keys, self._registered_views(buffer_ptrs, sizes), config, upsert=False)
+        return self._batch_put(keys, self._registered_views(buffer_ptrs, sizes), config, upsert=False, staged=False)
 
     def batch_upsert_from(self, keys: Sequence[str], buffer_ptrs: Sequence[int], sizes: Sequence[int],
                           config: ReplicateConfig | None = None) -> list[int]:
         """Insert or replace each key from registered memory; one code per key."""
         if not len(keys) == len(buffer_ptrs) == len(sizes):
             return [INVALID] * len(keys)
-        return self._batch_put(keys, self._registered_views(buffer_ptrs, sizes), config, upsert=True)
+        return self._batch_put(keys, self._registered_views(buffer_ptrs, sizes), config, upsert=True, staged=False)
 
     # ------------------------------------------------------------ reads
 
-    def get(self, key: str) -> bytes:
-        """The value, or b'' on a miss or any failure (Mooncake's convention)."""
+    def _query_staged(self, key) -> ReadHandle | None:
+        """A read handle for ``key`` whose value fits the local buffer, else None (no
+        client, malformed key, miss, or too large: then its grant goes back at once).
+        Raises KVPoolError from the query."""
         client = self._client
-        key = _key(key)
+        key = as_key(key)
         if client is None or key is None:
-            return b""
+            return None
+        handle = client.query(key)
+        if not self._staged([handle.size], f"get {key!r}")[0]:
+            client.release([handle])
+            return None
+        return handle
+
+    def get(self, key: str) -> bytes:
+        """The value, or b'' on a miss or any failure (Mooncake's convention; also for a
+        value larger than the local buffer, see :meth:`_staged`)."""
         try:
-            return client.get(key)
+            handle = self._query_staged(key)
+            return b"" if handle is None else self._client.read(handle)
         except KVPoolError:
             return b""
 
     def get_batch(self, keys: Sequence[str]) -> list[bytes]:
-        """One value per key; b'' for each miss."""
-        client, keys = self._client, _keys(keys)
-        out = [b""] * len(keys)
-        idx = [i for i, k in enumerate(keys) if k is not None]
-        if client is None or not idx:
-            return out
-        try:
-            values = client.batch_get([keys[i] for i in idx])
-        except KVPoolError:
-            return out
-        for i, value in zip(idx, values):
-            out[i] = value if value is not None else b""
-        return out
+        """One value per key; b'' for each miss (and each value that no longer fits the
+        local buffer, as in Mooncake)."""
+        return [b"" if buf is None else bytes(buf) for buf in self.batch_get_buffer(keys)]
 
     def get_buffer(self, key: str) -> BufferHandle | None:
         """The value as a :class:`BufferHandle` (buffer protocol, ptr(), size()); None on a miss."""
-        client = self._client
-        key = _key(key)
-        if client is None or key is None:
-            return None
         try:
-            handle = client.query(key)
+            handle = self._query_staged(key)
+            if handle is None:
+                return None
             buf = BufferHandle(handle.size)
-            client.read_into(handle, buf)
+            self._client.read_into(handle, buf)
         except KVPoolError:
             return None
         return buf
 
     def batch_get_buffer(self, keys: Sequence[str]) -> list[BufferHandle | None]:
         """One BufferHandle per key; None for each miss."""
-        client, keys = self._client, _keys(keys)
+        client, keys = self._client, as_keys(keys)
         out: list[BufferHandle | None] = [None] * len(keys)
         idx = [i for i, k in enumerate(keys) if k is not None]
         if client is None or not idx:
@@ -390,6 +359,9 @@ class MooncakeDistributedStore:
         try:
             handles = client.batch_query([keys[i] for i in idx])
             found = [(i, h) for i, h in zip(idx, handles) if isinstance(h, ReadHandle)]
+            fits = self._staged([h.size for _, h in found], "batch_get")
+            client.release([h for (_, h), ok in zip(found, fits) if not ok])
+            found = [pair for pair, ok in zip(found, fits) if ok]
             bufs = [BufferHandle(h.size) for _, h in found]
             sizes = client.batch_read_into([h for _, h in found], bufs)
         except KVPoolError:
@@ -403,33 +375,43 @@ class MooncakeDistributedStore:
         Returns bytes written, or -704 (miss), -600 (unregistered or too small), -707 (lease
         expired before the copy finished; the buffer content is then undefined)."""
         client = self._client
-        view = self._buffers.view(_int("buffer_ptr", buffer_ptr), _int("size", size))
-        key = _key(key)
+        view = self._buffers.view(as_int("buffer_ptr", buffer_ptr), as_int("size", size))
+        key = as_key(key)
         if client is None or key is None or view is None:
             return INVALID
         try:
             return client.get_into(key, view)
-        except BufferOverflow:
+        except BufferOverflow as exc:  # Mooncake's code for it is -600; the sizes go to the log
+            log.error("get_into: %s", exc)
             return INVALID
         except KVPoolError as exc:
             return int(exc.code)
 
     def batch_get_into(self, keys: Sequence[str], buffer_ptrs: Sequence[int], sizes: Sequence[int]) -> list[int]:
-        """:meth:`get_into` for many keys; bytes written or a negative code per key."""
+        """:meth:`get_into` for many keys; bytes written or a negative code per key
+        (one replica-list RPC, then one exchange per node)."""
         client = self._client
         if client is None or not len(keys) == len(buffer_ptrs) == len(sizes):
             return [INVALID] * len(keys)
-        views, keys = self._registered_views(buffer_ptrs, sizes), _keys(keys)
+        views, keys = self._registered_views(buffer_ptrs, sizes), as_keys(keys)
         out = [INVALID] * len(keys)
         idx = [i for i in range(len(keys)) if keys[i] is not None and views[i] is not None]
         if not idx:
             return out
-        try:
-            results = client.batch_get_into([keys[i] for i in idx], [views[i] for i in idx])
+        try:  # query, then read: the handles know each value's size for the log
+            handles = client.batch_query([keys[i] for i in idx])
+            found = [(i, h) for i, h in zip(idx, handles) if isinstance(h, ReadHandle)]
+            results = client.batch_read_into([h for _, h in found], [views[i] for i, _ in found])
         except KVPoolError as exc:
-            results = [int(exc.code)] * len(idx)
-        for i, n in zip(idx, results):
-            out[i] = _read_code(n)
+            for i in idx:
+                out[i] = int(exc.code)
+            return out
+        for i, h in zip(idx, handles):
+            out[i] = int(h) if not isinstance(h, ReadHandle) else INVALID
+        for (i, h), n in zip(found, results):
+            if n == ErrorCode.BUFFER_OVERFLOW:  # Mooncake's code for it is -600; the sizes go to the log
+                log.error("batch_get_into %r: the value is %d bytes, the buffer %d bytes", h.key, h.size, len(views[i]))
+            out[i] = read_code(n)
         return out
 
     def get_into_ranges(self, buffer_ptrs: Sequence[int], all_keys, all_dst_offsets, all_src_offsets,
@@ -440,77 +422,11 @@ class MooncakeDistributedStore:
         ``all_src_offsets[i][j][k]`` of object ``all_keys[i][j]`` land at offset
         ``all_dst_offsets[i][j][k]`` of buffer ``buffer_ptrs[i]``. Returns the same nested
         shape: bytes copied per fragment, or -704 (miss), -707 (lease expired), -600
-        (shape mismatch, range outside the object or the registered buffer). One
-        replica-list RPC for all keys, then only the requested ranges move, straight
-        into the buffers, checked against each key's lease.
+        (shape mismatch, range outside the object or the registered buffer). See
+        :func:`kvpool.mooncake.ranges.get_into_ranges`.
         """
-        client = self._client
-        n = len(buffer_ptrs)
-        if client is None or not n == len(all_keys) == len(all_dst_offsets) == len(all_src_offsets) == len(all_sizes):
-            return _invalid_like(n, all_keys, all_dst_offsets)
-        handles = self._query_all(client, {k for keys in all_keys for k in keys})
-        out, reads = [], []  # reads: (codes row to fill, handle, [(fragment index, src, view)])
-        for i, ptr in enumerate(buffer_ptrs):
-            ptr = _int("buffer_ptr", ptr)
-            row = []
-            for j, key in enumerate(all_keys[i]):
-                dsts, srcs, sizes = all_dst_offsets[i][j], all_src_offsets[i][j], all_sizes[i][j]
-                handle = handles.get(_key(key), INVALID) if len(dsts) == len(srcs) == len(sizes) else INVALID
-                if isinstance(handle, int):
-                    row.append([handle] * len(dsts))
-                    continue
-                codes, frags = self._plan_ranges(ptr, handle.size, dsts, srcs, sizes)
-                row.append(codes)
-                if frags:
-                    reads.append((codes, handle, frags))
-            out.append(row)
-        try:
-            self._read_ranges(client, reads)
-        finally:  # a key whose every fragment was refused is never read: its grant goes back
-            client.release([h for h in handles.values() if isinstance(h, ReadHandle)])
-        return out
-
-    def _plan_ranges(self, ptr: int, value_size: int, dsts, srcs, sizes) -> tuple[list[int], list]:
-        """Codes per fragment (-600 where the range is outside the object or the
-        registered memory, 0 for an empty one) and the fragments to read."""
-        codes, frags = [INVALID] * len(dsts), []
-        for k, (dst, src, size) in enumerate(zip(dsts, srcs, sizes)):
-            if min(dst, src, size) < 0 or src + size > value_size:
-                continue
-            view = self._buffers.view(ptr + dst, size)
-            if view is None:
-                continue
-            if size == 0:
-                codes[k] = 0
-            else:
-                frags.append((k, src, view))
-        return codes, frags
-
-    @staticmethod
-    def _read_ranges(client: Client, reads: list) -> None:
-        """Run every planned fragment in one batch and write results into the rows."""
-        if not reads:
-            return
-        try:
-            results = client.batch_read_ranges([h for _, h, _ in reads],
-                                               [[(src, view) for _, src, view in frags] for _, _, frags in reads])
-        except KVPoolError as exc:
-            results = [[int(exc.code)] * len(frags) for _, _, frags in reads]
-        for (codes, _, frags), got in zip(reads, results):
-            for (k, _, _), n in zip(frags, got):
-                codes[k] = int(n)
-
-    @staticmethod
-    def _query_all(client: Client, keys: set) -> dict[str, ReadHandle | int]:
-        """{key: ReadHandle, or a negative code} for every well-formed key (one RPC)."""
-        wanted = sorted({k for k in _keys(keys) if k is not None})
-        if not wanted:
-            return {}
-        try:
-            handles = client.batch_query(wanted)
-        except KVPoolError as exc:
-            return {k: int(exc.code) for k in wanted}
-        return {k: h if isinstance(h, ReadHandle) else int(h) for k, h in zip(wanted, handles)}
+        return ranges.get_into_ranges(self._client, self._buffers, buffer_ptrs, all_keys, all_dst_offsets,
+                                      all_src_offsets, all_sizes)
 
     # ------------------------------------------------------------ existence, size, descriptors
 
@@ -518,7 +434,7 @@ class MooncakeDistributedStore:
         """``int(call(client, key))``; INVALID for no client or a malformed key, the
         error's code if the call raises a KVPoolError."""
         client = self._client
-        key = _key(key)
+        key = as_key(key)
         if client is None or key is None:
             return INVALID
         try:
@@ -530,7 +446,7 @@ class MooncakeDistributedStore:
         """One int per key: INVALID for a malformed key (or no client); for the rest the
         ints ``call(client, well_formed_keys)`` returns in one batch, or all the code of
         the KVPoolError it raises."""
-        client, keys = self._client, _keys(keys)
+        client, keys = self._client, as_keys(keys)
         out = [INVALID] * len(keys)
         idx = [i for i, k in enumerate(keys) if k is not None]
         if client is None or not idx:
@@ -559,7 +475,7 @@ class MooncakeDistributedStore:
         """Descriptors of the COMPLETE replicas of ``key``; [] on a miss. Grants a lease
         (the object's); the read grant is handed back at once, as nothing is read here."""
         client = self._client
-        key = _key(key)
+        key = as_key(key)
         if client is None or key is None:
             return []
         try:
@@ -571,7 +487,7 @@ class MooncakeDistributedStore:
 
     def batch_get_replica_desc(self, keys: Sequence[str]) -> dict[str, list[ReplicaDescriptor]]:
         """{key: descriptors} for the keys found (missing keys are left out, as in Mooncake)."""
-        client, keys = self._client, _keys(keys)
+        client, keys = self._client, as_keys(keys)
         wanted = [k for k in keys if k is not None]
         if client is None or not wanted:
             return {}
@@ -623,11 +539,11 @@ class MooncakeDistributedStore:
     def register_buffer(self, buffer_ptr: int, size: int) -> int:
         """Allow zero-copy calls on ``size`` bytes at address ``buffer_ptr``; 0 or -600.
         The memory must stay valid until :meth:`unregister_buffer` or :meth:`close`."""
-        ptr, size = _int("buffer_ptr", buffer_ptr), _int("size", size)
+        ptr, size = as_int("buffer_ptr", buffer_ptr), as_int("size", size)
         if self._client is None:
             return INVALID
         return OK if self._buffers.register(ptr, size) else INVALID
 
     def unregister_buffer(self, buffer_ptr: int) -> int:
         """Forget the region registered at ``buffer_ptr``; 0, or -600 if none was."""
-        return OK if self._buffers.unregister(_int("buffer_ptr", buffer_ptr)) else INVALID
+        return OK if self._buffers.unregister(as_int("buffer_ptr", buffer_ptr)) else INVALID

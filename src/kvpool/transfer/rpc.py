@@ -23,7 +23,7 @@ import msgspec
 
 from kvpool import protocol as P
 from kvpool.config import parse_addr
-from kvpool.errors import ErrorCode, RpcFailed
+from kvpool.errors import ErrorCode, RpcFailed, code_of
 
 log = logging.getLogger("kvpool.rpc")
 _MAX_LOGGED = 1024  # distinct refusal messages remembered (then every one is logged)
@@ -106,7 +106,7 @@ class RpcChannel:
         return True
 
     def _refused(self, request: msgspec.Struct, reply: P.ErrorResp) -> RpcFailed:
-        code = _known(reply.code)
+        code = code_of(reply.code, ErrorCode.RPC_FAIL)
         if code == ErrorCode.INVALID_VERSION:
             message = f"master {self.addr}: {reply.message}"
         else:
@@ -118,10 +118,3 @@ class RpcChannel:
         if self._sock is not None:
             self._sock.close()
             self._sock = None
-
-
-def _known(code: int) -> ErrorCode:
-    try:
-        return ErrorCode(code)
-    except ValueError:
-        return ErrorCode.RPC_FAIL

@@ -25,7 +25,7 @@ import msgspec
 
 from kvpool import protocol as P
 from kvpool.config import parse_addr
-from kvpool.errors import ErrorCode
+from kvpool.errors import ErrorCode, code_name
 from kvpool.protocol import SegmentInfo
 from kvpool.transfer.iov import recv_bytes, recv_views, send_views, set_kernel_timeouts
 from kvpool.transfer.request import Cancel, Op, Transport, TransferRequest
@@ -41,14 +41,7 @@ class NodeRefused(ConnectionAbortedError):
 
     def __init__(self, code: int, what: str):
         self.code = code
-        super().__init__(f"the node replied {_code_name(code)} to a {what}")
-
-
-def _code_name(code: int) -> str:
-    try:
-        return ErrorCode(code).name
-    except ValueError:
-        return str(code)
+        super().__init__(f"the node replied {code_name(code)} to a {what}")
 
 
 def describe_failure(exc: BaseException) -> str:
