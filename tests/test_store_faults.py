@@ -17,12 +17,12 @@ from kvpool.client import Client
 from kvpool.config import parse_addr
 from kvpool.errors import ErrorCode, ObjectExists, ObjectNotFound
 from kvpool.launch import Cluster
-from kvpool.transfer.rpc import RpcChannel
+from kvpool.rpc import RpcChannel
 
 DEAD_WRITER = """
 import sys
 from kvpool import protocol as P
-from kvpool.transfer.rpc import RpcChannel
+from kvpool.rpc import RpcChannel
 from kvpool.transfer.shm import ShmTransport
 chan = RpcChannel(sys.argv[1])
 reply = chan.call(P.PutStart(P.PutItem("victim", 1 << 20)))

@@ -12,7 +12,7 @@ from kvpool import protocol as P
 from kvpool.client import Client
 from kvpool.launch import Cluster
 from kvpool.errors import ErrorCode, InvalidParams, LeaseExpired, ObjectNotFound
-from kvpool.transfer.rpc import RpcChannel
+from kvpool.rpc import RpcChannel
 
 
 @pytest.fixture

@@ -1,6 +1,6 @@
 """``Client``: the native kvpool store API (put/get/remove and batch forms).
 
-Control: one blocking :class:`~kvpool.transfer.rpc.RpcChannel` to the master per thread.
+Control: one blocking :class:`~kvpool.rpc.RpcChannel` to the master per thread.
 Data: :class:`~kvpool.transfer.engine.TransferEngine` moves the bytes: a replica on a
 segment this process hosts by one memcpy, on a segment of this host through its mapped
 shared memory (one memcpy), any other, or every one with ``force_tcp=True``, over pooled
@@ -39,12 +39,12 @@ from kvpool import protocol as P
 from kvpool.errors import (
     ErrorCode, InvalidParams, KVPoolError, LeaseExpired, TransferFailed, raise_for,
 )
+from kvpool.node.segment_host import SegmentHost
+from kvpool.rpc import RpcChannel
 from kvpool.transfer import as_byte_view, local_host_id
 from kvpool.transfer.buffers import BufferRegistry, RegisteredBuffer
 from kvpool.transfer.engine import TransferEngine
 from kvpool.transfer.request import Cancel, Op, TransferRequest, TransferStatus, Transport
-from kvpool.transfer.rpc import RpcChannel
-from kvpool.transfer.segment_host import SegmentHost
 from kvpool.transfer.shm import LocalTransport, ShmTransport
 from kvpool.transfer.tcp import TcpTransport
 

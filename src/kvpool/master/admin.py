@@ -32,17 +32,14 @@ from __future__ import annotations
 
 import time
 from collections import Counter
-from typing import TYPE_CHECKING
 
 from aiohttp import web
 from prometheus_client import CollectorRegistry, ProcessCollector
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
-from kvpool.admin.http import error_response, metrics_response, start_site
+from kvpool.http import error_response, metrics_response, start_site
 from kvpool.errors import ErrorCode
-
-if TYPE_CHECKING:  # the master imports this package, never the reverse at run time
-    from kvpool.master.server import MasterServer
+from kvpool.master.server import MasterServer
 
 MAX_KEY_BYTES = 4096
 DEFAULT_KEY_LIMIT = 1000
@@ -74,7 +71,7 @@ class OpCounters:
         self.errors: Counter[tuple[str, str]] = Counter()  # (op, ErrorCode name)
 
     @classmethod
-    def instrument(cls, server: "MasterServer") -> "OpCounters":
+    def instrument(cls, server: MasterServer) -> "OpCounters":
         """Counters that ``server`` updates after every request; call once, before serving."""
         ops = cls()
         server.observe(ops.count)
@@ -180,7 +177,7 @@ def object_json(obj, addrs: dict[str, str], now: float) -> dict:
 class MasterAdmin:
     """Route handlers over one ``MasterServer`` (its ``service`` is the metadata)."""
 
-    def __init__(self, server: "MasterServer"):
+    def __init__(self, server: MasterServer):
         self.service = server.service
         self.started = time.monotonic()
         self.ops = OpCounters.instrument(server)
@@ -235,7 +232,7 @@ class MasterAdmin:
         return web.json_response({"keys": found[:limit], "count": len(found), "truncated": len(found) > limit})
 
 
-async def start_master_admin(server: "MasterServer", host: str, port: int) -> tuple[web.AppRunner, str]:
+async def start_master_admin(server: MasterServer, host: str, port: int) -> tuple[web.AppRunner, str]:
     """Serve the admin app for ``server`` on host:port (0 = free) on the running loop.
 
     Returns (runner, "host:port"). Raises UserError when the port cannot be bound.

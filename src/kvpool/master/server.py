@@ -13,16 +13,12 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import gc
 import logging
-import os
-import signal
 from typing import Callable
 
 import msgspec
 
 from kvpool import protocol as P
-from kvpool.config import write_ready_file
 from kvpool.errors import ErrorCode
 from kvpool.master.service import MasterService
 
@@ -144,34 +140,6 @@ class MasterServer:
                 self.service.tick()
             except Exception:  # upkeep must keep running; the bug is logged
                 log.exception("master tick failed")
-
-
-async def serve(service: MasterService, host: str, port: int, ready_file: str | None,
-                http_port: int | None = None) -> None:
-    """Run the master until SIGTERM/SIGINT. Raises OSError if the port cannot be bound.
-    ``http_port``: admin HTTP (kvpool.admin) on this loop; 0 = a free port, None = none."""
-    # millions of long-lived metadata objects make each full GC pass costly: collect
-    # young objects less often (measured: 34 -> 25 us per put at 100k objects)
-    gc.set_threshold(50_000, 20, 100)
-    server = MasterServer(service, host, port)
-    addr = await server.start()
-    http_addr = None
-    if http_port is not None:
-        from kvpool.admin.master_app import start_master_admin
-
-        _, http_addr = await start_master_admin(server, host, http_port)
-        print(f"kvpool master admin HTTP on {http_addr}", flush=True)
-    loop = asyncio.get_running_loop()
-    stop = asyncio.Event()
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(sig, stop.set)
-    ticker = asyncio.create_task(server.tick_forever())
-    print(f"kvpool master listening on {addr}", flush=True)
-    if ready_file:
-        write_ready_file(ready_file, {"addr": addr, "pid": os.getpid(), "http_addr": http_addr})
-    await stop.wait()
-    ticker.cancel()
-    await server.close()
 
 
 def run_event_loop(coro) -> None:
