@@ -30,7 +30,6 @@ Metrics (Prometheus text format; ``*_total`` are counters since the master start
 
 from __future__ import annotations
 
-import time
 from collections import Counter
 
 from aiohttp import web
@@ -179,7 +178,7 @@ class MasterAdmin:
 
     def __init__(self, server: MasterServer):
         self.service = server.service
-        self.started = time.monotonic()
+        self.started = self.service.clock()
         self.ops = OpCounters.instrument(server)
         self.registry = CollectorRegistry(auto_describe=False)
         self.registry.register(MasterCollector(self.service, self.ops))
@@ -197,7 +196,7 @@ class MasterAdmin:
     async def health(self, request: web.Request) -> web.Response:
         s = self.service.stats()
         return web.json_response({
-            "status": "ok", "role": "master", "uptime_s": round(time.monotonic() - self.started, 3),
+            "status": "ok", "role": "master", "uptime_s": round(self.service.clock() - self.started, 3),
             "objects": s.object_count, "segments": len(s.segments), "owners": s.owner_count,
         })
 
@@ -214,11 +213,11 @@ class MasterAdmin:
         key = request.query.get("key")
         if not key or len(key.encode("utf-8", "surrogatepass")) > MAX_KEY_BYTES:
             return error_response(400, f"give ?key= (1..{MAX_KEY_BYTES} UTF-8 bytes)", ErrorCode.INVALID_PARAMS)
-        obj = self.service.objects.get(key)
+        obj = self.service.lookup(key)
         if obj is None:
             return error_response(404, f"no object {key!r}", ErrorCode.OBJECT_NOT_FOUND)
         addrs = {g.name: g.data_addr for g in self.service.stats().segments}
-        return web.json_response(object_json(obj, addrs, time.monotonic()))
+        return web.json_response(object_json(obj, addrs, self.service.clock()))
 
     async def keys(self, request: web.Request) -> web.Response:
         prefix = request.query.get("prefix", "")
@@ -228,7 +227,7 @@ class MasterAdmin:
             limit = -1
         if not 1 <= limit <= MAX_KEY_LIMIT:
             return error_response(400, f"limit must be an integer in 1..{MAX_KEY_LIMIT}", ErrorCode.INVALID_PARAMS)
-        found = sorted(k for k, o in self.service.objects.items() if o.visible and k.startswith(prefix))
+        found = self.service.visible_keys(prefix)
         return web.json_response({"keys": found[:limit], "count": len(found), "truncated": len(found) > limit})
 
 
