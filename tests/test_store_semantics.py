@@ -17,7 +17,7 @@ from kvpool.rpc import RpcChannel
 
 @pytest.fixture
 def cluster_short_lease():
-    with Cluster(segment_size="64MiB", lease_ttl_ms=300) as c:
+    with Cluster(segment_size="64MiB", lease_ttl_ms=2000) as c:
         yield c
 
 
