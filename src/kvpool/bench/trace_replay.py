@@ -1,4 +1,5 @@
-"""``kvpool bench cache``: replay a Mooncake request trace through the real prefix cache.
+"""The trace replay of ``kvpool bench cache``: a Mooncake request trace through the real
+prefix cache.
 
 The trace format is that of the Mooncake FAST'25 release (``FAST25-release/traces``): one
 JSON object per line with ``timestamp`` (ms), ``input_length``, ``output_length`` and
@@ -16,13 +17,6 @@ Reported (token hit rate = matched prompt tokens / all prompt tokens):
   instance caching the longest prefix if it covers at least half of the prompt, else to
   the least loaded), and the same with load-only routing, against one pooled cache of N*C;
 - the paper's claims (section 5.2.1 / 5.3.1), each with the replay's numbers.
-
-``--engine`` instead runs the reference engine (a real model, CPU) on a workload of token
-ids (``--workload chat``: multi-turn sessions; ``system``: one shared system prompt, a
-distinct question per user) and sweeps L1/L2 sizes and write policies: TTFT and reuse per
-tier. ``--quick`` runs both workloads with few short requests, then replays a small
-generated trace: a smoke run of every path in under two minutes (about 30 s with
-SmolLM2 on 2 CPU cores).
 """
 
 from __future__ import annotations
@@ -32,7 +26,6 @@ import hashlib
 import json
 import math
 import os
-import sys
 import time
 from pathlib import Path
 from collections.abc import Sequence
@@ -40,26 +33,16 @@ from collections.abc import Sequence
 import numpy as np
 import torch
 
+from kvpool.bench.progress import progress_bar
+from kvpool.bench.verdict import Verdict
 from kvpool.cache import Namespace, PageChain, PrefixCache
 from kvpool.errors import UserError
 
-HELP = "prefix cache trace replay: token hit rate vs pooled capacity, local vs global caches"
-
 BLOCK_TOKENS = 512  # the Mooncake traces' block size
 TRACE_NAME = "conversation_trace.jsonl"
-DEFAULT_CAPACITIES = "1e5,3e5,1e6,3e6,1e7,3e7,5e7,1e8"
-DEFAULT_LOCAL = "1e5,3e5,1e6,3e6,1e7"
 AFFINITY_THRESHOLD = 0.5  # share of a prompt's blocks cached on an instance to follow it
 PAGE_SHAPE = (1,)  # one byte per page: the replay measures hits, not bytes
 NS = Namespace(model="trace-replay", dtype="uint8", page_size=BLOCK_TOKENS)
-WORKLOADS = ("chat", "system")
-# --quick: what replaces each option left at its parser default (a small engine sweep on
-# the same model, then a replay of a generated trace of QUICK_TRACE sessions x turns)
-QUICK = {"sessions": 2, "turns": 2, "prefix_tokens": 64,
-         "turn_tokens": 32, "new_tokens": 2, "repeats": 1, "capacities": "1024,4096,1e6",
-         "local_capacities": "2048,1e5", "instances": 3, "json_path": "cache_quick.json",
-         "plot_path": "cache_quick.png"}
-QUICK_TRACE = (12, 5)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -205,7 +188,7 @@ def _route(caches: list[PrefixCache], load: list[int], chain: PageChain,
 
 # -- the paper's claims -----------------------------------------------------------------
 def check_claims(sweep: list[ReplayResult], infinite: ReplayResult,
-                 local_global: list[dict]) -> list[dict]:
+                 local_global: list[dict]) -> list[Verdict]:
     """Each FAST'25 claim on prefix caching with what this replay measured."""
     best = infinite.hit_rate
     by_cap = {r.tokens_per_instance: r.hit_rate for r in sweep}
@@ -213,219 +196,34 @@ def check_claims(sweep: list[ReplayResult], infinite: ReplayResult,
     def share(cap: int) -> float | None:
         return by_cap[cap] / best if cap in by_cap and best else None
 
-    claims = [{
-        "claim": "the conversation workload's prefix-caching ratio is about 40%",
-        "measured": f"theoretical max token hit rate {best:.1%}",
-        "holds": abs(best - 0.40) <= 0.05,
-    }]
+    claims = [Verdict("the conversation workload's prefix-caching ratio is about 40%", best, 0.40,
+                      abs(best - 0.40) <= 0.05, f"theoretical max token hit rate {best:.1%}")]
     s3 = share(3_000_000)
     if s3 is not None:
-        claims.append({"claim": "a 3M-token cache reaches less than half of the maximum",
-                       "measured": f"3e6 tokens: {by_cap[3_000_000]:.1%} = {s3:.0%} of max",
-                       "holds": s3 < 0.5})
+        claims.append(Verdict("a 3M-token cache reaches less than half of the maximum", s3, 0.5,
+                              s3 < 0.5, f"3e6 tokens: {by_cap[3_000_000]:.1%} = {s3:.0%} of max",
+                              higher_is_better=False))
     s50 = share(50_000_000)
     if s50 is not None:
-        claims.append({"claim": "about 50M tokens of pooled capacity reach nearly all of it",
-                       "measured": f"5e7 tokens: {by_cap[50_000_000]:.1%} = {s50:.0%} of max",
-                       "holds": s50 >= 0.9})
+        claims.append(Verdict.bound("about 50M tokens of pooled capacity reach nearly all of it",
+                                    s50, 0.9, f"5e7 tokens: {by_cap[50_000_000]:.1%} = {s50:.0%} of max"))
     if local_global:
         top = max(local_global, key=lambda r: r["ratio"])
         blind = max(local_global, key=lambda r: r["ratio_vs_load_only"])
-        claims.append({
-            "claim": "a global (pooled) cache raises the hit rate up to 2.36x over local caches",
-            "measured": (f"max ratio {top['ratio']:.2f}x over prefix-affinity-routed local "
-                         f"caches ({top['instances']} x {top['per_instance_tokens']:.0e} tokens); "
-                         f"{blind['ratio_vs_load_only']:.2f}x over load-only-routed ones "
-                         f"({blind['instances']} x {blind['per_instance_tokens']:.0e})"),
-            "holds": max(top["ratio"], blind["ratio_vs_load_only"]) >= 1.5,
-        })
+        claims.append(Verdict.bound(
+            "a global (pooled) cache raises the hit rate up to 2.36x over local caches",
+            max(top["ratio"], blind["ratio_vs_load_only"]), 1.5,
+            f"max ratio {top['ratio']:.2f}x over prefix-affinity-routed local "
+            f"caches ({top['instances']} x {top['per_instance_tokens']:.0e} tokens); "
+            f"{blind['ratio_vs_load_only']:.2f}x over load-only-routed ones "
+            f"({blind['instances']} x {blind['per_instance_tokens']:.0e})"))
     return claims
 
 
-# -- model-based sweep (reference engine) ------------------------------------------------
-@dataclasses.dataclass(frozen=True)
-class TierConfig:
-    """One cache configuration of the engine sweep (0 L1 pages: no cache at all)."""
-
-    name: str
-    l1_pages: int
-    l2_pages: int = 0
-    write_policy: str = "write_through"
-
-
-def session_prompts(sessions: int, turns: int, prefix_tokens: int, turn_tokens: int,
-                    vocab: int, seed: int = 0) -> list[list[int]]:
-    """Multi-turn sessions as token ids: a shared system prefix, then each turn appends
-    ``turn_tokens`` to its session; turns of all sessions interleave (turn-major)."""
-    rng = np.random.default_rng(seed)
-    system = rng.integers(0, vocab, prefix_tokens).tolist()
-    history = [list(system) for _ in range(sessions)]
-    prompts = []
-    for _ in range(turns):
-        for s in range(sessions):
-            history[s] += rng.integers(0, vocab, turn_tokens).tolist()
-            prompts.append(list(history[s]))
-    return prompts
-
-
-def system_prompt_prompts(users: int, prefix_tokens: int, question_tokens: int, vocab: int,
-                          seed: int = 0) -> list[list[int]]:
-    """One system prompt of ``prefix_tokens`` shared by every request, each followed by a
-    distinct question of ``question_tokens`` (one request per user)."""
-    rng = np.random.default_rng(seed)
-    system = rng.integers(0, vocab, prefix_tokens).tolist()
-    return [system + rng.integers(0, vocab, question_tokens).tolist() for _ in range(users)]
-
-
-def workload_prompts(args, vocab: int) -> tuple[list[list[int]], int]:
-    """The prompts of ``args.workload`` and their working set in pages (every distinct
-    page once): chat = sessions x turns; system = sessions * turns single questions."""
-    if args.workload == "system":
-        users = args.sessions * args.turns
-        prompts = system_prompt_prompts(users, args.prefix_tokens, args.turn_tokens, vocab)
-        return prompts, args.prefix_tokens // args.page_size + users * (
-            (args.prefix_tokens + args.turn_tokens) // args.page_size
-            - args.prefix_tokens // args.page_size)
-    prompts = session_prompts(args.sessions, args.turns, args.prefix_tokens, args.turn_tokens,
-                              vocab)
-    return prompts, (args.prefix_tokens
-                     + args.sessions * args.turns * args.turn_tokens) // args.page_size
-
-
-def tier_configs(working_pages: int) -> list[TierConfig]:
-    """Cold, a roomy L1, and a quarter-size L1 alone and with an L2 under each policy."""
-    small = max(2, working_pages // 4)
-    roomy = working_pages + 1
-    return [TierConfig("no cache", 0), TierConfig("L1 roomy", roomy),
-            TierConfig("L1 small", small)] + [
-        TierConfig(f"L1 small + L2 {p}", small, roomy, p)
-        for p in ("write_through", "write_through_selective", "write_back")]
-
-
-def engine_sweep(args, engine=None) -> dict:
-    """Run ``args.workload`` once per TierConfig on the reference engine (loaded from
-    ``args.model`` unless given)."""
-    if engine is None:
-        from kvpool.engine.engine import Engine  # lazily: the trace replay needs no model
-
-        engine = Engine(args.model, dtype="float32")
-    vocab = engine.model.get_input_embeddings().num_embeddings
-    prompts, working = workload_prompts(args, vocab)
-    engine.generate(prompts[0][:32], max_new_tokens=1, use_cache=False)  # warm the kernels
-    configs = tier_configs(working)
-    progress = _progress(args.repeats * len(configs) * len(prompts), args.no_progress)
-    # repeats outside, configs inside: background load hits every config alike; each
-    # request's TTFT is the minimum over repeats (the least disturbed run)
-    runs = [[_engine_run(engine, cfg, prompts, args, progress) for cfg in configs]
-            for _ in range(args.repeats)]
-    if progress is not None:
-        progress.close()
-    rows = []
-    for i, cfg in enumerate(configs):
-        row = runs[0][i]
-        ttfts = np.min([run[i].pop("ttfts_ms") for run in runs], axis=0)
-        row.update(mean_ttft_ms=float(ttfts.mean()), p50_ttft_ms=float(np.median(ttfts)),
-                   p99_ttft_ms=float(np.percentile(ttfts, 99)))
-        rows.append(row)
-    return {"model": engine.loaded.name, "workload": args.workload,
-            "page_size": args.page_size, "requests": len(prompts),
-            "repeats": args.repeats, "working_set_pages": working, "configs": rows}
-
-
-def _engine_run(engine, cfg: TierConfig, prompts: list[list[int]], args, progress) -> dict:
-    cache = None
-    if cfg.l1_pages:
-        cache = PrefixCache(engine.namespace(args.page_size), engine.page_shape(args.page_size),
-                            engine.model.dtype, l1_pages=cfg.l1_pages, l2_pages=cfg.l2_pages,
-                            write_policy=cfg.write_policy)
-    engine.cache = cache
-    ttfts, by_tier, reused, total = [], {}, 0, 0
-    try:
-        for prompt in prompts:
-            r = engine.generate(prompt, max_new_tokens=args.new_tokens, use_cache=cache is not None)
-            ttfts.append(r.ttft_ms)
-            reused += r.reused_tokens
-            total += r.prompt_tokens
-            for tier, n in r.reused_by_tier.items():
-                by_tier[tier] = by_tier.get(tier, 0) + n
-            if progress is not None:
-                progress.update(1)
-        counters = cache.metrics.snapshot() if cache is not None else {}
-    finally:
-        engine.cache = None
-        if cache is not None:
-            cache.close()
-    return {**dataclasses.asdict(cfg), "ttfts_ms": ttfts, "token_hit_rate": reused / total,
-            "reused_by_tier": by_tier, "l2_writes": counters.get("l2_writes", 0),
-            "evictions_l1": counters.get("evictions_l1", 0),
-            "evictions_l2": counters.get("evictions_l2", 0)}
-
-
-def _print_engine(doc: dict) -> None:
-    print(f"engine sweep: {doc['model']}, {doc['workload']} workload, {doc['requests']} "
-          f"requests, page {doc['page_size']}, "
-          f"working set {doc['working_set_pages']} pages")
-    print(f"{'config':>34} {'L1':>5} {'L2':>5} {'hit':>6} {'mean TTFT':>10} {'p50':>8} "
-          f"{'p99':>8}  by tier")
-    for r in doc["configs"]:
-        print(f"{r['name']:>34} {r['l1_pages']:>5} {r['l2_pages']:>5} {r['token_hit_rate']:>6.1%} "
-              f"{r['mean_ttft_ms']:>8.1f}ms {r['p50_ttft_ms']:>6.1f}ms {r['p99_ttft_ms']:>6.1f}ms"
-              f"  {r['reused_by_tier']}")
-
-
-def _plot_engine(doc: dict, path: str) -> None:
-    from kvpool.bench.plot import Panel, save_panels
-
-    names = [r["name"] for r in doc["configs"]]
-    save_panels(path, [
-        Panel("mean TTFT", names, {"ms": [r["mean_ttft_ms"] for r in doc["configs"]]}, "ms"),
-        Panel("token hit rate", names,
-              {t: [100 * r["reused_by_tier"].get(t, 0) / max(1, sum(r["reused_by_tier"].values()))
-                   * r["token_hit_rate"] for r in doc["configs"]] for t in ("L1", "L2")}, "%"),
-    ], title=f"{doc['model']}, {doc['workload']} workload: L1/L2 sizes and write policies")
-
-
-# -- CLI --------------------------------------------------------------------------------
-def add_arguments(p) -> None:
-    p.add_argument("--trace", default=None,
-                   help="Mooncake trace, JSON lines (default $KVPOOL_TRACE, else "
-                        f"shared/traces/{TRACE_NAME} beside the repository)")
-    p.add_argument("--capacities", default=DEFAULT_CAPACITIES,
-                   help=f"pooled capacities in tokens (default {DEFAULT_CAPACITIES}); "
-                        "infinite is always added")
-    p.add_argument("--instances", type=int, default=8, help="instances for local vs global")
-    p.add_argument("--local-capacities", default=DEFAULT_LOCAL,
-                   help=f"tokens per instance for local vs global (default {DEFAULT_LOCAL}; "
-                        "'' to skip)")
-    p.add_argument("--limit", type=int, default=None, help="replay only the first N requests")
-    p.add_argument("--json", dest="json_path", default="cache_trace.json",
-                   help="write results as JSON here (default cache_trace.json)")
-    p.add_argument("--plot", dest="plot_path", default="cache_trace.png",
-                   help="write a PNG plot here (default cache_trace.png; '' for none)")
-    p.add_argument("--no-progress", action="store_true", help="no progress bar")
-    g = p.add_argument_group("model-based sweep (--engine)")
-    g.add_argument("--engine", action="store_true",
-                   help="sweep L1/L2 sizes and write policies on the reference engine instead")
-    g.add_argument("--workload", choices=WORKLOADS, default="chat",
-                   help="chat: multi-turn sessions on a shared prefix (default); system: one "
-                        "shared system prompt, a distinct question per user")
-    g.add_argument("--model", default="smollm2", help="engine model (default smollm2)")
-    g.add_argument("--sessions", type=int, default=4, help="concurrent sessions (default 4)")
-    g.add_argument("--turns", type=int, default=3, help="turns per session (default 3)")
-    g.add_argument("--prefix-tokens", type=int, default=128, help="shared system prefix")
-    g.add_argument("--turn-tokens", type=int, default=48, help="tokens each turn appends")
-    g.add_argument("--new-tokens", type=int, default=4, help="tokens generated per request")
-    g.add_argument("--page-size", type=int, default=16, help="tokens per page")
-    g.add_argument("--repeats", type=int, default=2,
-                   help="runs of the whole sweep; TTFT per request is the minimum (default 2)")
-    p.add_argument("--quick", action="store_true",
-                   help="smoke run in under 2 minutes: both engine workloads with few short "
-                        "requests, then a small generated trace (or --trace with --limit); an "
-                        "option set to other than its default keeps that value (writes "
-                        "cache_quick.json and cache_quick_{chat,system,trace}.png)")
-
-
-def _capacities(text: str, what: str) -> list[int]:
+# -- the whole replay and its report ----------------------------------------------------
+def parse_capacities(text: str, what: str) -> list[int]:
+    """Token capacities from "1e5,3e5" (``what``: the option, for the message);
+    raises UserError unless each holds at least one block."""
     try:
         values = [int(float(v)) for v in text.split(",") if v.strip()]
     except ValueError:
@@ -435,42 +233,19 @@ def _capacities(text: str, what: str) -> list[int]:
     return values
 
 
-def run(args) -> int:
-    torch.set_num_threads(1)
-    if args.quick:
-        return _run_quick(args)
-    if args.engine:
-        return _run_engine(args)
-    _check_replay_args(args)
-    args.trace = args.trace or default_trace()
-    doc = trace_replay(load_trace(args.trace, args.limit), args, os.path.abspath(args.trace))
-    _print(doc)
-    _write(doc, args.json_path)
-    if args.plot_path:
-        _plot(doc, args.plot_path)
-    return 0
-
-
-def _check_replay_args(args) -> None:
-    _capacities(args.capacities, "--capacities")
-    _capacities(args.local_capacities, "--local-capacities")
-    if args.instances < 1:
-        raise UserError("--instances must be >= 1")
-
-
 def trace_replay(requests: list[TraceRequest], args, trace_name: str,
                  claims: bool = True) -> dict:
     """Replay ``requests`` at ``args.capacities`` and infinite capacity, then local vs
     global at ``args.local_capacities`` x ``args.instances``; the report as a dict, with
     the paper's claims checked unless ``claims`` is False (a trace not from the paper)."""
-    capacities = _capacities(args.capacities, "--capacities")
-    local_caps = _capacities(args.local_capacities, "--local-capacities")
+    capacities = parse_capacities(args.capacities, "--capacities")
+    local_caps = parse_capacities(args.local_capacities, "--local-capacities")
     started = time.monotonic()
     builder = ChainBuilder()
     chains = [builder.chain(r) for r in requests]
     unique = len({k for c in chains for k in c.keys})
     runs = len(capacities) + 1 + 3 * len(local_caps)
-    progress = _progress(runs * len(chains), args.no_progress)
+    progress = progress_bar(runs * len(chains), args.no_progress)
     sweep = [replay(chains, 1, cap, unique, progress) for cap in capacities]
     infinite = replay(chains, 1, None, unique, progress)
     local_global = []
@@ -499,7 +274,7 @@ def trace_replay(requests: list[TraceRequest], args, trace_name: str,
                             "evictions": r.evictions} for r in sweep],
         "infinite": {"hit_rate": infinite.hit_rate},
         "local_vs_global": local_global,
-        "claims": check_claims(sweep, infinite, local_global) if claims else [],
+        "claims": [v.as_claim() for v in check_claims(sweep, infinite, local_global)] if claims else [],
         "elapsed_s": round(time.monotonic() - started, 1),
     }
 
@@ -522,90 +297,11 @@ def generated_trace(sessions: int, turns: int, seed: int = 0) -> list[TraceReque
     return requests
 
 
-def _apply_quick(args) -> None:
-    """Replace each option still at its parser default by its QUICK value."""
-    import argparse
-
-    parser = argparse.ArgumentParser()
-    add_arguments(parser)
-    defaults = vars(parser.parse_args([]))
-    for name, value in QUICK.items():
-        if getattr(args, name) == defaults[name]:
-            setattr(args, name, value)
-
-
-def _run_quick(args) -> int:
-    """Both engine workloads on one loaded model, then the replay of a generated trace
-    (``--trace``: that one); one JSON, one PNG per part (``<plot stem>_<part>.png``)."""
-    _apply_quick(args)
-    _check_engine_args(args)
-    _check_replay_args(args)
-    from kvpool.engine.engine import Engine
-
-    started = time.monotonic()
-    engine = Engine(args.model, dtype="float32")
-    doc = {"quick": True, "engine": {}}
-    for workload in WORKLOADS:
-        args.workload = workload
-        doc["engine"][workload] = engine_sweep(args, engine)
-        _print_engine(doc["engine"][workload])
-    if args.trace:  # the user's trace, cut by --limit
-        requests, name = load_trace(args.trace, args.limit), os.path.abspath(args.trace)
-    else:
-        sessions, turns = QUICK_TRACE
-        requests = generated_trace(sessions, turns)
-        name = f"generated: {sessions} sessions x {turns} turns"
-    doc["trace"] = trace_replay(requests, args, name, claims=bool(args.trace))
-    _print(doc["trace"])
-    doc["elapsed_s"] = round(time.monotonic() - started, 1)
-    print(f"quick run: {doc['elapsed_s']} s")
-    _write(doc, args.json_path)
-    if args.plot_path:
-        stem = Path(args.plot_path)
-        for workload in WORKLOADS:
-            _plot_engine(doc["engine"][workload], str(stem.with_stem(f"{stem.stem}_{workload}")))
-        _plot(doc["trace"], str(stem.with_stem(f"{stem.stem}_trace")))
-    return 0
-
-
-def _write(doc: dict, path: str) -> None:
-    if path:
-        with open(path, "w") as f:
-            json.dump(doc, f, indent=1)
-
-
-def _check_engine_args(args) -> None:
-    if min(args.sessions, args.turns, args.turn_tokens, args.new_tokens, args.page_size,
-           args.repeats) < 1 or args.prefix_tokens < 0:
-        raise UserError("--sessions, --turns, --turn-tokens, --new-tokens, --page-size and "
-                        "--repeats must be >= 1")
-
-
-def _run_engine(args) -> int:
-    _check_engine_args(args)
-    started = time.monotonic()
-    doc = engine_sweep(args)
-    doc["elapsed_s"] = round(time.monotonic() - started, 1)
-    _print_engine(doc)
-    _write(doc, args.json_path)
-    if args.plot_path:
-        _plot_engine(doc, args.plot_path)
-    return 0
-
-
 def _ratio(a: float, b: float) -> float:
     return a / b if b else math.inf
 
 
-def _progress(total: int, disabled: bool):
-    if disabled:
-        return None
-    from tqdm import tqdm
-
-    return tqdm(total=total, unit="req", desc="replay", file=sys.stderr, mininterval=0.5)
-
-
-def _print(doc: dict) -> None:
+def print_replay(doc: dict) -> None:
     print(f"trace {doc['trace']}: {doc['requests']} requests, {doc['input_tokens']} prompt "
           f"tokens, {doc['unique_blocks']} distinct blocks")
     print(f"{'capacity (tokens)':>18} {'hit rate':>9} {'of max':>7}")
@@ -622,7 +318,7 @@ def _print(doc: dict) -> None:
     print(f"elapsed {doc['elapsed_s']} s")
 
 
-def _plot(doc: dict, path: str) -> None:
+def plot_replay(doc: dict, path: str) -> None:
     import matplotlib
 
     matplotlib.use("Agg")  # files only
