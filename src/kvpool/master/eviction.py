@@ -97,18 +97,12 @@ class Eviction:
         segs = self.segments.segments
         if not any(s.allocator.capacity >= need for s in segs.values()):
             return False
-        now = self.clock()
         room = {n: s.allocator.capacity - s.allocator.used for n, s in segs.items()}
         candidates, soft, keep = [], [], []
-        for obj in self.queue.pop_due(now):
-            if obj.pending is not None:
-                keep.append(obj)
-            elif obj.soft_pinned(now):
-                soft.append(obj)
-            else:
-                candidates.append(obj)
-                if _adds_room(obj, room, need, self.segments.rounded):
-                    break
+        for obj in self._due_unpinned(self.clock(), keep, soft):
+            candidates.append(obj)
+            if _adds_room(obj, room, need, self.segments.rounded):
+                break
         else:  # unpinned objects were not enough: soft-pinned ones, in order
             for i, obj in enumerate(soft):
                 candidates.append(obj)
@@ -120,7 +114,30 @@ class Eviction:
                 candidates = []
             soft = []
         keep.extend(soft)
-        useful = {n for n, free in room.items() if free >= need}
+        evicted = self._evict_useful(candidates, {n for n, free in room.items() if free >= need},
+                                     need, keep)
+        for obj in keep:
+            self.queue.push(obj)
+        return evicted > 0
+
+    def _due_unpinned(self, now: float, keep: list[ObjectMeta],
+                      soft: list[ObjectMeta]) -> Iterator[ObjectMeta]:
+        """Due objects, in eviction order, that may go now; in-flight ones are put in
+        ``keep`` and soft-pinned ones in ``soft`` (the caller evicts or pushes back)."""
+        for obj in self.queue.pop_due(now):
+            if obj.pending is not None:
+                keep.append(obj)
+            elif obj.soft_pinned(now):
+                soft.append(obj)
+            else:
+                yield obj
+
+    def _evict_useful(self, candidates: list[ObjectMeta], useful: set[str], need: int,
+                      keep: list[ObjectMeta]) -> int:
+        """Evict, in order, the candidates with a replica on a ``useful`` segment until
+        one of those has a free extent of ``need`` bytes; the others go to ``keep``.
+        Returns how many were evicted."""
+        segs = self.segments.segments
         evicted = 0
         for i, obj in enumerate(candidates):
             if not any(r.segment in useful for r in obj.replicas):
@@ -131,9 +148,7 @@ class Eviction:
             if any(segs[n].allocator.largest_free >= need for n in useful):
                 keep.extend(candidates[i + 1:])
                 break
-        for obj in keep:
-            self.queue.push(obj)
-        return evicted > 0
+        return evicted
 
     def _evict(self, obj: ObjectMeta) -> None:
         self._free(obj.replicas)  # its lease ended, and with it every grant on it
@@ -158,18 +173,12 @@ class Eviction:
         if self._eviction_debt <= 0:
             self._eviction_debt = max(1, math.ceil(self.config.eviction_ratio * len(self.objects)))
         target = min(self._eviction_debt, limit)
-        now = self.clock()
         evicted, soft, keep = 0, [], []
-        for obj in self.queue.pop_due(now):
-            if obj.pending is not None:
-                keep.append(obj)
-            elif obj.soft_pinned(now):
-                soft.append(obj)
-            else:
-                self._evict(obj)
-                evicted += 1
-                if evicted == target:
-                    break
+        for obj in self._due_unpinned(self.clock(), keep, soft):
+            self._evict(obj)
+            evicted += 1
+            if evicted == target:
+                break
         for obj in soft:
             if evicted < target:
                 self._evict(obj)
