@@ -237,3 +237,23 @@ def test_counts_kept_as_they_change_equal_a_full_scan():
             svc.batch_exist_key([key])
         assert counted(svc) == scanned(svc), step
     assert svc.stats().object_count > 0
+
+
+def test_every_request_type_has_a_handler_that_returns_its_reply():
+    import typing
+
+    from kvpool.master.server import MasterServer
+
+    svc, _ = service()
+    server = MasterServer(svc)
+    assert set(server._handlers) == set(typing.get_args(P.Request))
+    put(svc, "k")
+    replies = {}
+    for body, reply_type in ((P.Ping(), P.Resp), (P.ExistKey("k"), P.Resp),
+                             (P.BatchExistKey(["k", "nope"]), P.CodesResp),
+                             (P.Remove("nope"), P.Resp), (P.GetStats(), P.StatsResp),
+                             (P.BatchGetReplicaList(["k"]), P.BatchGetResp)):
+        replies[type(body)] = reply = server.dispatch(P.encode_frame(body)[P.HEADER.size:])
+        assert type(reply) is reply_type, (body, reply)
+    assert replies[P.BatchExistKey].codes == [OK, NOT_FOUND]
+    assert replies[P.Remove].code == NOT_FOUND
