@@ -12,8 +12,10 @@ import time
 
 import pytest
 
-from kvpool.bench.anchors_base import Bench, CellSpec, Target, Worker
-from kvpool.bench.store import Column, Figures, Row, Summary, format_table, verdicts
+from kvpool.bench.harness import Bench, CellSpec, Target
+from kvpool.bench.store_plan import Column, Row
+from kvpool.bench.store_report import Figures, Summary, format_table, verdicts
+from kvpool.bench.worker import Worker
 from kvpool.cli import main
 
 TINY = ["bench", "store", "--sizes", "4KiB,64KiB", "--batches", "4", "--repeats", "1",
@@ -171,15 +173,15 @@ def test_ratios_pair_repeats_and_verdicts_follow_them():
     assert fig.ratio("kvpool shm", "mooncake x-proc", big) == pytest.approx(3.0)
     table = format_table([big, small], cols, fig)
     assert "3.00x" in table and "0.75x" in table and "0.50x" in table
-    vs = {v.target: v for v in verdicts([big, small], fig, {})}
+    vs = {v.name: v for v in verdicts([big, small], fig, {})}
     assert vs["same host >=1MiB: kvpool shm / mooncake x-proc >= 2.5"].met is True
-    assert vs["same host >=1MiB: kvpool shm / memcpy >= 0.6"].value == pytest.approx(0.75)
+    assert vs["same host >=1MiB: kvpool shm / memcpy >= 0.6"].measured == pytest.approx(0.75)
     p50 = vs["4KiB get p50: kvpool shm / mooncake x-proc <= 1.2"]
-    assert p50.met is True and p50.value == pytest.approx(0.5)
+    assert p50.met is True and p50.measured == pytest.approx(0.5)
     assert vs["TCP >=1MiB: kvpool tcp / tcp-stream >= 0.8"].met is None  # column absent
     memory = {"kvpool tcp": {"segment_size": 64 << 20, "node_peak_rss_bytes": 200 << 20,
                              "client_own_bytes": 10 << 20}}
-    vs = {v.target: v for v in verdicts([], fig, memory)}
+    vs = {v.name: v for v in verdicts([], fig, memory)}
     assert vs["node peak RSS <= segment + 100 MiB (MiB)"].met is False
     assert vs["client without segment, own RSS beyond python+numpy <= 150 MiB"].met is True
 
@@ -204,7 +206,7 @@ def _alive(pid: int) -> bool:
 
 
 def test_a_worker_whose_controller_vanishes_stops_its_cluster(tmp_path):
-    w = Worker("kvpool shm", "kvpool.bench.anchors_kvpool:KvpoolTarget",
+    w = Worker("kvpool shm", "kvpool.bench.systems.kvpool:KvpoolTarget",
                {"segment_size": 16 << 20, "log_dir": str(tmp_path)}, log_path=str(tmp_path / "w.log"))
     assert w.start(), w.absent
     pids = w.info["pids"]

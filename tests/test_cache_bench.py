@@ -5,7 +5,8 @@ import random
 
 import numpy as np
 
-from kvpool.bench.cache import NS, QUICK, ChainBuilder, TraceRequest, generated_trace, load_trace
+from kvpool.bench.cache import QUICK
+from kvpool.bench.trace_replay import NS, ChainBuilder, TraceRequest, generated_trace, load_trace
 from kvpool.cache import page_chain
 from kvpool.cli import main
 

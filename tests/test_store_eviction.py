@@ -1,4 +1,6 @@
-"""Eviction: futile puts evict nothing, order by lease deadline, pins, watermark."""
+"""Eviction over the wire: futile puts evict nothing, leases and pins protect, watermark.
+Eviction order by lease deadline and soft-pin deadlines are stepped through on a fake
+clock in test_master_clock.py."""
 
 from __future__ import annotations
 
@@ -46,27 +48,6 @@ def test_k10_leased_objects_are_not_evicted_for_a_put(cluster):
         assert c.stats().object_count == 8
 
 
-@pytest.mark.cluster(segment_size="8MiB", lease_ttl_ms=300, extra_master_args=NO_WATERMARK)
-def test_failed_allocation_evicts_by_lease_deadline_then_soft_pins_never_hard(cluster):
-    with Client(cluster.master_addr) as c:
-        c.batch_put(["hard0", "hard1"], [b"h" * MiB] * 2, hard_pin=True)
-        c.batch_put(["soft0", "soft1"], [b"s" * MiB] * 2, soft_pin=True)
-        for i in range(4):
-            c.put(f"plain{i}", b"p" * MiB)
-        c.put("x", b"x" * MiB)  # full: evicts the oldest unpinned object
-        assert c.batch_is_exist(["plain0", "plain1", "soft0", "soft1", "hard0"]) == [False, True, True, True, True]
-        handle = c.query("plain1")  # a read moves plain1's lease deadline past the others
-        wait_for(lambda: time.monotonic() > handle.deadline + 0.05, what="lease expiry")
-        c.put("y", b"y" * MiB)
-        assert c.batch_is_exist(["plain1", "plain2"]) == [True, False]
-        wait_for(lambda: time.monotonic() > handle.deadline + 0.6, what="is_exist leases to expire")
-        c.put("big", b"B" * (5 * MiB))  # needs every unpinned object, then the soft pins
-        assert c.batch_is_exist(["hard0", "hard1", "soft0", "soft1", "plain1", "big"]) == [
-            True, True, False, False, False, True]
-        with pytest.raises(NoSpace):  # only hard-pinned and leased objects are left
-            c.put("more", b"m" * (5 * MiB))
-
-
 @pytest.mark.cluster(segment_size="16MiB", extra_master_args=[
     "--eviction-high-watermark-ratio", "0.5", "--eviction-ratio", "0.25"])
 def test_watermark_eviction_brings_usage_down_and_keeps_hard_pins(cluster):
@@ -90,22 +71,6 @@ def test_pin_modes_can_be_set_after_put(cluster):
         c.put("e", b"e" * MiB)
         assert c.batch_is_exist(["a", "b", "c", "d"]) == [True, True, False, True]
         c.pin("a", "none")
-
-
-@pytest.mark.cluster(segment_size="2MiB", lease_ttl_ms=200,
-                     extra_master_args=NO_WATERMARK + ["--soft-pin-ttl", "400"])
-def test_soft_pin_protects_until_its_fixed_deadline_only(cluster):
-    with Client(cluster.master_addr) as c:
-        c.put("soft", b"s" * MiB, soft_pin=True)
-        pinned_until = time.monotonic() + 0.4
-        c.put("plain", b"p" * MiB)
-        c.put("c", b"c" * MiB)  # soft is older, but pinned: plain goes
-        assert time.monotonic() < pinned_until, "machine too slow for this timing"
-        # (reads would grant leases and move deadlines: check without reading soft)
-        assert not c.is_exist("plain") and c.stats().object_count == 2
-        wait_for(lambda: time.monotonic() > pinned_until + 0.1, what="soft pin to run out")
-        c.put("d", b"d" * MiB)  # the pin has run out: soft is now the oldest, it goes
-        assert c.batch_is_exist(["soft", "c", "d"]) == [False, True, True]
 
 
 @pytest.mark.cluster(segment_size="2MiB", extra_master_args=NO_WATERMARK)

@@ -23,7 +23,7 @@ from kvpool.config import parse_addr
 from kvpool.errors import ErrorCode, NoSpace, RpcFailed
 from kvpool.mooncake import ReplicateConfig
 from kvpool.mooncake.store import MooncakeDistributedStore
-from kvpool.transfer.rpc import RpcChannel
+from kvpool.rpc import RpcChannel
 
 MIB = 1 << 20
 

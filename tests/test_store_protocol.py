@@ -15,7 +15,7 @@ from kvpool import protocol as P
 from kvpool.config import Option, add_options, resolve
 from kvpool.errors import ErrorCode, UserError
 from kvpool.master.allocator import OffsetAllocator
-from kvpool.transfer.rpc import RpcChannel
+from kvpool.rpc import RpcChannel
 
 BIG = [2**31 - 1, 2**31, 2**32 - 1, 2**32, 2**32 + 1, 2**40 + 7, 2**64 - 1]
 

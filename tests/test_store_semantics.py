@@ -12,12 +12,12 @@ from kvpool import protocol as P
 from kvpool.client import Client
 from kvpool.launch import Cluster
 from kvpool.errors import ErrorCode, InvalidParams, LeaseExpired, ObjectNotFound
-from kvpool.transfer.rpc import RpcChannel
+from kvpool.rpc import RpcChannel
 
 
 @pytest.fixture
 def cluster_short_lease():
-    with Cluster(segment_size="64MiB", lease_ttl_ms=300) as c:
+    with Cluster(segment_size="64MiB", lease_ttl_ms=2000) as c:
         yield c
 
 

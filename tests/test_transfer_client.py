@@ -11,7 +11,7 @@ import pytest
 
 from kvpool.client import Client
 from kvpool.errors import BufferOverflow, ErrorCode, InvalidParams
-from kvpool.transfer.rpc import RpcChannel
+from kvpool.rpc import RpcChannel
 
 MODES = ["shm", "tcp", "local"]
 

@@ -1,6 +1,6 @@
 """``kvpool bench store``: kvpool's data path against Mooncake Store, Redis and the machine.
 
-Every system runs in its own worker process (:mod:`kvpool.bench.anchors_base`). For each
+Every system runs in its own worker process (:mod:`kvpool.bench.harness`). For each
 value size, API and operation, the controller measures one repeat in every column, then
 the next repeat in every column (rotating the order), so kvpool and its anchors share the
 same minutes of a noisy machine and their ratios stay fair. Figures are medians over
@@ -26,150 +26,26 @@ from __future__ import annotations
 import json
 import os
 import platform
-import statistics
 import sys
 import tempfile
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict
 
-from kvpool.bench.anchors_base import CellResult, CellSpec, Worker
-from kvpool.bench.anchors_netns import private_netns_prefix
+from kvpool.bench.harness import CellResult, CellSpec
+from kvpool.bench.store_plan import Column, Row, parse_list, plan_columns, plan_rows
+from kvpool.bench.store_report import (
+    RATIOS, Figures, build_panels, format_table, format_verdicts, summarize, verdicts,
+)
+from kvpool.bench.worker import Worker
 from kvpool.config import parse_size
 from kvpool.errors import UserError
 
 HELP = "benchmark the store's data path against Mooncake, Redis and the machine's limits"
 SCHEMA = "kvpool.bench.store/1"
 
-_KIB, _MIB = 1 << 10, 1 << 20
 DEFAULT_SIZES = "4KiB,64KiB,1MiB,16MiB"
 QUICK_SIZES = "4KiB,1MiB"
 DEFAULT_BATCHES = "16,128"
-
-
-# --------------------------------------------------------------------------- plan
-
-
-@dataclass(frozen=True)
-class Column:
-    """One system column: the worker that measures it and what it is compared with."""
-
-    name: str
-    target: str
-    cfg: dict = field(default_factory=dict, hash=False, compare=False)
-    prefix: tuple[str, ...] = ()
-    kind: str = "anchor"  # "kvpool" | "anchor" | "limit"
-
-
-@dataclass(frozen=True)
-class Row:
-    """One line of the table: an operation of an API on values of ``size`` bytes."""
-
-    size: int
-    api: str
-    op: str
-    batch: int = 1
-
-    @property
-    def label(self) -> str:
-        api = f"batch{self.batch}" if self.api == "batch" else self.api
-        return f"{fmt_size(self.size):>6} {api:<9} {self.op}"
-
-    @property
-    def metric(self) -> str:
-        """What the table shows for this row: 'gbps', 'ops_per_s' or 'p50_us'."""
-        if self.size >= 64 * _KIB:
-            return "gbps"
-        return "ops_per_s" if self.api == "batch" else "p50_us"
-
-
-def fmt_size(n: int) -> str:
-    for unit, div in (("GiB", 1 << 30), ("MiB", _MIB), ("KiB", _KIB)):
-        if n >= div and n % div == 0:
-            return f"{n // div}{unit}"
-    return f"{n}B"
-
-
-def parse_list(text: str, parse) -> list:
-    try:
-        items = [parse(x.strip()) for x in str(text).split(",") if x.strip()]
-    except (ValueError, UserError) as exc:
-        raise UserError(f"bad list {text!r}: {exc}") from None
-    if not items:
-        raise UserError(f"empty list {text!r}")
-    return items
-
-
-def plan_rows(sizes: list[int], apis: list[str], ops: list[str], batches: list[int],
-              max_batch_bytes: int) -> list[Row]:
-    """Rows in run order; batches above ``max_batch_bytes`` per call are left out."""
-    rows = []
-    for size in sizes:
-        for api in apis:
-            for op in ops:
-                if api != "batch":
-                    rows.append(Row(size, api, op))
-                    continue
-                rows.extend(Row(size, api, op, b) for b in batches if b * size <= max_batch_bytes)
-    return rows
-
-
-def plan_columns(args, log_dir: str) -> list[Column]:
-    """The columns this run measures, from the command-line switches."""
-    seg = args.segment_size
-
-    def logs(name: str) -> str:  # each cluster's master/node logs in their own folder
-        return os.path.join(log_dir, name.replace(" ", "_"))
-
-    cols = [Column("kvpool in-proc", "kvpool.bench.anchors_kvpool:KvpoolTarget",
-                   {"client_segment": seg, "log_dir": logs("kvpool in-proc")}, kind="kvpool"),
-            Column("kvpool shm", "kvpool.bench.anchors_kvpool:KvpoolTarget",
-                   {"segment_size": seg, "force_tcp": False, "log_dir": logs("kvpool shm")},
-                   kind="kvpool"),
-            Column("kvpool tcp", "kvpool.bench.anchors_kvpool:KvpoolTarget",
-                   {"segment_size": seg, "force_tcp": True, "log_dir": logs("kvpool tcp")},
-                   kind="kvpool")]
-    if not args.no_veth:
-        cols.append(Column("kvpool veth", "kvpool.bench.anchors_kvpool:VethKvpoolTarget",
-                           {"segment_size": seg, "log_dir": logs("kvpool veth")}, kind="kvpool"))
-    if not args.no_mooncake:
-        prefix, _ = private_netns_prefix()
-        for layout, name in (("in_process", "mooncake in-proc"), ("cross_process", "mooncake x-proc")):
-            cols.append(Column(name, "kvpool.bench.anchors_mooncake:MooncakeTarget",
-                               {"layout": layout, "segment_size": seg,
-                                "master_binary": args.mooncake_master}, prefix))
-    if not args.no_redis:
-        cols.append(Column("redis", "kvpool.bench.anchors_redis:RedisTarget",
-                           {"binary": args.redis_server}))
-    cols.append(Column("memcpy", "kvpool.bench.anchors_limits:MemcpyTarget", kind="limit"))
-    cols.append(Column("tcp-stream", "kvpool.bench.anchors_limits:TcpStreamTarget", kind="limit"))
-    return [c for c in cols if not args.only or c.name in args.only]
-
-
-# --------------------------------------------------------------------------- run
-
-
-@dataclass
-class Summary:
-    """Medians over the successful repeats of one (column, row), and the raw repeats."""
-
-    gbps: float | None = None
-    ops_per_s: float | None = None
-    p50_us: float | None = None
-    p99_us: float | None = None
-    repeats: list[dict] = field(default_factory=list)
-    error: str | None = None
-
-
-def summarize(results: list[CellResult]) -> Summary:
-    ok = [r for r in results if r.error is None]
-    out = Summary(repeats=[asdict(r) for r in results])
-    if not ok:
-        out.error = results[0].error if results else "not measured"
-        return out
-    for name in ("gbps", "ops_per_s", "p50_us", "p99_us"):
-        vals = [getattr(r, name) for r in ok if getattr(r, name) is not None]
-        setattr(out, name, statistics.median(vals) if vals else None)
-    return out
 
 
 def cell_spec(col: Column, row: Row, rep: int, args) -> CellSpec:
@@ -220,188 +96,6 @@ def measure(workers: list[Worker], columns: list[Column], rows: list[Row], args,
 
 def count_cells(columns: list[Column], rows: list[Row], repeats: int) -> int:
     return len(rows) * len(columns) * repeats
-
-
-# --------------------------------------------------------------------------- table and targets
-
-RATIOS = (  # (label, kvpool column, anchor column)
-    ("in/mc-in", "kvpool in-proc", "mooncake in-proc"),
-    ("shm/mc-x", "kvpool shm", "mooncake x-proc"),
-    ("shm/memcpy", "kvpool shm", "memcpy"),
-    ("tcp/mc-x", "kvpool tcp", "mooncake x-proc"),
-    ("tcp/stream", "kvpool tcp", "tcp-stream"),
-    ("tcp/redis", "kvpool tcp", "redis"),
-)
-
-
-class Figures:
-    """Medians per (column, row), and kvpool/anchor ratios paired by repeat."""
-
-    def __init__(self, summaries: dict[tuple[str, Row], Summary], columns: list[Column]):
-        self.s = summaries
-        self.limits = {c.name for c in columns if c.kind == "limit"}
-
-    def get(self, column: str, row: Row, metric: str | None = None) -> float | None:
-        metric = metric or row.metric
-        if column in self.limits and metric == "p50_us":
-            return None  # a stream or a copy has no call latency to compare with
-        summ = self.s.get((column, row))
-        return getattr(summ, metric) if summ else None
-
-    def ratio(self, a: str, b: str, row: Row, metric: str | None = None) -> float | None:
-        """Median over repeats of a/b, each repeat paired with the same repeat of b.
-
-        Repeat r of every column runs within the same few seconds, so the pair shares
-        the machine's load at that moment; the median of paired ratios is much steadier
-        than the ratio of two medians on a shared machine.
-        """
-        metric = metric or row.metric
-        if self.get(a, row, metric) is None or self.get(b, row, metric) is None:
-            return None
-        pairs = [(x.get(metric), y.get(metric))
-                 for x, y in zip(self.s[(a, row)].repeats, self.s[(b, row)].repeats)]
-        ratios = [x / y for x, y in pairs if x is not None and y]
-        return statistics.median(ratios) if ratios else None
-
-
-def fmt_value(v: float | None, metric: str) -> str:
-    if v is None:
-        return "-"
-    if metric == "gbps":
-        return f"{v:.2f}"
-    if metric == "ops_per_s":
-        return f"{v / 1e3:.1f}k"
-    return f"{v:.0f}"
-
-
-def format_table(rows: list[Row], columns: list[Column], fig: Figures) -> str:
-    """The printed table: one line per row, each column's median, then kvpool/anchor ratios
-    (medians of ratios paired by repeat, see :meth:`Figures.ratio`).
-
-    Units per row: GB/s for values >= 64 KiB, k objects/s for small batches, p50 µs for
-    small single ops (for p50 a ratio below 1 means kvpool is faster). A limit column
-    shows its copy (or stream) of values of the row's size, measured beside the row.
-    """
-    names = [c.name for c in columns]
-    ratios = [r for r in RATIOS if r[1] in names and r[2] in names]
-    width = [max(10, len(n) + 1) for n in names]
-    head = f"{'size   api       op':<24}{'unit':<6}" + "".join(
-        f"{n:>{w}}" for n, w in zip(names, width)) + "".join(f"{r[0]:>12}" for r in ratios)
-    lines = [head, "-" * len(head)]
-    unit = {"gbps": "GB/s", "ops_per_s": "obj/s", "p50_us": "p50us"}
-    for row in rows:
-        m = row.metric
-        vals = "".join(f"{fmt_value(fig.get(n, row), m):>{w}}" for n, w in zip(names, width))
-        rats = "".join(f"{_fmt_ratio(fig.ratio(a, b, row)):>12}" for _, a, b in ratios)
-        lines.append(f"{row.label:<24}{unit[m]:<6}{vals}{rats}")
-    return "\n".join(lines)
-
-
-def _fmt_ratio(r: float | None) -> str:
-    return "-" if r is None else f"{r:.2f}x"
-
-
-@dataclass
-class Verdict:
-    """One performance target checked on one row: ``value`` vs ``threshold`` (the
-    targets are the ratios against Mooncake, memcpy and one TCP stream and the memory
-    limits listed in :func:`verdicts` and docs/bench.md)."""
-
-    target: str
-    row: str
-    value: float | None
-    threshold: float
-    higher_is_better: bool = True
-    met: bool | None = None
-
-    def __post_init__(self):
-        if self.value is not None:
-            self.met = (self.value >= self.threshold if self.higher_is_better
-                        else self.value <= self.threshold)
-
-
-def verdicts(rows: list[Row], fig: Figures, memory: dict[str, dict]) -> list[Verdict]:
-    """kvpool's performance targets, per row they concern (ratios of medians of the same
-    run): speed against Mooncake's cross-process store, memcpy and one TCP stream, and
-    the memory of nodes and clients.
-
-    memory: {kvpool column: its stats} (node RSS, client probe), in bytes.
-    """
-    out: list[Verdict] = []
-    for row in rows:
-        if row.size >= _MIB and row.api in ("zero_copy", "batch"):
-            checks = (("same host >=1MiB: kvpool shm / mooncake x-proc >= 2.5", "kvpool shm",
-                       "mooncake x-proc", 2.5),
-                      ("same host >=1MiB: kvpool shm / memcpy >= 0.6", "kvpool shm", "memcpy", 0.6),
-                      ("TCP >=1MiB: kvpool tcp / mooncake x-proc >= 1.0", "kvpool tcp",
-                       "mooncake x-proc", 1.0),
-                      ("TCP >=1MiB: kvpool tcp / tcp-stream >= 0.8", "kvpool tcp", "tcp-stream", 0.8))
-            for name, a, b, th in checks:
-                out.append(Verdict(name, row.label, fig.ratio(a, b, row, "gbps"), th))
-        if row.size == 4 * _KIB and row.api in ("bytes", "zero_copy") and row.op == "get":
-            for col in ("kvpool shm", "kvpool tcp"):
-                out.append(Verdict(f"4KiB get p50: {col} / mooncake x-proc <= 1.2", row.label,
-                                   fig.ratio(col, "mooncake x-proc", row, "p50_us"),
-                                   1.2, higher_is_better=False))
-        if row.size == 4 * _KIB and row.api == "batch" and row.batch == 128:
-            for col in ("kvpool shm", "kvpool tcp"):
-                out.append(Verdict(f"128x4KiB batch obj/s: {col} / mooncake x-proc >= 1.0",
-                                   row.label, fig.ratio(col, "mooncake x-proc", row, "ops_per_s"),
-                                   1.0))
-    for name, mem in memory.items():
-        if "node_peak_rss_bytes" in mem:
-            limit = (mem["segment_size"] >> 20) + 100
-            out.append(Verdict("node peak RSS <= segment + 100 MiB (MiB)", name,
-                               mem["node_peak_rss_bytes"] / _MIB, limit, higher_is_better=False))
-        if "client_own_bytes" in mem:
-            out.append(Verdict("client without segment, own RSS beyond python+numpy <= 150 MiB",
-                               name, mem["client_own_bytes"] / _MIB, 150, higher_is_better=False))
-    return out
-
-
-def format_verdicts(vs: list[Verdict]) -> str:
-    """One line per target: met on k of n rows, and the worst row."""
-    lines = []
-    groups: dict[str, list[Verdict]] = {}
-    for v in vs:
-        groups.setdefault(v.target, []).append(v)
-    for target, items in groups.items():
-        known = [v for v in items if v.met is not None]
-        if not known:
-            lines.append(f"  n/a   {target}: not measured (column absent)")
-            continue
-        met = sum(v.met for v in known)
-        pick = min if known[0].higher_is_better else max
-        worst = pick(known, key=lambda v: v.value)
-        state = "MET " if met == len(known) else "MISS"
-        lines.append(f"  {state}  {target}: {met}/{len(known)} rows; worst {worst.row.strip()} "
-                     f"= {worst.value:.2f} (threshold {worst.threshold:g})")
-    return "\n".join(lines)
-
-
-# --------------------------------------------------------------------------- plot, JSON, CLI
-
-
-def build_panels(rows: list[Row], columns: list[Column], fig: Figures) -> list:
-    """Panels for the PNG: GB/s of gets and puts (>= 64 KiB), small-value p50 and obj/s."""
-    from kvpool.bench.plot import Panel
-
-    names = [c.name for c in columns]
-    specs = (("get GB/s (values >= 64 KiB)", "gbps", lambda r: r.op == "get" and r.size >= 64 * _KIB),
-             ("put GB/s (values >= 64 KiB)", "gbps", lambda r: r.op == "put" and r.size >= 64 * _KIB),
-             ("small values: p50 latency, us (lower is better)", "p50_us",
-              lambda r: r.size < 64 * _KIB and r.api != "batch"),
-             ("small values in batches: objects/s", "ops_per_s",
-              lambda r: r.size < 64 * _KIB and r.api == "batch"))
-    panels = []
-    for title, metric, keep in specs:
-        chosen = [r for r in rows if keep(r)]
-        series = {n: [fig.get(n, r, metric) for r in chosen] for n in names}
-        series = {n: v for n, v in series.items() if any(x is not None for x in v)}
-        panels.append(Panel(title, [" ".join(r.label.split()) for r in chosen], series,
-                            ylabel={"gbps": "GB/s", "p50_us": "p50 µs"}.get(metric, "objects/s"),
-                            log=metric != "p50_us"))
-    return panels
 
 
 def machine_facts() -> dict:
@@ -511,7 +205,7 @@ def run(args) -> int:
         "ratios": [{"ratio": label, "kvpool": a, "anchor": b, **asdict(row), "metric": row.metric,
                     "value": fig.ratio(a, b, row)}
                    for row in rows for label, a, b in RATIOS if fig.ratio(a, b, row) is not None],
-        "verdicts": [asdict(v) for v in vs],
+        "verdicts": [v.as_target() for v in vs],
     }
     if args.json_path:
         with open(args.json_path, "w") as f:

@@ -1,6 +1,6 @@
 """``Client``: the native kvpool store API (put/get/remove and batch forms).
 
-Control: one blocking :class:`~kvpool.transfer.rpc.RpcChannel` to the master per thread.
+Control: one blocking :class:`~kvpool.rpc.RpcChannel` to the master per thread.
 Data: :class:`~kvpool.transfer.engine.TransferEngine` moves the bytes: a replica on a
 segment this process hosts by one memcpy, on a segment of this host through its mapped
 shared memory (one memcpy), any other, or every one with ``force_tcp=True``, over pooled
@@ -40,13 +40,13 @@ from kvpool.errors import (
     BufferOverflow, ErrorCode, InvalidParams, KVPoolError, LeaseExpired, TransferFailed, code_name, code_of,
     raise_for,
 )
+from kvpool.node.segment_host import SegmentHost
+from kvpool.rpc import RpcChannel
 from kvpool.protocol import MAX_KEY_BYTES
 from kvpool.transfer import as_byte_view, local_host_id
 from kvpool.transfer.buffers import BufferRegistry, RegisteredBuffer
 from kvpool.transfer.engine import TransferEngine
 from kvpool.transfer.request import Cancel, Op, TransferRequest, TransferStatus, Transport
-from kvpool.transfer.rpc import RpcChannel
-from kvpool.transfer.segment_host import SegmentHost
 from kvpool.transfer.shm import LocalTransport, ShmTransport
 from kvpool.transfer.tcp import TcpTransport
 

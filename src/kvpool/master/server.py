@@ -13,16 +13,12 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import gc
 import logging
-import os
-import signal
 from typing import Callable
 
 import msgspec
 
 from kvpool import protocol as P
-from kvpool.config import write_ready_file
 from kvpool.errors import ErrorCode
 from kvpool.master.service import MasterService
 
@@ -30,26 +26,26 @@ log = logging.getLogger("kvpool.master")
 TICK_S = 0.05
 
 
-def _handlers(svc: MasterService) -> dict[type, object]:
-    """Request type -> function(request) -> reply Struct."""
+def _handlers(svc: MasterService) -> dict[type, Callable[[msgspec.Struct], msgspec.Struct | None]]:
+    """Request type -> function(request) -> its reply Struct (None: a notification)."""
     return {
-        P.Ping: lambda r: P.Resp(),
+        P.Ping: lambda r: svc.ping(),
         P.MountSegment: lambda r: svc.mount(r.owner_id, r.segment),
         P.UnmountSegment: lambda r: svc.unmount(r.owner_id, r.name),
         P.Heartbeat: lambda r: svc.heartbeat(r.owner_id),
         P.PutStart: lambda r: svc.put_start(r.item, r.host_id),
-        P.BatchPutStart: lambda r: P.BatchPutStartResp([svc.put_start(i, r.host_id) for i in r.items]),
+        P.BatchPutStart: lambda r: svc.batch_put_start(r.items, r.host_id),
         P.PutEnd: lambda r: svc.put_end(r.token),
-        P.BatchPutEnd: lambda r: P.CodesResp([svc.put_end(t).code for t in r.tokens]),
+        P.BatchPutEnd: lambda r: svc.batch_put_end(r.tokens),
         P.PutRevoke: lambda r: svc.put_revoke(r.token),
-        P.BatchPutRevoke: lambda r: P.CodesResp([svc.put_revoke(t).code for t in r.tokens]),
+        P.BatchPutRevoke: lambda r: svc.batch_put_revoke(r.tokens),
         P.GetReplicaList: lambda r: svc.get_replica_list(r.key),
-        P.BatchGetReplicaList: lambda r: P.BatchGetResp([svc.get_replica_list(k) for k in r.keys]),
-        P.ReadDone: lambda r: svc.read_done(r.grant_ids),  # None: a notification, no reply
-        P.ExistKey: lambda r: P.Resp(svc.exist_key(r.key)),
-        P.BatchExistKey: lambda r: svc.codes(svc.exist_key, r.keys),
-        P.Remove: lambda r: P.Resp(svc.remove(r.key, r.force)),
-        P.BatchRemove: lambda r: svc.codes(svc.remove, r.keys, r.force),
+        P.BatchGetReplicaList: lambda r: svc.batch_get_replica_list(r.keys),
+        P.ReadDone: lambda r: svc.read_done(r.grant_ids),
+        P.ExistKey: lambda r: svc.exist_key(r.key),
+        P.BatchExistKey: lambda r: svc.batch_exist_key(r.keys),
+        P.Remove: lambda r: svc.remove(r.key, r.force),
+        P.BatchRemove: lambda r: svc.batch_remove(r.keys, r.force),
         P.RemoveAll: lambda r: svc.remove_matching(None, r.force),
         P.RemoveByRegex: lambda r: svc.remove_matching(r.pattern, r.force),
         P.SetPin: lambda r: svc.set_pin(r.key, r.mode),
@@ -144,34 +140,6 @@ class MasterServer:
                 self.service.tick()
             except Exception:  # upkeep must keep running; the bug is logged
                 log.exception("master tick failed")
-
-
-async def serve(service: MasterService, host: str, port: int, ready_file: str | None,
-                http_port: int | None = None) -> None:
-    """Run the master until SIGTERM/SIGINT. Raises OSError if the port cannot be bound.
-    ``http_port``: admin HTTP (kvpool.admin) on this loop; 0 = a free port, None = none."""
-    # millions of long-lived metadata objects make each full GC pass costly: collect
-    # young objects less often (measured: 34 -> 25 us per put at 100k objects)
-    gc.set_threshold(50_000, 20, 100)
-    server = MasterServer(service, host, port)
-    addr = await server.start()
-    http_addr = None
-    if http_port is not None:
-        from kvpool.admin.master_app import start_master_admin
-
-        _, http_addr = await start_master_admin(server, host, http_port)
-        print(f"kvpool master admin HTTP on {http_addr}", flush=True)
-    loop = asyncio.get_running_loop()
-    stop = asyncio.Event()
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(sig, stop.set)
-    ticker = asyncio.create_task(server.tick_forever())
-    print(f"kvpool master listening on {addr}", flush=True)
-    if ready_file:
-        write_ready_file(ready_file, {"addr": addr, "pid": os.getpid(), "http_addr": http_addr})
-    await stop.wait()
-    ticker.cancel()
-    await server.close()
 
 
 def run_event_loop(coro) -> None:

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from kvpool.client import Client
 from kvpool.config import parse_addr, parse_size_mooncake
 from kvpool.errors import InvalidParams, UserError
-from kvpool.transfer.segment_host import bind_listener
+from kvpool.node.segment_host import bind_listener
 
 log = logging.getLogger("kvpool.mooncake")
 

@@ -57,7 +57,7 @@ def add_arguments(parser) -> None:
 
 
 def run(args) -> int:
-    from kvpool.transfer.segment_host import SegmentHost
+    from kvpool.node.segment_host import SegmentHost
 
     values = resolve(args, OPTIONS)
     size = segment_size(values["segment_size"])
@@ -68,8 +68,8 @@ def run(args) -> int:
     admin, http_addr = None, None
     try:
         node.start()
-        if values["http_port"] is not None:  # kvpool.admin, served from a thread of its own
-            from kvpool.admin.node_app import NodeAdmin
+        if values["http_port"] is not None:  # kvpool.node.admin, served from a thread of its own
+            from kvpool.node.admin import NodeAdmin
 
             admin = NodeAdmin(node, values["host"], values["http_port"])
             http_addr = admin.start()

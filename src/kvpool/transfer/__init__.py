@@ -7,8 +7,10 @@
 - transports: :class:`~kvpool.transfer.shm.LocalTransport` (segment hosted by this
   process), :class:`~kvpool.transfer.shm.ShmTransport` (same host: mapped POSIX shared
   memory), :class:`~kvpool.transfer.tcp.TcpTransport` (pooled connections, vectored I/O).
-- :mod:`~kvpool.transfer.buffers`: registered caller buffers (numpy, torch, CUDA staging).
-- hosting a segment: :mod:`~kvpool.transfer.segment_host`, :mod:`~kvpool.transfer.data_server`.
+- :mod:`~kvpool.transfer.buffers`: registered caller buffers (numpy, torch, CUDA staging);
+  :mod:`~kvpool.transfer.views`: flat byte views of caller objects.
+- the serving side of a segment (shared memory + TCP data port) is the node:
+  :mod:`kvpool.node.segment_host`, :mod:`kvpool.node.data_server`.
 """
 
 from __future__ import annotations
@@ -16,7 +18,9 @@ from __future__ import annotations
 import functools
 import socket
 
-from kvpool.errors import InvalidParams
+from kvpool.transfer.views import as_byte_view
+
+__all__ = ["as_byte_view", "local_host_id"]
 
 
 @functools.lru_cache(maxsize=1)
@@ -36,25 +40,3 @@ def local_host_id() -> str:
         if ident:
             break
     return f"{socket.gethostname()}/{ident}"
-
-
-def as_byte_view(buf, writable: bool = False) -> memoryview:
-    """A flat unsigned-byte memoryview of ``buf`` (bytes, bytearray, memoryview, numpy
-    array, torch CPU tensor or any C-contiguous buffer), sharing its memory. Raises
-    InvalidParams if not contiguous (or not writable when ``writable``)."""
-    if type(buf).__module__.startswith("torch"):
-        from kvpool.transfer.buffers import is_torch_tensor, tensor_byte_view
-
-        if is_torch_tensor(buf):
-            return tensor_byte_view(buf)
-    try:
-        view = memoryview(buf)
-    except TypeError:
-        raise InvalidParams(f"{type(buf).__name__} does not expose a buffer") from None
-    if not view.c_contiguous:
-        raise InvalidParams("buffer must be C-contiguous")
-    if writable and view.readonly:
-        raise InvalidParams("destination buffer is read-only")
-    if view.format != "B" or view.ndim != 1:
-        view = view.cast("B")
-    return view

@@ -15,24 +15,7 @@ import itertools
 import threading
 
 from kvpool.errors import InvalidParams
-from kvpool.transfer import as_byte_view
-
-
-def is_torch_tensor(obj) -> bool:
-    return type(obj).__module__.startswith("torch") and hasattr(obj, "data_ptr")
-
-
-def tensor_byte_view(tensor) -> memoryview:
-    """Flat uint8 view of a contiguous CPU tensor's storage (any dtype, bf16 included);
-    the view keeps the storage alive. Raises InvalidParams (non-contiguous, CUDA)."""
-    import torch
-
-    if tensor.device.type != "cpu":
-        raise InvalidParams(f"a {tensor.device.type} tensor has no host memory: register_buffer it first")
-    if not tensor.is_contiguous():
-        raise InvalidParams("tensor must be contiguous")
-    flat = tensor.detach().reshape(-1)
-    return memoryview(flat.view(torch.uint8).numpy()) if flat.numel() else memoryview(b"")
+from kvpool.transfer.views import as_byte_view, is_torch_tensor, tensor_byte_view
 
 
 class RegisteredBuffer:

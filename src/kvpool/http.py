@@ -1,4 +1,8 @@
-"""Helpers shared by the admin apps: binding an aiohttp site, JSON and Prometheus replies."""
+"""Helpers shared by the admin HTTP apps (:mod:`kvpool.master.admin`,
+:mod:`kvpool.node.admin`): binding an aiohttp site, JSON and Prometheus replies.
+
+The apps start only with ``--http-port`` (0 = a free port); the bound address goes into
+the process's ready file as ``"http_addr"``."""
 
 from __future__ import annotations
 

@@ -30,20 +30,16 @@ Metrics (Prometheus text format; ``*_total`` are counters since the master start
 
 from __future__ import annotations
 
-import time
 from collections import Counter
-from typing import TYPE_CHECKING
 
 from aiohttp import web
 from prometheus_client import CollectorRegistry, ProcessCollector
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
-from kvpool.admin.http import error_response, metrics_response, start_site
 from kvpool.errors import ErrorCode, code_name
+from kvpool.http import error_response, metrics_response, start_site
+from kvpool.master.server import MasterServer
 from kvpool.protocol import MAX_KEY_BYTES
-
-if TYPE_CHECKING:  # the master imports this package, never the reverse at run time
-    from kvpool.master.server import MasterServer
 
 DEFAULT_KEY_LIMIT = 1000
 MAX_KEY_LIMIT = 100_000
@@ -67,7 +63,7 @@ class OpCounters:
         self.errors: Counter[tuple[str, str]] = Counter()  # (op, ErrorCode name)
 
     @classmethod
-    def instrument(cls, server: "MasterServer") -> "OpCounters":
+    def instrument(cls, server: MasterServer) -> "OpCounters":
         """Counters that ``server`` updates after every request; call once, before serving."""
         ops = cls()
         server.observe(ops.count)
@@ -173,9 +169,9 @@ def object_json(obj, addrs: dict[str, str], now: float) -> dict:
 class MasterAdmin:
     """Route handlers over one ``MasterServer`` (its ``service`` is the metadata)."""
 
-    def __init__(self, server: "MasterServer"):
+    def __init__(self, server: MasterServer):
         self.service = server.service
-        self.started = time.monotonic()
+        self.started = self.service.clock()
         self.ops = OpCounters.instrument(server)
         self.registry = CollectorRegistry(auto_describe=False)
         self.registry.register(MasterCollector(self.service, self.ops))
@@ -193,7 +189,7 @@ class MasterAdmin:
     async def health(self, request: web.Request) -> web.Response:
         s = self.service.stats()
         return web.json_response({
-            "status": "ok", "role": "master", "uptime_s": round(time.monotonic() - self.started, 3),
+            "status": "ok", "role": "master", "uptime_s": round(self.service.clock() - self.started, 3),
             "objects": s.object_count, "segments": len(s.segments), "owners": s.owner_count,
         })
 
@@ -210,11 +206,11 @@ class MasterAdmin:
         key = request.query.get("key")
         if not key or len(key.encode("utf-8", "surrogatepass")) > MAX_KEY_BYTES:
             return error_response(400, f"give ?key= (1..{MAX_KEY_BYTES} UTF-8 bytes)", ErrorCode.INVALID_PARAMS)
-        obj = self.service.objects.get(key)
+        obj = self.service.lookup(key)
         if obj is None:
             return error_response(404, f"no object {key!r}", ErrorCode.OBJECT_NOT_FOUND)
         addrs = {g.name: g.data_addr for g in self.service.stats().segments}
-        return web.json_response(object_json(obj, addrs, time.monotonic()))
+        return web.json_response(object_json(obj, addrs, self.service.clock()))
 
     async def keys(self, request: web.Request) -> web.Response:
         prefix = request.query.get("prefix", "")
@@ -224,11 +220,11 @@ class MasterAdmin:
             limit = -1
         if not 1 <= limit <= MAX_KEY_LIMIT:
             return error_response(400, f"limit must be an integer in 1..{MAX_KEY_LIMIT}", ErrorCode.INVALID_PARAMS)
-        found = sorted(k for k, o in self.service.objects.items() if o.visible and k.startswith(prefix))
+        found = self.service.visible_keys(prefix)
         return web.json_response({"keys": found[:limit], "count": len(found), "truncated": len(found) > limit})
 
 
-async def start_master_admin(server: "MasterServer", host: str, port: int) -> tuple[web.AppRunner, str]:
+async def start_master_admin(server: MasterServer, host: str, port: int) -> tuple[web.AppRunner, str]:
     """Serve the admin app for ``server`` on host:port (0 = free) on the running loop.
 
     Returns (runner, "host:port"). Raises UserError when the port cannot be bound.

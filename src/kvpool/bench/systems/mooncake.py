@@ -28,8 +28,7 @@ from importlib import metadata
 
 import numpy as np
 
-from kvpool.bench.anchors_base import Target, Unavailable, rss_bytes
-from kvpool.bench.anchors_redis import free_port
+from kvpool.bench.harness import Target, Unavailable, free_port, rss_bytes
 
 INSTALL_HINT = "pip install mooncake-transfer-engine-non-cuda; apt-get install -y libibverbs1"
 _START_DEADLINE_S = 30.0
@@ -116,7 +115,7 @@ class MooncakeTarget(Target):
 
     def _start_holder(self, addr: str, segment: int) -> None:
         holder = subprocess.Popen(
-            [sys.executable, "-c", "from kvpool.bench.anchors_mooncake import segment_holder;"
+            [sys.executable, "-c", "from kvpool.bench.systems.mooncake import segment_holder;"
              f" segment_holder({addr!r}, {segment})"],
             stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
         self.children.append(holder)

@@ -19,19 +19,16 @@ from __future__ import annotations
 
 import asyncio
 import threading
-from typing import TYPE_CHECKING
 
 from aiohttp import web
 from prometheus_client import CollectorRegistry, ProcessCollector
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from kvpool import protocol as P
-from kvpool.admin.http import metrics_response, start_site
 from kvpool.errors import KVPoolError
-from kvpool.transfer.rpc import RpcChannel
-
-if TYPE_CHECKING:
-    from kvpool.transfer.segment_host import SegmentHost
+from kvpool.http import metrics_response, start_site
+from kvpool.node.segment_host import SegmentHost
+from kvpool.rpc import RpcChannel
 
 MASTER_TIMEOUT_S = 2.0
 
@@ -39,7 +36,7 @@ MASTER_TIMEOUT_S = 2.0
 class NodeCollector:
     """Prometheus collector for one hosted segment."""
 
-    def __init__(self, node: "SegmentHost"):
+    def __init__(self, node: SegmentHost):
         self.node = node
         self._master = RpcChannel(node.master_addr, MASTER_TIMEOUT_S)
         self._lock = threading.Lock()  # scrapes run in worker threads
@@ -81,7 +78,7 @@ class NodeCollector:
 
 
 def data_plane_metrics(snap: dict):
-    """Prometheus families of a :class:`~kvpool.transfer.data_server.DataCounters` snapshot."""
+    """Prometheus families of a :class:`~kvpool.node.data_server.DataCounters` snapshot."""
     for name, key, label, doc in (
         ("requests", "requests", "op", "data-plane requests served, by op (read, write)"),
         ("bytes", "bytes", "op", "payload bytes moved, by op (read, write)"),
@@ -97,7 +94,7 @@ def data_plane_metrics(snap: dict):
                             value=snap["open_connections"])
 
 
-def node_app(node: "SegmentHost", collector: NodeCollector) -> web.Application:
+def node_app(node: SegmentHost, collector: NodeCollector) -> web.Application:
     """aiohttp app with ``/health`` (200 while serving, else 503) and ``/metrics``."""
     registry = CollectorRegistry(auto_describe=False)
     registry.register(collector)
@@ -127,7 +124,7 @@ class NodeAdmin:
     it cannot be bound; ``stop()`` shuts the server and the thread down (idempotent).
     """
 
-    def __init__(self, node: "SegmentHost", host: str, port: int):
+    def __init__(self, node: SegmentHost, host: str, port: int):
         self.node, self.host, self.port = node, host, port
         self.loop = asyncio.new_event_loop()
         self.thread = threading.Thread(target=self.loop.run_forever, name="kvpool-node-admin", daemon=True)

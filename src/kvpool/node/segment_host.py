@@ -1,7 +1,7 @@
 """Hosting a segment: one POSIX shared-memory segment, its TCP data server, and the
 mount + heartbeat conversation with the master. ``kvpool node`` is one of these; a
 Client with ``global_segment_size > 0`` embeds one (Mooncake's client-contributed
-segment), so this lives in the transfer engine, below both.
+segment), so the client imports this module and never the other way round.
 
 Lifecycle: create the segment (``/dev/shm/kvpool-<id>``), bind the data port, mount with
 the master, heartbeat every ``heartbeat_interval_ms`` the master asked for (remounting
@@ -21,9 +21,9 @@ from multiprocessing import shared_memory
 
 from kvpool import protocol as P
 from kvpool.errors import ErrorCode, KVPoolError, RpcFailed, UserError
-from kvpool.transfer.data_server import DataServer
+from kvpool.node.data_server import DataServer
+from kvpool.rpc import RpcChannel
 from kvpool.transfer import local_host_id
-from kvpool.transfer.rpc import RpcChannel
 from kvpool.transfer.shm import register_local_segment, unregister_local_segment
 
 log = logging.getLogger("kvpool.segment")

@@ -8,24 +8,16 @@ MSET of memoryviews and MGET followed by a copy into the destination buffers.
 from __future__ import annotations
 
 import shutil
-import socket
 import subprocess
 import time
 
 import numpy as np
 
-from kvpool.bench.anchors_base import Target, Unavailable, rss_bytes
+from kvpool.bench.harness import Target, Unavailable, free_port, rss_bytes
 
 INSTALL_HINT = "apt-get install -y redis-server; pip install redis"
 _START_DEADLINE_S = 15.0
 _DELETE_CHUNK = 512
-
-
-def free_port() -> int:
-    """A TCP port free on 127.0.0.1 right now (the server binds it just after)."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 class RedisTarget(Target):

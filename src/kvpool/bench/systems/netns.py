@@ -14,7 +14,7 @@ import os
 import shutil
 import subprocess
 
-from kvpool.bench.anchors_base import Unavailable
+from kvpool.bench.harness import Unavailable
 
 _PRIVATE = ("unshare", "--net", "sh", "-c", 'ip link set lo up && exec "$@"', "sh")
 

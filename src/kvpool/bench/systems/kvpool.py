@@ -1,4 +1,5 @@
-"""kvpool itself in the benchmark harness, beside its anchors (same worker protocol).
+"""kvpool's columns of ``kvpool bench store``: the system measured, beside the anchors it is
+compared with (Mooncake, Redis, the limits), through the same harness and worker protocol.
 
 - :class:`KvpoolTarget`: a cluster (master + node processes) started by the worker and one
   client: shared-memory mapping ("kvpool shm") or ``force_tcp`` ("kvpool tcp"); with
@@ -14,8 +15,8 @@ import os
 import subprocess
 import sys
 
-from kvpool.bench.anchors_base import Target, Unavailable, rss_bytes
-from kvpool.bench.anchors_netns import VethPair, setns
+from kvpool.bench.harness import Target, Unavailable, rss_bytes
+from kvpool.bench.systems.netns import VethPair, setns
 
 
 class KvpoolTarget(Target):
@@ -91,7 +92,7 @@ class KvpoolTarget(Target):
 
 _PROBE = r"""
 import json, os, sys, numpy as np
-from kvpool.bench.anchors_base import rss_bytes
+from kvpool.bench.harness import rss_bytes
 pid = os.getpid()
 own = lambda: rss_bytes(pid, "RssAnon") + rss_bytes(pid, "RssFile")
 base, base_rss = own(), rss_bytes(pid)

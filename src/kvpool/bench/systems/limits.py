@@ -19,7 +19,7 @@ import time
 
 import numpy as np
 
-from kvpool.bench.anchors_base import (
+from kvpool.bench.harness import (
     CellResult, CellSpec, Target, pool_count, result_from, timed_loop,
 )
 
@@ -85,7 +85,7 @@ class TcpStreamTarget(Target):
         port = listener.getsockname()[1]
         self.proc = subprocess.Popen(
             [sys.executable, "-c",
-             f"from kvpool.bench.anchors_limits import stream_sender; stream_sender({port})"])
+             f"from kvpool.bench.systems.limits import stream_sender; stream_sender({port})"])
         try:
             self.sock, _ = listener.accept()
         finally:

@@ -1,6 +1,9 @@
-"""Blocking request/reply channel to the master (one frame out, one frame back).
+"""The control channel to the master: blocking request/reply (one frame out, one frame
+back) over the messages of :mod:`kvpool.protocol`.
 
-Used by the client (one channel per thread) and by nodes (mount, heartbeat). A broken
+Used by the client (one channel per thread), by nodes and client-hosted segments (mount,
+heartbeat) and by the node's admin app (a stats scrape), so it sits at the protocol's
+level, below all of them. A broken
 connection is reopened once per call; calls are not retried after the request was sent
 except for idempotent requests (the caller says which), so a PutStart is never doubled.
 :meth:`RpcChannel.notify` sends a notification (ReadDone), which gets no reply.

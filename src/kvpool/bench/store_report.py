@@ -1,0 +1,196 @@
+"""The figures of a ``kvpool bench store`` run: medians per cell, kvpool/anchor ratios
+paired by repeat, the printed table, the targets (:class:`~kvpool.bench.verdict.Verdict`)
+and the plot's panels."""
+
+from __future__ import annotations
+
+import statistics
+from dataclasses import asdict, dataclass, field
+
+from kvpool.bench.harness import CellResult
+from kvpool.bench.store_plan import KIB, MIB, Column, Row
+from kvpool.bench.verdict import Verdict
+
+
+@dataclass
+class Summary:
+    """Medians over the successful repeats of one (column, row), and the raw repeats."""
+
+    gbps: float | None = None
+    ops_per_s: float | None = None
+    p50_us: float | None = None
+    p99_us: float | None = None
+    repeats: list[dict] = field(default_factory=list)
+    error: str | None = None
+
+
+def summarize(results: list[CellResult]) -> Summary:
+    ok = [r for r in results if r.error is None]
+    out = Summary(repeats=[asdict(r) for r in results])
+    if not ok:
+        out.error = results[0].error if results else "not measured"
+        return out
+    for name in ("gbps", "ops_per_s", "p50_us", "p99_us"):
+        vals = [getattr(r, name) for r in ok if getattr(r, name) is not None]
+        setattr(out, name, statistics.median(vals) if vals else None)
+    return out
+
+
+RATIOS = (  # (label, kvpool column, anchor column)
+    ("in/mc-in", "kvpool in-proc", "mooncake in-proc"),
+    ("shm/mc-x", "kvpool shm", "mooncake x-proc"),
+    ("shm/memcpy", "kvpool shm", "memcpy"),
+    ("tcp/mc-x", "kvpool tcp", "mooncake x-proc"),
+    ("tcp/stream", "kvpool tcp", "tcp-stream"),
+    ("tcp/redis", "kvpool tcp", "redis"),
+)
+
+
+class Figures:
+    """Medians per (column, row), and kvpool/anchor ratios paired by repeat."""
+
+    def __init__(self, summaries: dict[tuple[str, Row], Summary], columns: list[Column]):
+        self.s = summaries
+        self.limits = {c.name for c in columns if c.kind == "limit"}
+
+    def get(self, column: str, row: Row, metric: str | None = None) -> float | None:
+        metric = metric or row.metric
+        if column in self.limits and metric == "p50_us":
+            return None  # a stream or a copy has no call latency to compare with
+        summ = self.s.get((column, row))
+        return getattr(summ, metric) if summ else None
+
+    def ratio(self, a: str, b: str, row: Row, metric: str | None = None) -> float | None:
+        """Median over repeats of a/b, each repeat paired with the same repeat of b.
+
+        Repeat r of every column runs within the same few seconds, so the pair shares
+        the machine's load at that moment; the median of paired ratios is much steadier
+        than the ratio of two medians on a shared machine.
+        """
+        metric = metric or row.metric
+        if self.get(a, row, metric) is None or self.get(b, row, metric) is None:
+            return None
+        pairs = [(x.get(metric), y.get(metric))
+                 for x, y in zip(self.s[(a, row)].repeats, self.s[(b, row)].repeats)]
+        ratios = [x / y for x, y in pairs if x is not None and y]
+        return statistics.median(ratios) if ratios else None
+
+
+def fmt_value(v: float | None, metric: str) -> str:
+    if v is None:
+        return "-"
+    if metric == "gbps":
+        return f"{v:.2f}"
+    if metric == "ops_per_s":
+        return f"{v / 1e3:.1f}k"
+    return f"{v:.0f}"
+
+
+def format_table(rows: list[Row], columns: list[Column], fig: Figures) -> str:
+    """The printed table: one line per row, each column's median, then kvpool/anchor ratios
+    (medians of ratios paired by repeat, see :meth:`Figures.ratio`).
+
+    Units per row: GB/s for values >= 64 KiB, k objects/s for small batches, p50 µs for
+    small single ops (for p50 a ratio below 1 means kvpool is faster). A limit column
+    shows its copy (or stream) of values of the row's size, measured beside the row.
+    """
+    names = [c.name for c in columns]
+    ratios = [r for r in RATIOS if r[1] in names and r[2] in names]
+    width = [max(10, len(n) + 1) for n in names]
+    head = f"{'size   api       op':<24}{'unit':<6}" + "".join(
+        f"{n:>{w}}" for n, w in zip(names, width)) + "".join(f"{r[0]:>12}" for r in ratios)
+    lines = [head, "-" * len(head)]
+    unit = {"gbps": "GB/s", "ops_per_s": "obj/s", "p50_us": "p50us"}
+    for row in rows:
+        m = row.metric
+        vals = "".join(f"{fmt_value(fig.get(n, row), m):>{w}}" for n, w in zip(names, width))
+        rats = "".join(f"{_fmt_ratio(fig.ratio(a, b, row)):>12}" for _, a, b in ratios)
+        lines.append(f"{row.label:<24}{unit[m]:<6}{vals}{rats}")
+    return "\n".join(lines)
+
+
+def _fmt_ratio(r: float | None) -> str:
+    return "-" if r is None else f"{r:.2f}x"
+
+
+def verdicts(rows: list[Row], fig: Figures, memory: dict[str, dict]) -> list[Verdict]:
+    """kvpool's performance targets, per row they concern (ratios of medians of the same
+    run): speed against Mooncake's cross-process store, memcpy and one TCP stream, and
+    the memory of nodes and clients.
+
+    memory: {kvpool column: its stats} (node RSS, client probe), in bytes.
+    """
+    out: list[Verdict] = []
+    for row in rows:
+        if row.size >= MIB and row.api in ("zero_copy", "batch"):
+            checks = (("same host >=1MiB: kvpool shm / mooncake x-proc >= 2.5", "kvpool shm",
+                       "mooncake x-proc", 2.5),
+                      ("same host >=1MiB: kvpool shm / memcpy >= 0.6", "kvpool shm", "memcpy", 0.6),
+                      ("TCP >=1MiB: kvpool tcp / mooncake x-proc >= 1.0", "kvpool tcp",
+                       "mooncake x-proc", 1.0),
+                      ("TCP >=1MiB: kvpool tcp / tcp-stream >= 0.8", "kvpool tcp", "tcp-stream", 0.8))
+            for name, a, b, th in checks:
+                out.append(Verdict.bound(name, fig.ratio(a, b, row, "gbps"), th, row.label))
+        if row.size == 4 * KIB and row.api in ("bytes", "zero_copy") and row.op == "get":
+            for col in ("kvpool shm", "kvpool tcp"):
+                out.append(Verdict.bound(f"4KiB get p50: {col} / mooncake x-proc <= 1.2",
+                                         fig.ratio(col, "mooncake x-proc", row, "p50_us"), 1.2,
+                                         row.label, higher_is_better=False))
+        if row.size == 4 * KIB and row.api == "batch" and row.batch == 128:
+            for col in ("kvpool shm", "kvpool tcp"):
+                out.append(Verdict.bound(f"128x4KiB batch obj/s: {col} / mooncake x-proc >= 1.0",
+                                         fig.ratio(col, "mooncake x-proc", row, "ops_per_s"), 1.0,
+                                         row.label))
+    for name, mem in memory.items():
+        if "node_peak_rss_bytes" in mem:
+            limit = (mem["segment_size"] >> 20) + 100
+            out.append(Verdict.bound("node peak RSS <= segment + 100 MiB (MiB)",
+                                     mem["node_peak_rss_bytes"] / MIB, limit, name,
+                                     higher_is_better=False))
+        if "client_own_bytes" in mem:
+            out.append(Verdict.bound("client without segment, own RSS beyond python+numpy <= 150 MiB",
+                                     mem["client_own_bytes"] / MIB, 150, name,
+                                     higher_is_better=False))
+    return out
+
+
+def format_verdicts(vs: list[Verdict]) -> str:
+    """One line per target: met on k of n rows, and the worst row."""
+    lines = []
+    groups: dict[str, list[Verdict]] = {}
+    for v in vs:
+        groups.setdefault(v.name, []).append(v)
+    for target, items in groups.items():
+        known = [v for v in items if v.met is not None]
+        if not known:
+            lines.append(f"  n/a   {target}: not measured (column absent)")
+            continue
+        met = sum(v.met for v in known)
+        pick = min if known[0].higher_is_better else max
+        worst = pick(known, key=lambda v: v.measured)
+        state = "MET " if met == len(known) else "MISS"
+        lines.append(f"  {state}  {target}: {met}/{len(known)} rows; worst {worst.detail.strip()} "
+                     f"= {worst.measured:.2f} (threshold {worst.target:g})")
+    return "\n".join(lines)
+
+
+def build_panels(rows: list[Row], columns: list[Column], fig: Figures) -> list:
+    """Panels for the PNG: GB/s of gets and puts (>= 64 KiB), small-value p50 and obj/s."""
+    from kvpool.bench.plot import Panel
+
+    names = [c.name for c in columns]
+    specs = (("get GB/s (values >= 64 KiB)", "gbps", lambda r: r.op == "get" and r.size >= 64 * KIB),
+             ("put GB/s (values >= 64 KiB)", "gbps", lambda r: r.op == "put" and r.size >= 64 * KIB),
+             ("small values: p50 latency, us (lower is better)", "p50_us",
+              lambda r: r.size < 64 * KIB and r.api != "batch"),
+             ("small values in batches: objects/s", "ops_per_s",
+              lambda r: r.size < 64 * KIB and r.api == "batch"))
+    panels = []
+    for title, metric, keep in specs:
+        chosen = [r for r in rows if keep(r)]
+        series = {n: [fig.get(n, r, metric) for r in chosen] for n in names}
+        series = {n: v for n, v in series.items() if any(x is not None for x in v)}
+        panels.append(Panel(title, [" ".join(r.label.split()) for r in chosen], series,
+                            ylabel={"gbps": "GB/s", "p50_us": "p50 µs"}.get(metric, "objects/s"),
+                            log=metric != "p50_us"))
+    return panels
