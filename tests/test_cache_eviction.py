@@ -71,17 +71,17 @@ def test_k20_prefetch_below_l1_only_pages_then_eviction_returns(tmp_path):
     cfg = PrefetchConfig(threshold_tokens=0, policy="wait_complete")
     writer = PrefixCache(NS, SHAPE, torch.float32, l1_pages=8, l3=disk, async_backup=False)
     p, pages = seq(0, 3), kv(3)
-    writer.insert(p, pages)
+    writer.insert(p[:2 * PAGE], pages[:2])
     writer.close()
-    c = PrefixCache(NS, SHAPE, torch.float32, l1_pages=1, l2_pages=2, l3=disk,
-                    write_policy="write_back", prefetch=cfg)
+    c = PrefixCache(NS, SHAPE, torch.float32, l1_pages=2, l2_pages=1, l3=disk,
+                    write_policy="write_back", prefetch=cfg, async_backup=False)
     try:
         c.insert(p[:PAGE], pages[:1])           # p0 in L1 only
-        h = c.prefetch(p)                       # p1, p2 land in L2 below it
-        m = within(DEADLINE_S, c.match, p, prefetch=h)
-        c.release(m)
-        assert where(c, p) == [(True, False), (False, True), (False, True)]
-        # L1 must evict p0, whose write-back finds L2 full of its own children
+        h = c.prefetch(p)                       # p1 lands in L2 below it (L2 now full)
+        c.release(within(DEADLINE_S, c.match, p, prefetch=h))
+        c.insert(p, pages)                      # p2 in L1 below p1
+        assert where(c, p) == [(True, False), (False, True), (True, False)]
+        # L1 evicts p0 first, whose write-back finds L2 full of its own child
         assert within(DEADLINE_S, c.insert, seq(4, 1), kv(1, seed=4)) == 1
         n, _, got = within(DEADLINE_S, lookup, c, p)
         assert torch.equal(got, pages[:n])

@@ -402,28 +402,46 @@ class PrefixCache:
         return placed
 
     def _alloc(self, tier: str) -> int | None:
-        """A free slot of ``tier``, evicting least recently used unlocked pages if needed."""
+        """A free slot of ``tier``, evicting least recently used unlocked pages if needed;
+        None when no page can go (every page locked, or stuck: see :meth:`_evict`).
+
+        A victim that cannot go is skipped for the rest of this allocation and queued
+        again after it (K20): each turn of the loop either frees a slot or skips a node
+        for good, so the loop ends, and never retries the same node while holding the lock.
+        """
         pool = self.pool if tier == "L1" else self.l2
         slot = pool.alloc()
+        stuck: set[Node] = set()
         while slot is None:
-            victim = self.tree.pop_lru(tier)
+            victim = self.tree.pop_lru(tier, skip=stuck)
             if victim is None:
-                return None
-            self._evict(victim, tier)
+                break
+            if not self._evict(victim, tier):
+                stuck.add(victim)
             slot = pool.alloc()
+        for node in stuck:
+            self.tree.requeue(node)
         return slot
 
-    def _evict(self, node: Node, tier: str) -> None:
-        """Drop ``tier``'s copy of ``node`` (write_back: copy an L1 page to L2 first)."""
+    def _evict(self, node: Node, tier: str) -> bool:
+        """Drop ``tier``'s copy of ``node`` (write_back: copy an L1 page to L2 first).
+
+        Returns False when the page cannot go now: under write_back, an L1 page that has
+        children (all in L2 only) and finds no L2 slot (L2 full of locked pages, or of
+        pages that its own children need) must stay in L1, or they would hang below a node
+        that holds nothing.
+        """
         if tier == "L1" and self.tree.write_back and node.l2 < 0:
             self.tree.lock(node)
             self._copy_to_l2([node])
             self.tree.unlock(node)
             if node.l2 < 0 and node.children:
-                return  # L2 is full of locked pages: the page stays in L1 for now
+                self.metrics.inc("evictions_stuck_l1")
+                return False
         pool = self.pool if tier == "L1" else self.l2
         pool.free(self.tree.drop(node, tier))
         self.metrics.inc(f"evictions_{tier.lower()}")
+        return True
 
     def _write(self, tier: str, slots: list[int], pages: torch.Tensor) -> None:
         if not slots:
