@@ -4,9 +4,11 @@ import dataclasses
 
 import pytest
 import torch
+from prometheus_client import CollectorRegistry, generate_latest
 
 from kvpool.cache import Namespace, PrefixCache, StoreBackend, page_keys, store_key
 from kvpool.cache.codec import HEADER_SIZE
+from kvpool.cache.prometheus import CacheCollector
 from cache_helpers import lookup
 
 PAGE = 4
@@ -110,3 +112,37 @@ def test_prefetch_from_the_store_lands_in_l2_byte_exact(store):
         assert h.done() and h.planned == 8 and m.tiers == ["L2"] * 8
         assert torch.equal(cache.load(m), kv(8))
         cache.release(m)
+
+
+@pytest.mark.parametrize("gone", [0, 2])
+def test_k21_l3_hits_count_only_pages_that_landed(store, client, gone):
+    tokens = list(range(5 * PAGE))
+    make(store).insert(tokens, kv(5))
+    cache = make(store)
+    m = cache.match(tokens)
+    assert m.tiers == ["L3"] * 5 and cache.metrics["announced_tokens_l3"] == 5 * PAGE
+    assert cache.metrics["hit_tokens_l3"] == 0  # announced, not landed yet
+    client.remove(store_key(page_keys(NS, tokens)[gone]), force=True)  # as an eviction would
+    got = cache.load(m)
+    cache.release(m)
+    assert m.num_pages == gone and torch.equal(got, kv(5)[:gone])
+    metrics = cache.metrics.snapshot()
+    assert metrics.get("hit_tokens_l3", 0) == gone * PAGE == metrics.get("pages_loaded_l3", 0) * PAGE
+    assert metrics["lost_tokens_l3"] == (5 - gone) * PAGE and metrics["l3_vanished"] == 1
+    # and so in the Prometheus export
+    registry = CollectorRegistry()
+    registry.register(CacheCollector(cache))
+    text = generate_latest(registry).decode()
+    assert f'kvpool_cache_lost_tokens_total{{tier="L3"}} {float((5 - gone) * PAGE)}' in text
+    assert (f'kvpool_cache_hit_tokens_total{{tier="L3"}} {float(gone * PAGE)}' in text) == bool(gone)
+
+
+def test_k21_an_l3_match_counts_once_however_often_it_is_loaded(store):
+    tokens = list(range(3 * PAGE))
+    make(store).insert(tokens, kv(3))
+    cache = make(store)
+    m = cache.match(tokens)
+    cache.load(m, adopt=False)
+    cache.load(m, adopt=False)
+    cache.release(m)
+    assert cache.metrics["hit_tokens_l3"] == 3 * PAGE and cache.metrics["lost_tokens_l3"] == 0

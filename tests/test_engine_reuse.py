@@ -152,3 +152,45 @@ def test_l3_pages_load_checked_in_place_and_reach_l1_after_the_request(tiny, mod
     assert again.reused_by_tier == {"L1": 8 * PAGE}
     assert_same_answer(warm, cold)
     assert_same_answer(again, cold)
+
+
+class RemovedAfterLookup(StoreBackend):
+    """The real store as L3; the first lookup's answer is followed by the removal of one
+    page (through a second client, as an eviction or a lease running out would do), so
+    that page is gone when the engine reads it."""
+
+    def __init__(self, client, remover, key):
+        super().__init__(client)
+        self.remover, self.key = remover, key
+
+    def exists(self, keys):
+        found = super().exists(keys)
+        if self.key is not None and self.key in keys:
+            self.remover.remove(self.key, force=True)
+            self.key = None
+        return found
+
+
+@pytest.mark.parametrize("gone", [0, 2])
+def test_k21_reused_by_tier_and_hit_counters_count_what_was_loaded(tiny, module_cluster, gone):
+    prompt = tokens(4 * PAGE + 3, seed=6)
+    with Client(module_cluster.master_addr) as client, \
+            Client(module_cluster.master_addr) as remover:
+        writer = Engine(tiny)
+        writer.build_cache(PAGE, 1 << 24, l3=StoreBackend(client))
+        writer.generate(prompt, 3)
+        writer.cache.flush()
+        key = store_key(page_keys(writer.cache.ns, prompt)[gone])
+        reader = Engine(tiny)
+        reader.build_cache(PAGE, 1 << 24, l3=RemovedAfterLookup(client, remover, key))
+        warm = reader.generate(prompt, 3)
+        metrics = reader.cache.metrics.snapshot()
+        cold = reader.generate(prompt, 3, use_cache=False)
+        client.remove_all(force=True)
+    # L3 announced 4 pages; page `gone` vanished before it was read: the engine recomputed
+    assert warm.reused_tokens == gone * PAGE
+    assert warm.reused_by_tier == ({"L3": gone * PAGE} if gone else {})
+    assert metrics["announced_tokens_l3"] == 4 * PAGE
+    assert metrics.get("hit_tokens_l3", 0) == gone * PAGE
+    assert metrics["lost_tokens_l3"] == (4 - gone) * PAGE
+    assert_same_answer(warm, cold)

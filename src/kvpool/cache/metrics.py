@@ -2,16 +2,26 @@
 
 Names (all monotonically increasing integers):
     lookups, lookup_tokens           match() calls and the prompt tokens they covered
-    hit_tokens_l1/_l2/_l3            matched tokens by the tier that holds them
-    pages_loaded_l3, bytes_loaded_l3 pages and bytes read back from L3 by load()
+    hit_tokens_l1/_l2                tokens of matched tree pages (locked by match(), so
+                                     load() serves every one), by the tier that held them
+    hit_tokens_l3                    tokens of L3 pages that load() read and checked: the
+                                     bytes landed (counted at a match's first load)
+    announced_tokens_l3              tokens match() found present in L3 (not yet read)
+    lost_tokens_l3                   announced by match(), then missing or refused at
+                                     load() (vanished, rejected, L3 error); the match is cut
+    pages_loaded_l3, bytes_loaded_l3 pages and bytes read back from L3 (load and prefetch)
     pages_written_l3, bytes_written_l3, pages_dedup_l3
                                      backups written, and pages skipped as already in L3
     evictions_l1, evictions_l2       pages dropped from a tier to make room
+    evictions_stuck_l1               write_back victims skipped: no L2 slot for a page
+                                     whose children live in L2 only (K20)
     page_rejects, page_rejects_<why> L3 pages refused on load (checksum, namespace, ...)
-    l3_vanished                      pages present at match() but gone at load()
+    l3_vanished                      L3 reads cut at a page present at match() (or in a
+                                     prefetch plan) but gone when read; once per read
     l3_errors                        L3 calls that failed as a whole (treated as misses)
     key_collisions                   same page key, different token ids (never a hit)
-    l1_full                          inserts cut short: every L1 page locked
+    l1_full, l2_full                 placements cut short (insert, prefetch landing, copy
+                                     to L2): no page of the tier could go
 
 Gauges are read live rather than counted here: pages used per tier, tree pages and the
 backup queue depth (:mod:`kvpool.cache.prometheus` exposes them).

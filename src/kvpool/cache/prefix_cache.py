@@ -49,6 +49,7 @@ class Match:
         tiers: "L1", "L2" or "L3" per page: where that page was found.
         nodes: the radix-tree part (locked until :meth:`PrefixCache.release`).
         l3_keys, l3_tokens: page keys and token bytes of the pages found only in L3.
+        loaded: :meth:`PrefixCache.load` ran (its L3 hits and losses are counted).
     """
 
     num_pages: int
@@ -59,11 +60,20 @@ class Match:
     l3_tokens: list[bytes]
     locked: Node | None = None
     released: bool = False
+    loaded: bool = False
 
     @property
     def num_tokens(self) -> int:
         """Tokens covered by the match (``num_pages * page_size``)."""
         return self.num_pages * self.page_size
+
+    def tokens_by_tier(self) -> dict[str, int]:
+        """Tokens per tier the pages were found in, e.g. ``{"L1": 32, "L3": 16}``; after
+        :meth:`PrefixCache.load`, only the pages it returned (the cut ones are gone)."""
+        by_tier: dict[str, int] = {}
+        for tier in self.tiers[:self.num_pages]:
+            by_tier[tier] = by_tier.get(tier, 0) + self.page_size
+        return by_tier
 
     def _truncate(self, num_pages: int) -> None:
         """Cut the L3 part so that only ``num_pages`` pages remain."""
@@ -202,6 +212,9 @@ class PrefixCache:
         instead of a new tensor; the result is then ``out[:m.num_pages]``. Each page is
         copied once into it: L1 pages straight from the pool, L3 pages from where the
         store's bytes landed (and checked).
+        The first load of a match counts its L3 part: ``hit_tokens_l3`` for the pages
+        that landed and passed their check, ``lost_tokens_l3`` for those L3 announced at
+        :meth:`match` that did not (K21).
         Raises InvalidParams for a released match or an ``out`` of another shape or dtype.
         """
         if m.released:
@@ -215,14 +228,18 @@ class PrefixCache:
         n_tree = len(m.nodes)
         with self._lock:
             self._read_tree(m.nodes, out[:n_tree])
-        if m.num_pages > n_tree:
+        announced = m.num_pages - n_tree
+        if announced:
             with self._staging_lock:  # the staging rows are reused: one L3 load at a time
                 got, pages = self._read_l3(m.l3_keys, n_tree, self._staging_rows(len(m.l3_keys)))
                 out[n_tree:n_tree + got].copy_(pages)
-                if got < m.num_pages - n_tree:
+                if got < announced:
                     m._truncate(n_tree + got)
                 if adopt:
                     self._adopt(m, pages)
+        if not m.loaded:
+            m.loaded = True
+            self._count_l3_load(announced, m.num_pages - n_tree)
         return out[:m.num_pages]
 
     def release(self, m: Match) -> None:
@@ -402,28 +419,46 @@ class PrefixCache:
         return placed
 
     def _alloc(self, tier: str) -> int | None:
-        """A free slot of ``tier``, evicting least recently used unlocked pages if needed."""
+        """A free slot of ``tier``, evicting least recently used unlocked pages if needed;
+        None when no page can go (every page locked, or stuck: see :meth:`_evict`).
+
+        A victim that cannot go is skipped for the rest of this allocation and queued
+        again after it (K20): each turn of the loop either frees a slot or skips a node
+        for good, so the loop ends, and never retries the same node while holding the lock.
+        """
         pool = self.pool if tier == "L1" else self.l2
         slot = pool.alloc()
+        stuck: set[Node] = set()
         while slot is None:
-            victim = self.tree.pop_lru(tier)
+            victim = self.tree.pop_lru(tier, skip=stuck)
             if victim is None:
-                return None
-            self._evict(victim, tier)
+                break
+            if not self._evict(victim, tier):
+                stuck.add(victim)
             slot = pool.alloc()
+        for node in stuck:
+            self.tree.requeue(node)
         return slot
 
-    def _evict(self, node: Node, tier: str) -> None:
-        """Drop ``tier``'s copy of ``node`` (write_back: copy an L1 page to L2 first)."""
+    def _evict(self, node: Node, tier: str) -> bool:
+        """Drop ``tier``'s copy of ``node`` (write_back: copy an L1 page to L2 first).
+
+        Returns False when the page cannot go now: under write_back, an L1 page that has
+        children (all in L2 only) and finds no L2 slot (L2 full of locked pages, or of
+        pages that its own children need) must stay in L1, or they would hang below a node
+        that holds nothing.
+        """
         if tier == "L1" and self.tree.write_back and node.l2 < 0:
             self.tree.lock(node)
             self._copy_to_l2([node])
             self.tree.unlock(node)
             if node.l2 < 0 and node.children:
-                return  # L2 is full of locked pages: the page stays in L1 for now
+                self.metrics.inc("evictions_stuck_l1")
+                return False
         pool = self.pool if tier == "L1" else self.l2
         pool.free(self.tree.drop(node, tier))
         self.metrics.inc(f"evictions_{tier.lower()}")
+        return True
 
     def _write(self, tier: str, slots: list[int], pages: torch.Tensor) -> None:
         if not slots:
@@ -677,9 +712,18 @@ class PrefixCache:
             h.tail = None
 
     def _count_match(self, num_tokens: int, m: Match) -> None:
+        """Count a match: its tree pages are hits now (locked until released, so load
+        serves every one of them); its L3 pages are only announced, counted as hits by
+        :meth:`_count_l3_load` once their bytes landed and passed their check (K21)."""
         self.metrics.inc("lookups")
         self.metrics.inc("lookup_tokens", num_tokens)
-        for tier in ("L1", "L2", "L3"):
-            pages = m.tiers.count(tier)
-            if pages:
-                self.metrics.inc(f"hit_tokens_{tier.lower()}", pages * self.page_size)
+        for tier, tokens in m.tokens_by_tier().items():
+            name = "announced_tokens_l3" if tier == "L3" else f"hit_tokens_{tier.lower()}"
+            self.metrics.inc(name, tokens)
+
+    def _count_l3_load(self, announced: int, got: int) -> None:
+        """Count the L3 part of a match's first load: ``got`` of ``announced`` pages."""
+        if got:
+            self.metrics.inc("hit_tokens_l3", got * self.page_size)
+        if announced > got:
+            self.metrics.inc("lost_tokens_l3", (announced - got) * self.page_size)

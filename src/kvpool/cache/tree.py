@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import heapq
 import itertools
-from collections.abc import Iterator, Sequence
+from collections.abc import Collection, Iterator, Sequence
 
 TIERS = ("L1", "L2")
 
@@ -162,14 +162,21 @@ class RadixTree:
                 return False
         return node.l1 >= 0 or not node.children
 
-    def pop_lru(self, tier: str) -> Node | None:
-        """The least recently used node evictable from ``tier``, or None when none is."""
+    def pop_lru(self, tier: str, skip: Collection[Node] = ()) -> Node | None:
+        """The least recently used node evictable from ``tier`` and not in ``skip``, or
+        None when there is none. Entries of ``skip`` nodes are dropped: give them back
+        with :meth:`requeue` once they may be tried again."""
         heap = self._heaps[tier]
         while heap:
             stamp, _, node = heapq.heappop(heap)
-            if stamp == node.last_access and self.evictable(node, tier):
+            if stamp == node.last_access and node not in skip and self.evictable(node, tier):
                 return node
         return None
+
+    def requeue(self, node: Node) -> None:
+        """Offer ``node`` for eviction again in each tier it may be evicted from (after a
+        :meth:`pop_lru` that skipped it), keeping its place in the LRU order."""
+        self._changed(node)
 
     def nodes(self) -> Iterator[Node]:
         """Every node except the root (depth first)."""

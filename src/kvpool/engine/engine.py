@@ -54,7 +54,9 @@ class GenerateResult:
         output_ids: generated token ids (greedy; ends with EOS when one was produced).
         prompt_tokens: prompt length in tokens.
         reused_tokens: prompt tokens whose KV came from the cache (a multiple of page_size).
-        reused_by_tier: tokens reused per tier, e.g. {"L1": 2048, "L3": 512}.
+        reused_by_tier: tokens reused per tier, e.g. {"L1": 2048, "L3": 512}: the pages the
+            cache's load returned (an L3 page gone or refused when read is not among
+            them), as the cache's ``hit_tokens_<tier>`` counters count them.
         ttft_ms: request start to first token, lookup and load included (ms).
         decode_tok_s: tokens per second after the first token (0.0 when only one).
         last_logits: fp32 logits ``[vocab]`` at the last prompt position (CPU tensor).
@@ -214,12 +216,10 @@ class Engine:
                     view[:match.num_pages].copy_(pages)
         finally:
             cache.release(match)
-        by_tier: dict[str, int] = {}
-        for tier in match.tiers[:match.num_pages]:
-            by_tier[tier] = by_tier.get(tier, 0) + cache.page_size
         kv = seq_cache(seq, match.num_tokens, self.config)
         timings["load"] = (time.perf_counter() - mark) * 1e3
-        return kv, by_tier
+        # after load: only the pages it returned, as the cache's hit counters count them
+        return kv, match.tokens_by_tier()
 
     def _forward(self, ids: list[int], past: int, kv: DynamicCache) -> torch.Tensor:
         """Run ``ids`` at positions ``past..past+len-1``; returns the last position's logits."""
