@@ -159,8 +159,9 @@ def spec_from_config(cfg: dict[str, Any], source: str = "config.json") -> ModelS
     KV shape; a FLOP-only field is reported in ``flops_error`` instead.
     """
     if isinstance(cfg.get("text_config"), dict):
-        cfg = {**cfg["text_config"], "model_type": cfg["text_config"].get("model_type",
-                                                                          cfg.get("model_type"))}
+        text = cfg["text_config"]
+        cfg = {"_name_or_path": cfg.get("_name_or_path"), **text,
+               "model_type": text.get("model_type", cfg.get("model_type"))}
     f = Fields(cfg, source)
     for name, what in _UNSUPPORTED.items():
         if f.get(name):
