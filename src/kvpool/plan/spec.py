@@ -166,9 +166,7 @@ def spec_from_config(cfg: dict[str, Any], source: str = "config.json") -> ModelS
     for name, what in _UNSUPPORTED.items():
         if f.get(name):
             raise UserError(f"{source}: field {name!r} ({what}) is not supported by kvpool plan")
-    pattern = f.get("hybrid_override_pattern")
-    n_layers = (len(pattern) if isinstance(pattern, str) and not f.has("num_hidden_layers")
-                else f.int("num_hidden_layers", "the number of layers"))
+    n_layers = _layer_count(f)
     hidden = f.int("hidden_size", "projection sizes")
     tokens, layout_field = layout.layer_layout(f, n_layers)
     layers = tuple(_layer(f, i, token, hidden, layout_field) for i, token in enumerate(tokens))
@@ -184,6 +182,16 @@ def spec_from_config(cfg: dict[str, Any], source: str = "config.json") -> ModelS
                      head_flops=head, flops_error=error,
                      state_dtype=str(f.get(dtype_field)) if dtype_field else None,
                      state_dtype_field=dtype_field, layout_field=layout_field)
+
+
+def _layer_count(f: Fields) -> int:
+    """``num_hidden_layers``; a Nemotron-H config may leave it out (``NemotronHConfig``
+    derives it from the length of its layer list or pattern)."""
+    if not f.has("num_hidden_layers"):
+        for name in ("layers_block_type", "hybrid_override_pattern"):
+            if isinstance(f.get(name), (list, str)) and f.get(name):
+                return len(f.get(name))
+    return f.int("num_hidden_layers", "the number of layers")
 
 
 def _layer(f: Fields, i: int, token: str, hidden: int, layout_field: str) -> Layer:
