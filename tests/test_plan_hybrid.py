@@ -239,3 +239,17 @@ def test_layer_kinds_agree_with_transformers_config_classes(name, make):
     saved = config.to_dict()
     assert (plan_kv(spec_from_config(saved), "bf16", tokens=5000).per_request
             == plan_kv(spec_from_config(raw), "bf16", tokens=5000).per_request)
+
+
+def test_mamba2_groups_replicate_when_fewer_than_tp_ranks():
+    # vLLM (mamba_utils.extra_groups_for_head_shards): with n_groups=1 on 4 ranks every
+    # rank keeps the whole group's B and C; the heads split 4 ways
+    cfg = dict(model_type="mamba2", num_hidden_layers=1, hidden_size=1024, num_heads=32,
+               head_dim=64, state_size=128, n_groups=1, conv_kernel=4, expand=2)
+    p = plan_kv(spec_from_config(cfg), "bf16", tp=4)
+    ssm_rank = 32 // 4 * 64 * 128
+    conv_rank = (32 * 64 // 4 + 2 * 1 * 128) * 3
+    assert p.per_request_rank == (ssm_rank + conv_rank) * BF16
+    assert p.per_request == (32 * 64 * 128 + (32 * 64 + 2 * 128) * 3) * BF16
+    p8 = plan_kv(spec_from_config({**cfg, "n_groups": 8}), "bf16", tp=4)  # 2 groups a rank
+    assert p8.per_request_rank == (ssm_rank + (32 * 64 // 4 + 2 * 2 * 128) * 3) * BF16

@@ -18,9 +18,10 @@ engines apply it to the KV cache):
 
 - TP splits KV heads: a rank holds ``ceil(kv_heads / tp)`` heads, so with fewer
   heads than ranks each head is replicated ``tp / kv_heads`` times. Linear-attention
-  and SSM state splits the same way by its heads (Mamba-1 by its channels; the
-  Mamba-2 B/C group channels are counted as split with them, while vLLM replicates
-  them when ``n_groups < tp``).
+  and SSM state splits the same way by its heads (Mamba-1 by its channels); the
+  Mamba-2 B/C convolution channels split by group, ``ceil(n_groups / tp)`` groups a
+  rank, so with fewer groups than ranks they are replicated (vLLM's
+  ``extra_groups_for_head_shards`` in ``layers/mamba/mamba_utils.py``).
 - The MLA latent and the V3.2 indexer key are not per head: every TP rank holds them
   whole (replication, as vLLM and SGLang do for MLA).
 - PP splits layers into ``pp`` contiguous stages of ``layers // pp`` layers, the
@@ -209,11 +210,15 @@ def layer_token_elems(layer: Layer, tp: int = 1) -> int:
 
 
 def layer_state_elems(layer: Layer, tp: int = 1) -> tuple[int, int]:
-    """(recurrent, convolution) state elements one TP rank holds for ``layer``."""
+    """(recurrent, convolution) state elements one TP rank holds for ``layer``: split by
+    heads, the Mamba-2 group channels by group (``ceil(groups / tp)`` per rank)."""
     if not layer.heads:
         return layer.state_elems, layer.conv_elems
     share = math.ceil(layer.heads / tp)
-    return (layer.state_elems * share // layer.heads, layer.conv_elems * share // layer.heads)
+    grouped = layer.conv_groups * layer.conv_group_elems
+    conv = ((layer.conv_elems - grouped) * share // layer.heads
+            + math.ceil(layer.conv_groups / tp) * layer.conv_group_elems)
+    return layer.state_elems * share // layer.heads, conv
 
 
 def _state_bytes(layer: Layer, b: ElemBytes, tp: int) -> int:

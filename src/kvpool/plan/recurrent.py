@@ -113,7 +113,8 @@ def _mamba2(f: Fields, i: int, hidden: int, names: tuple[str, ...]) -> dict:
     proj = hidden * (2 * inner + 2 * groups * d_state + heads) + inner * hidden
     return dict(index=i, kind=MAMBA, mixer="Mamba-2", heads=heads,
                 state_elems=heads * d_head * d_state,
-                conv_elems=(inner + 2 * groups * d_state) * (d_conv - 1),
+                conv_elems=(inner + 2 * groups * d_state) * (d_conv - 1), conv_groups=groups,
+                conv_group_elems=2 * d_state * (d_conv - 1),
                 linear_flops=2 * proj + 6 * heads * d_head * d_state)
 
 

@@ -41,6 +41,9 @@ _UNSUPPORTED = {
 STATE_DTYPE_FIELDS = ("mamba_ssm_cache_dtype", "mamba_ssm_dtype")
 # model types whose layers are mixer-only (no MLP): Mamba-1/2 blocks
 _NO_MLP_TYPES = ("mamba", "mamba2", "falcon_mamba")
+# gated attention: q_proj also yields an output gate, 2 · heads · head_dim outputs
+# (transformers models/qwen3_next/modeling_qwen3_next.py Qwen3NextAttention; Qwen3.5)
+_GATED_QUERY_TYPES = ("qwen3_next", "qwen3_5_text", "qwen3_5_moe_text")
 
 
 @dataclass(frozen=True)
@@ -64,7 +67,9 @@ class Layer:
     - ``state_elems``: fixed recurrent state per request (the delta-rule matrices or
       the SSM state), kept at the state dtype.
     - ``conv_elems``: fixed short-convolution state per request (last ``K−1``
-      inputs), kept at the KV dtype.
+      inputs), kept at the KV dtype. Of it, ``conv_groups × conv_group_elems`` are the
+      Mamba-2 B/C group channels, which TP splits by group, not by head (a rank holds
+      ``ceil(groups / tp)`` groups: vLLM replicates groups when ``n_groups < tp``).
     - ``linear_flops``: matmul FLOPs per new token (2 per weight, projections and MLP).
     - ``pair_flops``: FLOPs per (query, key) pair of softmax attention, QKᵀ plus AV.
     - ``pair_cap``: keys each query attends to at most (sliding window, chunk, or the
@@ -82,6 +87,8 @@ class Layer:
     index_elems: int = 0
     state_elems: int = 0
     conv_elems: int = 0
+    conv_groups: int = 0
+    conv_group_elems: int = 0
     linear_flops: int = 0
     pair_flops: int = 0
     pair_cap: int | None = None
@@ -217,7 +224,8 @@ def _softmax_attention(f: Fields, i: int, kind: str, hidden: int) -> dict:
     window = (f.int("sliding_window", "sliding-window layers") if kind == SLIDING else
               f.int("attention_chunk_size", "chunked-attention layers") if kind == CHUNKED
               else None)
-    proj = hidden * head_dim * (2 * q_heads + 2 * kv_heads)  # q, k, v, o
+    q_out = 2 if f.get("model_type") in _GATED_QUERY_TYPES else 1
+    proj = hidden * head_dim * ((q_out + 1) * q_heads + 2 * kv_heads)  # q (+ gate), k, v, o
     return dict(index=i, kind=kind, token_elems=2 * kv_heads * head_dim, heads=kv_heads,
                 window=window, linear_flops=2 * proj,
                 pair_flops=2 * q_heads * 2 * head_dim, pair_cap=window)
