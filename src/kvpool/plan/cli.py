@@ -113,8 +113,8 @@ def format_kv(p: KVPlan) -> str:
     width = max([32] + [len(_kind_text(g)) for g in p.groups])
     lines += [_group_line(g, width) for g in p.groups]
     if p.state_per_request:
-        lines.append(f"state dtype:  {p.state_dtype} (from {p.state_dtype_source}) for the recurrent "
-                     f"state; conv state at the KV dtype {p.kv_dtype}")
+        lines.append(f"state dtype:  {p.state_dtype} (from {p.state_dtype_source}) for the "
+                     f"recurrent state; conv state at the KV dtype {p.kv_dtype}")
     lines += [
         f"per token:    {_b(p.per_token)} total, {_b(p.per_token_rank)} per rank",
         f"per page:     {_b(p.per_page)} total, {_b(p.per_page_rank)} per rank",

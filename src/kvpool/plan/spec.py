@@ -260,57 +260,6 @@ def _mla(f: Fields, i: int, hidden: int) -> dict:
     return out
 
 
-def _linear_attention(f: Fields, i: int, hidden: int) -> dict:
-    """Gated delta-rule linear attention: per head a ``d_k × d_v`` recurrent state plus
-    the last ``K−1`` inputs of the short causal convolution over q, k and v (the ``K−1``
-    a width-K causal convolution needs; vLLM's layout). Kimi Delta Attention
-    (arXiv:2510.26692) from ``linear_attn_config`` {num_heads, head_dim,
-    short_conv_kernel_size} (or transformers' ``linear_num_heads``, ``linear_head_dim``,
-    ``linear_conv_kernel_dim``) with d_k = d_v = head_dim; Gated DeltaNet as in Qwen3-Next
-    from ``linear_num_{key,value}_heads``, ``linear_{key,value}_head_dim`` and
-    ``linear_conv_kernel_dim``. Prefill FLOPs per token: projections plus ≈ 6·d_k·d_v
-    per value head for the state read, update and readout.
-    """
-    lac = f.get("linear_attn_config")
-    if isinstance(lac, dict) or f.has("linear_num_heads"):
-        # Kimi checkpoint names, or the names transformers' KimiLinearConfig saves
-        sub, names = ((Fields(lac, f"{f.source}: linear_attn_config"),
-                       ("num_heads", "head_dim", "short_conv_kernel_size"))
-                      if isinstance(lac, dict) else
-                      (f, ("linear_num_heads", "linear_head_dim", "linear_conv_kernel_dim")))
-        nv = nk = sub.int(names[0], "linear-attention heads")
-        dk = dv = sub.int(names[1], "the linear-attention state")
-        conv = sub.int(names[2], "the short-convolution state")
-        # q, k, v, o; then the forget and output gates (low rank through head_dim), beta
-        proj = hidden * nk * dk * 4 + 2 * hidden * dk + 2 * dk * nk * dk + hidden * nk
-    else:
-        nk = f.int("linear_num_key_heads", "linear-attention key heads")
-        nv = f.int("linear_num_value_heads", "linear-attention value heads")
-        dk = f.int("linear_key_head_dim", "the linear-attention state")
-        dv = f.int("linear_value_head_dim", "the linear-attention state")
-        conv = f.int("linear_conv_kernel_dim", "the short-convolution state")
-        proj = hidden * (2 * nk * dk + 2 * nv * dv + 2 * nv) + nv * dv * hidden
-    state = nv * dk * dv + (2 * nk * dk + nv * dv) * (conv - 1)
-    return dict(index=i, kind=LINEAR, heads=nv, state_elems=state,
-                linear_flops=2 * proj + 6 * nv * dk * dv)
-
-
-def _mamba(f: Fields, i: int, hidden: int) -> dict:
-    """Mamba-2 layer (Dao & Gu 2024, arXiv:2405.21060): SSM state of ``n_heads ×
-    head_dim × d_state`` plus the last ``d_conv−1`` inputs of the convolution over
-    x, B and C (``d_inner + 2·n_groups·d_state`` channels); Granite-4.0-H field names."""
-    heads = f.int("mamba_n_heads", "Mamba heads")
-    d_head = f.int("mamba_d_head", "Mamba head size")
-    d_state = f.int("mamba_d_state", "the SSM state")
-    groups = f.int("mamba_n_groups", "the SSM B/C groups")
-    d_conv = f.int("mamba_d_conv", "the convolution state")
-    inner = heads * d_head
-    state = heads * d_head * d_state + (inner + 2 * groups * d_state) * (d_conv - 1)
-    proj = hidden * (2 * inner + 2 * groups * d_state + heads) + inner * hidden
-    return dict(index=i, kind=MAMBA, heads=heads, state_elems=state,
-                linear_flops=2 * proj + 6 * heads * d_head * d_state)
-
-
 def _mlp_per_layer(f: Fields, tokens: list[str], hidden: int) -> list[int]:
     """MLP FLOPs per layer. With MLP/MoE-only layers in the layout (Nemotron-H) those
     layers carry the MLP and the mixer layers none; Mamba-1/2 models have no MLP."""
