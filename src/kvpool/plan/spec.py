@@ -23,11 +23,11 @@ from pathlib import Path
 from typing import Any
 
 from kvpool.errors import UserError
-from kvpool.plan import layout
 from kvpool.plan.fields import Fields
+from kvpool.plan.layout import CHUNKED, FFN, FULL, RECURRENT, SLIDING, layer_layout
 from kvpool.plan.recurrent import LINEAR, MAMBA, recurrent_layer
 
-FULL, SLIDING, CHUNKED, MLA, FFN = "full", "sliding", "chunked", "mla", "ffn"
+MLA = "mla"
 KINDS = (FULL, SLIDING, CHUNKED, MLA, LINEAR, MAMBA, FFN)
 
 # config.json fields that change the KV cache in ways this planner does not model:
@@ -175,7 +175,7 @@ def spec_from_config(cfg: dict[str, Any], source: str = "config.json") -> ModelS
             raise UserError(f"{source}: field {name!r} ({what}) is not supported by kvpool plan")
     n_layers = _layer_count(f)
     hidden = f.int("hidden_size", "projection sizes")
-    tokens, layout_field = layout.layer_layout(f, n_layers)
+    tokens, layout_field = layer_layout(f, n_layers)
     layers = tuple(_layer(f, i, token, hidden, layout_field) for i, token in enumerate(tokens))
     try:  # only the prefill FLOPs need these fields
         mlp = _mlp_per_layer(f, tokens, hidden)
@@ -202,11 +202,11 @@ def _layer_count(f: Fields) -> int:
 
 
 def _layer(f: Fields, i: int, token: str, hidden: int, layout_field: str) -> Layer:
-    if token == layout.RECURRENT:
+    if token == RECURRENT:
         return Layer(**recurrent_layer(f, i, hidden, layout_field))
-    if token == layout.FFN:
+    if token == FFN:
         return Layer(index=i, kind=FFN)  # its MLP FLOPs are added by spec_from_config
-    if token == layout.FULL and f.has("kv_lora_rank"):  # MLA replaces softmax K/V
+    if token == FULL and f.has("kv_lora_rank"):  # MLA replaces softmax K/V
         return Layer(**_mla(f, i, hidden))
     return Layer(**_softmax_attention(f, i, token, hidden))
 
@@ -265,7 +265,7 @@ def _mlp_per_layer(f: Fields, tokens: list[str], hidden: int) -> list[int]:
     layers carry the MLP and the mixer layers none; Mamba-1/2 models have no MLP."""
     if f.get("model_type") in _NO_MLP_TYPES:
         return [0] * len(tokens)
-    if layout.FFN not in tokens:
+    if FFN not in tokens:
         return [_mlp_flops(f, i, hidden) for i in range(len(tokens))]
     kinds = f.get("layer_types") or f.get("layers_block_type") or [
         {"-": "mlp", "E": "moe"}.get(c, "") for c in f.get("hybrid_override_pattern")]
