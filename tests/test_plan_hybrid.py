@@ -105,15 +105,11 @@ def test_gemma3_27b_is_five_sliding_to_one_global_without_a_pattern_field():
     assert g["sliding", ""].count == 52 and g["sliding", ""].window == 1024
 
 
-JAMBA = dict(model_type="jamba", num_hidden_layers=32, hidden_size=4096,
-             num_attention_heads=32, num_key_value_heads=8, attn_layer_period=8,
-             attn_layer_offset=4, mamba_d_state=16, mamba_d_conv=4, mamba_expand=2,
-             intermediate_size=14336, num_experts=16, num_experts_per_tok=2,
-             expert_layer_period=2, expert_layer_offset=1, vocab_size=65536)
+JAMBA = json.loads((configs_dir() / "jamba-v0.1.json").read_text())
 
 
 def test_jamba_attention_every_8th_layer_rest_mamba1():
-    p = plan_kv(spec_from_config(JAMBA), "bf16", tokens=1000)
+    p = kv("jamba-v0.1", tokens=1000)
     d_inner = 2 * 4096                                   # mamba_expand x hidden_size
     state = d_inner * 16 + d_inner * (4 - 1)             # d_inner x d_state + conv (K-1)
     assert p.per_token == 4 * 8 * 128 * 2 * BF16         # layers 4, 12, 20, 28
@@ -142,6 +138,19 @@ def test_nemotron_h_pattern_and_fp32_ssm_state_from_the_config():
     assert g["mamba", "Mamba-2"].layers == "0,2,5" and g["full", ""].layers == "3"
     assert (g["ffn", ""].layers, g["ffn", ""].token_bytes, g["ffn", ""].state_bytes) == (
         "1,4,6", 0, 0)
+
+
+def test_nemotron_h_8b_shipped_config():
+    # nvidia/Nemotron-H-8B-Base-8K: 52 blocks, 24 Mamba-2 (128 heads x 64, state 128,
+    # 8 groups, conv 4), 4 attention (8 KV heads x 128), 24 MLP
+    p = kv("nemotron-h-8b", state_dtype="fp32", tokens=8192)
+    ssm = 128 * 64 * 128
+    conv = (128 * 64 + 2 * 8 * 128) * (4 - 1)
+    assert p.state_per_request == 24 * (ssm * FP32 + conv * BF16) == 102_137_856
+    assert p.per_request == 4 * 8 * 128 * 2 * BF16 * 8192 + 102_137_856
+    g = groups(p)
+    assert (g["full", ""].layers, g["ffn", ""].count, g["mamba", "Mamba-2"].count) == (
+        "7-40 step 11", 24, 24)
 
 
 def test_nemotron_h_mlp_flops_only_on_its_mlp_and_moe_layers():

@@ -34,6 +34,8 @@ def kv(name, dtype="bf16", **kw):
     ("qwen3-next-80b-a3b", 12 * 2 * 256 * 2 * BF16),  # 24,576: 12 of 48 layers attend
     ("gpt-oss-20b", 24 * 8 * 64 * 2 * BF16),       # 49,152 per token, half capped at 128
     ("gemma-3-27b-it", 62 * 16 * 128 * 2 * BF16),  # 507,904 per token, 52 capped at 1024
+    ("nemotron-h-8b", 4 * 8 * 128 * 2 * BF16),     # 16,384: the pattern's 4 '*' layers
+    ("jamba-v0.1", 4 * 8 * 128 * 2 * BF16),        # 16,384: attention every 8th layer
 ])
 def test_bytes_per_token_of_every_shipped_config(name, per_token):
     assert kv(name).per_token == per_token
@@ -43,7 +45,8 @@ def test_every_shipped_config_is_tested_here():
     shipped = {p.stem for p in configs_dir().glob("*.json")}
     assert shipped == {"llama-3-8b", "llama-3-70b", "qwen2.5-7b", "mistral-7b", "gemma-2-9b",
                        "deepseek-v3", "deepseek-v3.2-exp", "kimi-linear-48b-a3b", "smollm2-135m",
-                       "qwen3-next-80b-a3b", "gpt-oss-20b", "gemma-3-27b-it"}
+                       "qwen3-next-80b-a3b", "gpt-oss-20b", "gemma-3-27b-it", "nemotron-h-8b",
+                       "jamba-v0.1"}
 
 
 def test_smollm2_fp32_is_45_kib_per_token():

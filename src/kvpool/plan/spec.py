@@ -219,7 +219,8 @@ def _softmax_attention(f: Fields, i: int, kind: str, hidden: int) -> dict:
     q_heads = f.int("num_attention_heads", "attention heads")
     kv_heads = f.int("num_key_value_heads",
                      "KV heads; for multi-head attention it equals num_attention_heads")
-    head_dim = f.int("head_dim", "head size") if f.has("head_dim") else _div(
+    named = next((n for n in ("head_dim", "attention_head_dim") if f.has(n)), "")
+    head_dim = f.int(named, "head size") if named else _div(  # Nemotron-H: attention_head_dim
         f, hidden, q_heads, "head_dim = hidden_size / num_attention_heads")
     window = (f.int("sliding_window", "sliding-window layers") if kind == SLIDING else
               f.int("attention_chunk_size", "chunked-attention layers") if kind == CHUNKED
