@@ -31,6 +31,11 @@ def kv(name, dtype="bf16", **kw):
     ("deepseek-v3.2-exp", 61 * (512 + 64 + 128) * BF16),  # latent + indexer key
     ("kimi-linear-48b-a3b", 7 * (512 + 64) * BF16),  # only the 7 MLA layers grow
     ("smollm2-135m", 30 * 3 * 64 * 2 * BF16),
+    ("qwen3-next-80b-a3b", 12 * 2 * 256 * 2 * BF16),  # 24,576: 12 of 48 layers attend
+    ("gpt-oss-20b", 24 * 8 * 64 * 2 * BF16),       # 49,152 per token, half capped at 128
+    ("gemma-3-27b-it", 62 * 16 * 128 * 2 * BF16),  # 507,904 per token, 52 capped at 1024
+    ("nemotron-h-8b", 4 * 8 * 128 * 2 * BF16),     # 16,384: the pattern's 4 '*' layers
+    ("jamba-v0.1", 4 * 8 * 128 * 2 * BF16),        # 16,384: attention every 8th layer
 ])
 def test_bytes_per_token_of_every_shipped_config(name, per_token):
     assert kv(name).per_token == per_token
@@ -39,7 +44,9 @@ def test_bytes_per_token_of_every_shipped_config(name, per_token):
 def test_every_shipped_config_is_tested_here():
     shipped = {p.stem for p in configs_dir().glob("*.json")}
     assert shipped == {"llama-3-8b", "llama-3-70b", "qwen2.5-7b", "mistral-7b", "gemma-2-9b",
-                       "deepseek-v3", "deepseek-v3.2-exp", "kimi-linear-48b-a3b", "smollm2-135m"}
+                       "deepseek-v3", "deepseek-v3.2-exp", "kimi-linear-48b-a3b", "smollm2-135m",
+                       "qwen3-next-80b-a3b", "gpt-oss-20b", "gemma-3-27b-it", "nemotron-h-8b",
+                       "jamba-v0.1"}
 
 
 def test_smollm2_fp32_is_45_kib_per_token():

@@ -29,6 +29,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     kv.add_argument("--tokens", type=int, default=4096, help="tokens per request (default 4096)")
     kv.add_argument("--requests", type=int, default=1,
                     help="requests held at once in the pool (default 1)")
+    kv.add_argument("--state-dtype", default=None, choices=sorted(DTYPE_BYTES),
+                    help="recurrent-state element type of linear-attention / Mamba layers "
+                    "(default: the config's mamba_ssm_cache_dtype / mamba_ssm_dtype, else "
+                    "the KV dtype; the conv state stays at the KV dtype)")
     kv.set_defaults(_plan=_run_kv)
 
     pf = sub.add_parser("prefill", help="prefill FLOPs and TTFT with a prefix hit",
@@ -95,7 +99,8 @@ def run(args: argparse.Namespace) -> int:
 
 def _run_kv(args) -> int:
     plan = plan_kv(load_spec(args.config), args.kv_dtype, tokens=args.tokens,
-                   requests=args.requests, tp=args.tp, pp=args.pp, page_size=args.page_size)
+                   requests=args.requests, tp=args.tp, pp=args.pp, page_size=args.page_size,
+                   state_dtype=args.state_dtype)
     print(json.dumps(plan.to_dict(), indent=2) if args.json else format_kv(plan))
     return 0
 
@@ -105,13 +110,11 @@ def format_kv(p: KVPlan) -> str:
     ranks = f"TP {p.tp} x PP {p.pp}"
     lines = [f"model {p.model}  KV dtype {p.kv_dtype}  {ranks}  page {p.page_size} tokens",
              "layers:"]
-    for g in p.groups:
-        what = {"full": "full attention", "sliding": f"sliding window {g.window}",
-                "mla": "MLA latent (replicated over TP)",
-                "linear": "linear attention (fixed state)", "mamba": "Mamba SSM (fixed state)"}
-        extra = (f"{_b(g.token_bytes)}/token" if g.token_bytes else "") + (
-            f"{_b(g.state_bytes)}/request state" if g.state_bytes else "")
-        lines.append(f"  {g.count:3d} x {what[g.kind]:<32} layers {g.layers}: {extra}")
+    width = max([32] + [len(_kind_text(g)) for g in p.groups])
+    lines += [_group_line(g, width) for g in p.groups]
+    if p.state_per_request:
+        lines.append(f"state dtype:  {p.state_dtype} (from {p.state_dtype_source}) for the "
+                     f"recurrent state; conv state at the KV dtype {p.kv_dtype}")
     lines += [
         f"per token:    {_b(p.per_token)} total, {_b(p.per_token_rank)} per rank",
         f"per page:     {_b(p.per_page)} total, {_b(p.per_page_rank)} per rank",
@@ -123,6 +126,29 @@ def format_kv(p: KVPlan) -> str:
         f"({p.requests} requests)",
     ]
     return "\n".join(lines)
+
+
+_KIND_TEXT = {"full": "full attention", "sliding": "sliding window {w}",
+              "chunked": "chunked attention {w}", "mla": "MLA latent (replicated over TP)",
+              "linear": "linear attention ({m})", "mamba": "Mamba SSM ({m})",
+              "ffn": "MLP/MoE only"}
+
+
+def _kind_text(g) -> str:
+    return _KIND_TEXT[g.kind].format(w=g.window, m=g.mixer)
+
+
+def _group_line(g, width: int) -> str:
+    what = _kind_text(g)
+    parts = []
+    if g.token_bytes:
+        parts.append(f"{_b(g.token_bytes)}/token")
+    if g.window_cap_bytes:
+        parts.append(f"at most {_b(g.window_cap_bytes)}/request ({g.window} tokens)")
+    if g.state_bytes:
+        parts.append(f"{_b(g.state_bytes)}/request state (recurrent {_b(g.recurrent_bytes)}"
+                     f" + conv {_b(g.conv_bytes)})")
+    return f"  {g.count:3d} x {what:<{width}} layers {g.layers}: {', '.join(parts) or 'no cache'}"
 
 
 def _b(n: int) -> str:

@@ -9,21 +9,10 @@ are checked when FLOPs are asked for (:attr:`ModelSpec.flops_error`), so KV sizi
 works from a config that lacks them. The sizing (:mod:`kvpool.plan.kv`) and the prefill model
 (:mod:`kvpool.plan.prefill`) only read the spec, never the raw config.
 
-Sources of the layer rules, per field:
-
-- ``layer_types`` (transformers >= 4.53 configs; Qwen3-Next, Granite-4.0-H):
-  ``full_attention`` / ``attention``, ``sliding_attention``, ``linear_attention``,
-  ``mamba``.
-- ``linear_attn_config`` (Kimi-Linear checkpoints): ``full_attn_layers`` and
-  ``kda_layers`` are 1-based layer numbers (transformers ``KimiLinearConfig``).
-- ``model_type == "gemma2"``: the config has no per-layer list; the model code
-  alternates sliding (even layers) and global (odd layers) attention
-  (transformers ``Gemma2Config.layer_types`` default).
-- ``sliding_window_pattern`` (Gemma 3): every ``pattern``-th layer is global, the
-  rest slide (transformers ``Gemma3Config``).
-- ``use_sliding_window`` (Qwen2): when true, layers ``>= max_window_layers`` slide;
-  when false no layer does, whatever ``sliding_window`` says (``Qwen2Config``).
-- otherwise a non-null ``sliding_window`` applies to every layer (Mistral-7B-v0.1).
+Which layer is which comes from :mod:`kvpool.plan.layout` (``layer_types``,
+``full_attention_interval``, Kimi's ``linear_attn_config``, Jamba's
+``attn_layer_period``, Nemotron-H's ``hybrid_override_pattern``, Gemma's sliding
+pattern, ...); the state of a recurrent layer from :mod:`kvpool.plan.recurrent`.
 """
 
 from __future__ import annotations
@@ -34,20 +23,27 @@ from pathlib import Path
 from typing import Any
 
 from kvpool.errors import UserError
+from kvpool.plan.fields import Fields
+from kvpool.plan.layout import CHUNKED, FFN, FULL, RECURRENT, SLIDING, layer_layout
+from kvpool.plan.recurrent import LINEAR, MAMBA, recurrent_layer
 
-FULL, SLIDING, MLA, LINEAR, MAMBA = "full", "sliding", "mla", "linear", "mamba"
+MLA = "mla"
+KINDS = (FULL, SLIDING, CHUNKED, MLA, LINEAR, MAMBA, FFN)
 
 # config.json fields that change the KV cache in ways this planner does not model:
 # refusing is better than a wrong number.
 _UNSUPPORTED = {
-    "attention_chunk_size": "chunked local attention (Llama 4)",
     "num_kv_shared_layers": "KV shared between layers (Gemma 3n)",
     "cross_attention_layers": "cross-attention layers (Llama 3.2 Vision)",
 }
-_LAYER_TYPE_KIND = {
-    "full_attention": FULL, "attention": FULL, "sliding_attention": SLIDING,
-    "linear_attention": LINEAR, "kda": LINEAR, "mamba": MAMBA,
-}
+# fields naming the dtype a serving engine keeps the SSM / recurrent state in
+# (NemotronHConfig.mamba_ssm_cache_dtype; SGLang reads config.mamba_ssm_dtype)
+STATE_DTYPE_FIELDS = ("mamba_ssm_cache_dtype", "mamba_ssm_dtype")
+# model types whose layers are mixer-only (no MLP): Mamba-1/2 blocks
+_NO_MLP_TYPES = ("mamba", "mamba2", "falcon_mamba")
+# gated attention: q_proj also yields an output gate, 2 · heads · head_dim outputs
+# (transformers models/qwen3_next/modeling_qwen3_next.py Qwen3NextAttention; Qwen3.5)
+_GATED_QUERY_TYPES = ("qwen3_next", "qwen3_5_text", "qwen3_5_moe_text")
 
 
 @dataclass(frozen=True)
@@ -55,17 +51,28 @@ class Layer:
     """What one decoder layer caches and computes. Element counts are whole-model
     (all heads); :mod:`kvpool.plan.kv` applies dtype, TP and PP.
 
+    - ``kind``: one of :data:`KINDS`: ``full`` / ``sliding`` / ``chunked`` softmax
+      attention, ``mla`` latent, ``linear`` (Gated DeltaNet, KDA) or ``mamba``
+      (Mamba-1/2) recurrent state, ``ffn`` (MLP/MoE only, no cache).
+    - ``mixer``: the recurrent layer's name (``"Gated DeltaNet"``, ``"KDA"``,
+      ``"Mamba-2"``, ``"Mamba-1"``); "" for the others.
     - ``token_elems``: elements cached per token (K plus V over all KV heads; the
-      MLA latent), capped at ``window`` tokens when ``window`` is set.
+      MLA latent), capped at ``window`` tokens when ``window`` is set (the sliding
+      window, or the attention chunk).
     - ``heads``: heads the per-token cache and the state are split over TP ranks
       (a rank holds ``ceil(heads / tp)`` of them); 0 means not split (the MLA latent
       is one vector shared by all heads, so every TP rank holds all of it).
     - ``index_elems``: DeepSeek-V3.2 indexer keys cached per token (one head, never
       split).
-    - ``state_elems``: fixed elements per request (linear-attention or SSM state).
+    - ``state_elems``: fixed recurrent state per request (the delta-rule matrices or
+      the SSM state), kept at the state dtype.
+    - ``conv_elems``: fixed short-convolution state per request (last ``K−1``
+      inputs), kept at the KV dtype. Of it, ``conv_groups × conv_group_elems`` are the
+      Mamba-2 B/C group channels, which TP splits by group, not by head (a rank holds
+      ``ceil(groups / tp)`` groups: vLLM replicates groups when ``n_groups < tp``).
     - ``linear_flops``: matmul FLOPs per new token (2 per weight, projections and MLP).
     - ``pair_flops``: FLOPs per (query, key) pair of softmax attention, QKᵀ plus AV.
-    - ``pair_cap``: keys each query attends to at most (sliding window, or the
+    - ``pair_cap``: keys each query attends to at most (sliding window, chunk, or the
       DeepSeek-V3.2 top-k selection); None = all earlier tokens.
     - ``index_pair_flops``: FLOPs per (query, key) pair of the V3.2 indexer, which
       scores every earlier token.
@@ -73,11 +80,15 @@ class Layer:
 
     index: int
     kind: str
+    mixer: str = ""
     token_elems: int = 0
     heads: int = 0
     window: int | None = None
     index_elems: int = 0
     state_elems: int = 0
+    conv_elems: int = 0
+    conv_groups: int = 0
+    conv_group_elems: int = 0
     linear_flops: int = 0
     pair_flops: int = 0
     pair_cap: int | None = None
@@ -92,49 +103,24 @@ class ModelSpec:
     ``flops_error``: "" when the FLOP fields are complete; otherwise the message naming
     the missing or malformed field, and ``linear_flops`` / ``head_flops`` lack the MLP
     and LM head (:func:`check_flops` raises it; KV sizing does not need them).
+    ``state_dtype`` / ``state_dtype_field``: the recurrent-state dtype the config names
+    and the field naming it (one of :data:`STATE_DTYPE_FIELDS`), or None / "".
+    ``layout_field``: the config field that said which layer is which.
     """
 
     name: str
     layers: tuple[Layer, ...]
     head_flops: int
     flops_error: str = ""
+    state_dtype: str | None = None
+    state_dtype_field: str = ""
+    layout_field: str = ""
 
 
 def check_flops(spec: ModelSpec) -> None:
     """Raise UserError (the missing field) unless ``spec`` has complete prefill FLOPs."""
     if spec.flops_error:
         raise UserError(spec.flops_error)
-
-
-class _Fields:
-    """Reads fields from one config dict; a missing or malformed one is a UserError
-    naming the field and the file."""
-
-    def __init__(self, cfg: dict[str, Any], source: str):
-        self.cfg, self.source = cfg, source
-
-    def has(self, name: str) -> bool:
-        return self.cfg.get(name) is not None
-
-    def get(self, name: str, default: Any = None) -> Any:
-        value = self.cfg.get(name)
-        return default if value is None else value
-
-    def int(self, name: str, why: str, minimum: int = 1) -> int:
-        if not self.has(name):
-            raise UserError(f"{self.source}: missing field {name!r} (needed for {why})")
-        value = self.cfg[name]
-        if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
-            raise UserError(f"{self.source}: field {name!r} must be an integer >= {minimum}, "
-                            f"got {value!r}")
-        return value
-
-    def first_int(self, names: tuple[str, ...], why: str, minimum: int = 1) -> int:
-        for name in names:
-            if self.has(name):
-                return self.int(name, why, minimum)
-        raise UserError(f"{self.source}: missing field {names[0]!r} (needed for {why}; "
-                        f"also accepted: {', '.join(names[1:])})")
 
 
 def load_spec(path: str | Path) -> ModelSpec:
@@ -180,101 +166,73 @@ def spec_from_config(cfg: dict[str, Any], source: str = "config.json") -> ModelS
     KV shape; a FLOP-only field is reported in ``flops_error`` instead.
     """
     if isinstance(cfg.get("text_config"), dict):
-        cfg = {**cfg["text_config"], "model_type": cfg["text_config"].get("model_type",
-                                                                          cfg.get("model_type"))}
-    f = _Fields(cfg, source)
+        text = cfg["text_config"]
+        cfg = {"_name_or_path": cfg.get("_name_or_path"), **text,
+               "model_type": text.get("model_type", cfg.get("model_type"))}
+    f = Fields(cfg, source)
     for name, what in _UNSUPPORTED.items():
         if f.get(name):
             raise UserError(f"{source}: field {name!r} ({what}) is not supported by kvpool plan")
-    n_layers = f.int("num_hidden_layers", "the number of layers")
+    n_layers = _layer_count(f)
     hidden = f.int("hidden_size", "projection sizes")
-    kinds = _layer_kinds(f, n_layers)
-    layers = tuple(_layer(f, i, kind, hidden) for i, kind in enumerate(kinds))
+    tokens, layout_field = layer_layout(f, n_layers)
+    layers = tuple(_layer(f, i, token, hidden, layout_field) for i, token in enumerate(tokens))
     try:  # only the prefill FLOPs need these fields
-        mlp = [_mlp_flops(f, i, hidden) for i in range(n_layers)]
+        mlp = _mlp_per_layer(f, tokens, hidden)
         head, error = 2 * hidden * f.int("vocab_size", "the LM head"), ""
     except UserError as exc:
         mlp, head, error = [0] * n_layers, 0, f"{exc}; prefill FLOPs need it, KV sizing does not"
     layers = tuple(replace(layer, linear_flops=layer.linear_flops + m)
                    for layer, m in zip(layers, mlp))
+    dtype_field = next((name for name in STATE_DTYPE_FIELDS if f.has(name)), "")
     return ModelSpec(name=str(cfg.get("_name_or_path") or source), layers=layers,
-                     head_flops=head, flops_error=error)
+                     head_flops=head, flops_error=error,
+                     state_dtype=str(f.get(dtype_field)) if dtype_field else None,
+                     state_dtype_field=dtype_field, layout_field=layout_field)
 
 
-def _layer_kinds(f: _Fields, n: int) -> list[str]:
-    """One kind per layer, from the first rule in the module docstring that applies."""
-    if f.has("layer_types"):
-        types = f.get("layer_types")
-        if not isinstance(types, list) or len(types) != n:
-            raise UserError(f"{f.source}: field 'layer_types' must list {n} layer types "
-                            f"(num_hidden_layers)")
-        unknown = sorted({t for t in types if t not in _LAYER_TYPE_KIND}, key=str)
-        if unknown:
-            raise UserError(f"{f.source}: field 'layer_types' has unknown type(s) {unknown}; "
-                            f"known: {sorted(_LAYER_TYPE_KIND)}")
-        kinds = [_LAYER_TYPE_KIND[t] for t in types]
-    elif isinstance(f.get("linear_attn_config"), dict):
-        kinds = _kimi_kinds(f, n)
-    elif f.get("model_type") == "gemma2":
-        kinds = [SLIDING if i % 2 == 0 else FULL for i in range(n)]
-    elif f.has("sliding_window_pattern"):
-        pattern = f.int("sliding_window_pattern", "the sliding/global interleave")
-        kinds = [SLIDING if (i + 1) % pattern else FULL for i in range(n)]
-    elif "use_sliding_window" in f.cfg:
-        start = f.int("max_window_layers", "which layers slide", 0) if f.get(
-            "use_sliding_window") else n
-        kinds = [SLIDING if i >= start else FULL for i in range(n)]
-    else:
-        kinds = [SLIDING if f.has("sliding_window") else FULL] * n
-    if f.has("kv_lora_rank"):  # MLA replaces every softmax-attention layer's K/V
-        kinds = [MLA if k == FULL else k for k in kinds]
-    return kinds
+def _layer_count(f: Fields) -> int:
+    """``num_hidden_layers``; a Nemotron-H config may leave it out (``NemotronHConfig``
+    derives it from the length of its layer list or pattern)."""
+    if not f.has("num_hidden_layers"):
+        for name in ("layers_block_type", "hybrid_override_pattern"):
+            if isinstance(f.get(name), (list, str)) and f.get(name):
+                return len(f.get(name))
+    return f.int("num_hidden_layers", "the number of layers")
 
 
-def _kimi_kinds(f: _Fields, n: int) -> list[str]:
-    lac = f.get("linear_attn_config")
-    kinds: list[str | None] = [None] * n
-    for field, kind in (("full_attn_layers", FULL), ("kda_layers", LINEAR)):
-        for number in lac.get(field) or []:
-            if not isinstance(number, int) or not 1 <= number <= n:
-                raise UserError(f"{f.source}: linear_attn_config.{field} has {number!r}; "
-                                f"layer numbers are 1..{n}")
-            kinds[number - 1] = kind
-    missing = [i + 1 for i, k in enumerate(kinds) if k is None]
-    if missing:
-        raise UserError(f"{f.source}: linear_attn_config lists no type for layer(s) {missing} "
-                        "(expected in full_attn_layers or kda_layers)")
-    return kinds  # type: ignore[return-value]
+def _layer(f: Fields, i: int, token: str, hidden: int, layout_field: str) -> Layer:
+    if token == RECURRENT:
+        return Layer(**recurrent_layer(f, i, hidden, layout_field))
+    if token == FFN:
+        return Layer(index=i, kind=FFN)  # its MLP FLOPs are added by spec_from_config
+    if token == FULL and f.has("kv_lora_rank"):  # MLA replaces softmax K/V
+        return Layer(**_mla(f, i, hidden))
+    return Layer(**_softmax_attention(f, i, token, hidden))
 
 
-def _layer(f: _Fields, i: int, kind: str, hidden: int) -> Layer:
-    if kind in (FULL, SLIDING):
-        attn = _softmax_attention(f, i, kind, hidden)
-    elif kind == MLA:
-        attn = _mla(f, i, hidden)
-    elif kind == LINEAR:
-        attn = _linear_attention(f, i, hidden)
-    else:
-        attn = _mamba(f, i, hidden)
-    return Layer(**attn)  # the MLP's FLOPs are added by spec_from_config
-
-
-def _softmax_attention(f: _Fields, i: int, kind: str, hidden: int) -> dict:
+def _softmax_attention(f: Fields, i: int, kind: str, hidden: int) -> dict:
     """MHA / GQA / MQA: K and V of ``num_key_value_heads`` heads of ``head_dim`` per
-    token (Vaswani et al. 2017; GQA, Ainslie et al. 2023; MQA, Shazeer 2019)."""
+    token (Vaswani et al. 2017; GQA, Ainslie et al. 2023; MQA, Shazeer 2019). A sliding
+    layer keeps the last ``sliding_window`` tokens; a chunked one (Llama 4) at most the
+    ``attention_chunk_size`` tokens of the current chunk."""
     q_heads = f.int("num_attention_heads", "attention heads")
     kv_heads = f.int("num_key_value_heads",
                      "KV heads; for multi-head attention it equals num_attention_heads")
-    head_dim = f.int("head_dim", "head size") if f.has("head_dim") else _div(
+    named = next((n for n in ("head_dim", "attention_head_dim") if f.has(n)), "")
+    head_dim = f.int(named, "head size") if named else _div(  # Nemotron-H: attention_head_dim
         f, hidden, q_heads, "head_dim = hidden_size / num_attention_heads")
-    window = f.int("sliding_window", "sliding-window layers") if kind == SLIDING else None
-    proj = hidden * head_dim * (2 * q_heads + 2 * kv_heads)  # q, k, v, o
+    window = (f.int("sliding_window", "sliding-window layers") if kind == SLIDING else
+              f.int("attention_chunk_size", "chunked-attention layers") if kind == CHUNKED
+              else None)
+    q_out = 2 if f.get("model_type") in _GATED_QUERY_TYPES else 1
+    proj = hidden * head_dim * ((q_out + 1) * q_heads + 2 * kv_heads)  # q (+ gate), k, v, o
     return dict(index=i, kind=kind, token_elems=2 * kv_heads * head_dim, heads=kv_heads,
                 window=window, linear_flops=2 * proj,
                 pair_flops=2 * q_heads * 2 * head_dim, pair_cap=window)
 
 
-def _mla(f: _Fields, i: int, hidden: int) -> dict:
+def _mla(f: Fields, i: int, hidden: int) -> dict:
     """Multi-head latent attention (DeepSeek-V2, arXiv:2405.04434, §2.1.2; V3): the
     cache holds one compressed latent of ``kv_lora_rank`` plus the decoupled RoPE key
     of ``qk_rope_head_dim`` per token, shared by all heads, so TP ranks replicate it.
@@ -303,71 +261,48 @@ def _mla(f: _Fields, i: int, hidden: int) -> dict:
     return out
 
 
-def _linear_attention(f: _Fields, i: int, hidden: int) -> dict:
-    """Gated delta-rule linear attention: per head a ``d_k × d_v`` recurrent state plus
-    the last ``K−1`` inputs of the short causal convolution over q, k and v (the ``K−1``
-    a width-K causal convolution needs; vLLM's layout). Kimi Delta Attention
-    (arXiv:2510.26692) from ``linear_attn_config`` {num_heads, head_dim,
-    short_conv_kernel_size} (or transformers' ``linear_num_heads``, ``linear_head_dim``,
-    ``linear_conv_kernel_dim``) with d_k = d_v = head_dim; Gated DeltaNet as in Qwen3-Next
-    from ``linear_num_{key,value}_heads``, ``linear_{key,value}_head_dim`` and
-    ``linear_conv_kernel_dim``. Prefill FLOPs per token: projections plus ≈ 6·d_k·d_v
-    per value head for the state read, update and readout.
-    """
-    lac = f.get("linear_attn_config")
-    if isinstance(lac, dict) or f.has("linear_num_heads"):
-        # Kimi checkpoint names, or the names transformers' KimiLinearConfig saves
-        sub, names = ((_Fields(lac, f"{f.source}: linear_attn_config"),
-                       ("num_heads", "head_dim", "short_conv_kernel_size"))
-                      if isinstance(lac, dict) else
-                      (f, ("linear_num_heads", "linear_head_dim", "linear_conv_kernel_dim")))
-        nv = nk = sub.int(names[0], "linear-attention heads")
-        dk = dv = sub.int(names[1], "the linear-attention state")
-        conv = sub.int(names[2], "the short-convolution state")
-        # q, k, v, o; then the forget and output gates (low rank through head_dim), beta
-        proj = hidden * nk * dk * 4 + 2 * hidden * dk + 2 * dk * nk * dk + hidden * nk
-    else:
-        nk = f.int("linear_num_key_heads", "linear-attention key heads")
-        nv = f.int("linear_num_value_heads", "linear-attention value heads")
-        dk = f.int("linear_key_head_dim", "the linear-attention state")
-        dv = f.int("linear_value_head_dim", "the linear-attention state")
-        conv = f.int("linear_conv_kernel_dim", "the short-convolution state")
-        proj = hidden * (2 * nk * dk + 2 * nv * dv + 2 * nv) + nv * dv * hidden
-    state = nv * dk * dv + (2 * nk * dk + nv * dv) * (conv - 1)
-    return dict(index=i, kind=LINEAR, heads=nv, state_elems=state,
-                linear_flops=2 * proj + 6 * nv * dk * dv)
+def _mlp_per_layer(f: Fields, tokens: list[str], hidden: int) -> list[int]:
+    """MLP FLOPs per layer. With MLP/MoE-only layers in the layout (Nemotron-H) those
+    layers carry the MLP and the mixer layers none; Mamba-1/2 models have no MLP."""
+    if f.get("model_type") in _NO_MLP_TYPES:
+        return [0] * len(tokens)
+    if FFN not in tokens:
+        return [_mlp_flops(f, i, hidden) for i in range(len(tokens))]
+    kinds = f.get("layer_types") or f.get("layers_block_type") or [
+        {"-": "mlp", "E": "moe"}.get(c, "") for c in f.get("hybrid_override_pattern")]
+    return [_mlp_flops(f, i, hidden, moe=kind == "moe") if kind in ("mlp", "moe") else 0
+            for i, kind in enumerate(kinds)]
 
 
-def _mamba(f: _Fields, i: int, hidden: int) -> dict:
-    """Mamba-2 layer (Dao & Gu 2024, arXiv:2405.21060): SSM state of ``n_heads ×
-    head_dim × d_state`` plus the last ``d_conv−1`` inputs of the convolution over
-    x, B and C (``d_inner + 2·n_groups·d_state`` channels); Granite-4.0-H field names."""
-    heads = f.int("mamba_n_heads", "Mamba heads")
-    d_head = f.int("mamba_d_head", "Mamba head size")
-    d_state = f.int("mamba_d_state", "the SSM state")
-    groups = f.int("mamba_n_groups", "the SSM B/C groups")
-    d_conv = f.int("mamba_d_conv", "the convolution state")
-    inner = heads * d_head
-    state = heads * d_head * d_state + (inner + 2 * groups * d_state) * (d_conv - 1)
-    proj = hidden * (2 * inner + 2 * groups * d_state + heads) + inner * hidden
-    return dict(index=i, kind=MAMBA, heads=heads, state_elems=state,
-                linear_flops=2 * proj + 6 * heads * d_head * d_state)
-
-
-def _mlp_flops(f: _Fields, i: int, hidden: int) -> int:
-    """Gated MLP (gate, up, down: 3 · hidden · intermediate weights) or, on MoE layers,
-    the ``num_experts_per_tok`` routed plus the shared experts and the router. MoE
-    layers are those from ``first_k_dense_replace`` on (DeepSeek-V3 config)."""
+def _mlp_flops(f: Fields, i: int, hidden: int, moe: bool | None = None) -> int:
+    """MLP FLOPs per token: a gated MLP (gate, up, down: 3 · hidden · intermediate
+    weights; 2 matrices for Nemotron-H's ungated ``relu2``) or, on MoE layers, the
+    ``num_experts_per_tok`` routed plus the shared experts and the router. MoE layers
+    are those from ``first_k_dense_replace`` on (DeepSeek-V3), or ``i % expert_layer_period
+    == expert_layer_offset`` (Jamba); an expert is ``moe_intermediate_size`` wide, else
+    ``intermediate_size`` (Mixtral, gpt-oss); Qwen3-Next adds one shared expert of
+    ``shared_expert_intermediate_size``. ``moe`` forces the choice (Nemotron-H's E / -)."""
+    mats = 2 if f.get("mlp_hidden_act") == "relu2" else 3
     experts = f.get("n_routed_experts") or f.get("num_experts") or f.get("num_local_experts")
-    if experts and i >= f.get("first_k_dense_replace", 0):
-        topk = f.first_int(("num_experts_per_tok", "num_experts_per_token"), "routed experts")
-        inter = f.int("moe_intermediate_size", "expert size")
-        shared = f.get("n_shared_experts") or f.get("num_shared_experts") or 0
-        return 2 * (3 * hidden * inter * (topk + shared) + hidden * experts)
-    return 2 * 3 * hidden * f.int("intermediate_size", "the MLP")
+    if moe is None:
+        moe = bool(experts) and i >= f.get("first_k_dense_replace", 0) and (
+            not f.has("expert_layer_period")
+            or i % f.get("expert_layer_period") == f.get("expert_layer_offset", 0))
+    if not moe:
+        return 2 * mats * hidden * f.int("intermediate_size", "the MLP")
+    if not experts:
+        raise f.error("missing field 'n_routed_experts' (needed for MoE layers; also accepted: "
+                      "num_experts, num_local_experts)")
+    topk = f.first_int(("num_experts_per_tok", "num_experts_per_token", "experts_per_token"),
+                       "routed experts")
+    inter = f.first_int(("moe_intermediate_size", "intermediate_size"), "expert size")
+    shared = (f.get("n_shared_experts") or f.get("num_shared_experts") or 0) * inter
+    shared += f.get("shared_expert_intermediate_size") or f.get(
+        "moe_shared_expert_intermediate_size") or 0
+    return 2 * (mats * hidden * (inter * topk + shared) + hidden * experts)
 
 
-def _div(f: _Fields, a: int, b: int, what: str) -> int:
+def _div(f: Fields, a: int, b: int, what: str) -> int:
     if a % b:
         raise UserError(f"{f.source}: {what} is not an integer ({a}/{b}); add a 'head_dim' field")
     return a // b
