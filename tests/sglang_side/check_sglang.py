@@ -263,18 +263,40 @@ def test_fault_injection_leaves_every_loaded_page_correct(module_cluster, store,
     pool = host_pool("mha", "page_first_direct")
     b = backend(module_cluster.master_addr, pool)
     assert isinstance(b, HiCacheStorageFailureInjector)
-    outcomes = []
+    injected, loaded_pages = 0, 0
     for r in range(16):
         keys = keys_for(100 + r % 5, 4)  # rounds share sequences: hits and misses mix
         src = fill(pool, keys)
-        b.batch_set_v1(keys, src)
+        stored = b.batch_set_v1(keys, src)
         pool.free(src)
         hit = b.batch_exists(keys)
         idx = empty_slots(pool, 4)
         loaded = b.batch_get_v1(keys[:hit], idx[:hit * harness.PAGE_SIZE]) if hit else []
         ok = correct(pool, keys[:hit], idx[:hit * harness.PAGE_SIZE])
         assert all(o for o, got in zip(ok, loaded) if got), f"round {r}: a loaded page is wrong"
-        outcomes.extend(loaded)
         pool.free(idx)
-    assert True in outcomes and (False in outcomes or len(outcomes) < 64)
+        # kvpool itself fails none of these calls here: every failure is the injector's
+        injected += (not all(stored)) + (all(stored) and hit < 4) + (False in loaded)
+        loaded_pages += sum(loaded)
+    assert injected and loaded_pages
     b.close()
+
+
+def test_gather_and_scatter_over_tcp(module_cluster, store, engine_b):
+    """MHA layer_first pages are 2 x layers regions: each is written and read in place,
+    here over the node's TCP port instead of the shared-memory mapping."""
+    pool = host_pool("mha", "layer_first")
+    a = backend(module_cluster.master_addr, pool, force_tcp=True)
+    keys = keys_for(14, 5)
+    assert a.batch_set_v1(keys, fill(pool, keys)) == [True] * 5
+    idx = empty_slots(pool, 5)
+    assert a.batch_get_v1(keys, idx) == [True] * 5 and correct(pool, keys, idx) == [True] * 5
+    a.close()
+
+
+def test_a_layout_without_page_regions_is_refused(module_cluster, store):
+    """SGLang's page_unified layout interleaves K and V per head group: its host pool has
+    no byte-region description of a page (get_page_buffer_meta), so it is refused."""
+    pool = host_pool("mha", "page_unified")
+    with pytest.raises(NotImplementedError, match="page_unified"):
+        backend(module_cluster.master_addr, pool)

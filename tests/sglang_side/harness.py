@@ -95,9 +95,9 @@ def _host_pool(kind: str, layout: str, host_tokens: int):
 
 
 def storage_config(master: str, kind: str = "mha", tp_rank: int = 0, tp_size: int = 1,
-                   layout: str = "page_first", metrics: bool = False) -> HiCacheStorageConfig:
+                   layout: str = "page_first", metrics: bool = False, **extra_keys) -> HiCacheStorageConfig:
     """SGLang's storage config as its cache controller fills it, with the user's JSON."""
-    extra = json.loads(EXTRA_CONFIG)
+    extra = {**json.loads(EXTRA_CONFIG), **extra_keys}
     extra["master"] = master
     return HiCacheStorageConfig(tp_rank=tp_rank, tp_size=tp_size, pp_rank=0, pp_size=1, attn_cp_rank=0,
                                 attn_cp_size=1, is_mla_model=kind == "mla", enable_storage_metrics=metrics,
@@ -105,9 +105,10 @@ def storage_config(master: str, kind: str = "mha", tp_rank: int = 0, tp_size: in
                                 extra_config=extra)
 
 
-def backend(master: str, pool, kind: str = "mha", tp_rank: int = 0, tp_size: int = 1, metrics: bool = False):
+def backend(master: str, pool, kind: str = "mha", tp_rank: int = 0, tp_size: int = 1, metrics: bool = False,
+            **extra_keys):
     """The backend as SGLang's cache controller makes it: factory, then host-pool registration."""
-    cfg = storage_config(master, kind, tp_rank, tp_size, pool.layout, metrics)
+    cfg = storage_config(master, kind, tp_rank, tp_size, pool.layout, metrics, **extra_keys)
     b = StorageBackendFactory.create_backend("dynamic", cfg, pool)
     b.register_mem_pool_host(pool)
     return b

@@ -197,14 +197,16 @@ class KVPoolConnector(RemoteConnector):
         if not keys:
             return []
         names = [self.store_key(k) for k in keys]
+        held = {h.key: h for h in locked or []}
         try:
-            handles = list(locked or [])[:len(keys)]
-            if len(handles) < len(keys):
-                handles += self.client.batch_query(names[len(handles):])
+            fresh = [n for n in names if n not in held]
+            found = dict(zip(fresh, self.client.batch_query(fresh))) if fresh else {}
         except KVPoolError as exc:
-            self._release([h for h in (locked or []) if isinstance(h, ReadHandle)])
+            self._release(list(held.values()))
             log.warning("kvpool: query of %d chunks failed: %s", len(keys), exc)
             return [None] * len(keys)
+        handles = [held.pop(n, None) or found.get(n, ErrorCode.OBJECT_NOT_FOUND) for n in names]
+        self._release(list(held.values()))  # locked by the lookup but not asked for now
         objs, parts, headers = [], [], []
         for key, handle in zip(keys, handles):
             size = self._stored_size(handle)
