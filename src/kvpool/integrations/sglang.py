@@ -113,6 +113,11 @@ class KVPoolHiCacheStorage(HiCacheStorage):
                                       f"not {layout!r}")
         if getattr(mem_pool_host, "kv_buffer", None) is None:
             raise NotImplementedError(_V2)
+        if layout == "layer_first" and not self.is_mla:
+            log.warning("kvpool: SGLang's MHA layer_first host layout splits a page into 2 x %d "
+                        "regions, each moved on its own: L3 loads are several times slower than "
+                        "with --hicache-mem-layout page_first / page_first_direct / page_head",
+                        mem_pool_host.layer_num)
         self._regions = sorted(self._register(buf) for buf in _host_buffers(mem_pool_host))
         self.ns = self._namespace(mem_pool_host)
         self._digest = self.ns.digest()
