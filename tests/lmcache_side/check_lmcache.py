@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -41,9 +42,11 @@ def inst(http_cluster):
 
 
 def peer(master: str, op: str, hashes: list[int]) -> dict:
-    """A second LMCache instance in its own process."""
+    """A second LMCache instance in its own process (importing this checkout's kvpool)."""
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(HERE.parent.parent / "src"),
+                                                        os.environ.get("PYTHONPATH", "")])}
     out = subprocess.run([sys.executable, str(HERE / "lmc.py"), master, op, *map(str, hashes)],
-                         capture_output=True, text=True, timeout=300, check=True)
+                         capture_output=True, text=True, timeout=300, check=True, env=env)
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
