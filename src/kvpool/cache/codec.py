@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import dataclasses
 import struct
+from collections.abc import Sequence
 
 import xxhash
 
@@ -90,14 +91,32 @@ def encode_page(header: PageHeader, payload) -> bytes:
     Raises LengthMismatch when the payload is not ``header.payload_len`` bytes.
     """
     view = memoryview(payload).cast("B")
-    if view.nbytes != header.payload_len:
-        raise LengthMismatch(f"payload is {view.nbytes} bytes, header says {header.payload_len}")
-    out = bytearray(HEADER_SIZE + view.nbytes)
+    return encode_header(header, [view]) + view
+
+
+def encode_header(header: PageHeader, parts: Sequence) -> bytes:
+    """The ``HEADER_SIZE``-byte header of a page whose payload is ``parts`` joined.
+
+    For gather writes: the parts (C-contiguous buffers, e.g. K and V regions of a host
+    pool) are written after the header as they are, never joined in memory.
+    Raises LengthMismatch when the parts do not add up to ``header.payload_len`` bytes.
+    """
+    total = sum(memoryview(p).nbytes for p in parts)
+    if total != header.payload_len:
+        raise LengthMismatch(f"payload is {total} bytes, header says {header.payload_len}")
+    out = bytearray(HEADER_SIZE)
     _HEADER.pack_into(out, 0, MAGIC, PAGE_FORMAT_VERSION, header.ns_digest, header.page_key,
                       header.page_index, header.token_count, header.payload_len,
-                      xxhash.xxh3_64_intdigest(view))
-    out[HEADER_SIZE:] = view
+                      payload_checksum(parts))
     return bytes(out)
+
+
+def payload_checksum(parts: Sequence) -> int:
+    """xxh3_64 of the concatenation of ``parts`` (C-contiguous buffers), without joining."""
+    h = xxhash.xxh3_64()
+    for part in parts:
+        h.update(memoryview(part).cast("B"))
+    return h.intdigest()
 
 
 def decode_page(blob, expect: PageHeader) -> memoryview:
@@ -108,6 +127,18 @@ def decode_page(blob, expect: PageHeader) -> memoryview:
     ChecksumMismatch — checked in this order, the checksum last (it reads every byte).
     """
     view = memoryview(blob).cast("B")
+    payload = view[HEADER_SIZE:]
+    check_parts(view[:HEADER_SIZE], [payload], expect)
+    return payload
+
+
+def check_parts(header, parts: Sequence, expect: PageHeader) -> None:
+    """Check a stored header (its first ``HEADER_SIZE`` bytes) and the payload that was
+    read after it into ``parts`` (scatter reads: e.g. straight into host-pool slots).
+
+    Raises the PageFormatError subclasses of :func:`decode_page`, in the same order.
+    """
+    view = memoryview(header).cast("B")
     if view.nbytes < HEADER_SIZE:
         raise TruncatedPage(f"page of {view.nbytes} bytes is shorter than its header")
     magic, version, ns, key, index, tokens, length, checksum = _HEADER.unpack_from(view)
@@ -124,9 +155,8 @@ def decode_page(blob, expect: PageHeader) -> memoryview:
     if tokens != expect.token_count or length != expect.payload_len:
         raise LengthMismatch(f"page has {tokens} tokens / {length} bytes, expected "
                              f"{expect.token_count} / {expect.payload_len}")
-    payload = view[HEADER_SIZE:]
-    if payload.nbytes != length:
-        raise TruncatedPage(f"payload is {payload.nbytes} bytes, header says {length}")
-    if xxhash.xxh3_64_intdigest(payload) != checksum:
+    total = sum(memoryview(p).nbytes for p in parts)
+    if total != length:
+        raise TruncatedPage(f"payload is {total} bytes, header says {length}")
+    if payload_checksum(parts) != checksum:
         raise ChecksumMismatch("payload checksum does not match its header")
-    return payload

@@ -368,30 +368,46 @@ class Client:
         """
         if len(keys) != len(values):
             raise InvalidParams("batch_put needs as many values as keys")
+        return self.batch_put_parts(keys, [(v,) for v in values], replica_num, upsert=upsert,
+                                    soft_pin=soft_pin, soft_pin_ttl_ms=soft_pin_ttl_ms,
+                                    hard_pin=hard_pin, preferred_segment=preferred_segment)
+
+    def batch_put_parts(self, keys: Sequence[str], parts: Sequence[Sequence], replica_num: int = 1, *,
+                        upsert: bool = False, soft_pin: bool | None = None, soft_pin_ttl_ms: int | None = None,
+                        hard_pin: bool = False, preferred_segment: str = "") -> list[ErrorCode]:
+        """:meth:`batch_put` where value ``i`` is the concatenation of the buffers
+        ``parts[i]`` (bytes-like, numpy, CPU tensors), each written straight from where
+        it lies (a gather write: e.g. a page header from a small buffer, then the page's
+        regions of a registered host pool; nothing is joined in memory). Returns and
+        raises as :meth:`batch_put`; an item whose parts are all empty is INVALID_PARAMS.
+        """
+        if len(keys) != len(parts):
+            raise InvalidParams("batch_put_parts needs one list of parts per key")
         template = _item("", replica_num, upsert, soft_pin, soft_pin_ttl_ms, hard_pin, preferred_segment)
         codes = [ErrorCode.OK] * len(keys)
         srcs, sent = [], []
-        for i, (key, value) in enumerate(zip(keys, values)):
+        for i, (key, item_parts) in enumerate(zip(keys, parts)):
             try:
                 check_key(key)
-                src = as_byte_view(value)
-                if len(src) == 0:
+                views = [v for v in (as_byte_view(p) for p in item_parts) if len(v)]
+                if not views:
                     raise InvalidParams("empty value")
             except InvalidParams:
                 codes[i] = ErrorCode.INVALID_PARAMS
                 continue
-            srcs.append(src)
+            srcs.append(views)
             sent.append(i)
         if not sent:
             return codes
-        items = [msgspec.structs.replace(template, key=keys[i], size=len(s)) for i, s in zip(sent, srcs)]
+        items = [msgspec.structs.replace(template, key=keys[i], size=sum(map(len, views)))
+                 for i, views in zip(sent, srcs)]
         results = self._call(P.BatchPutStart(items, self.host_id), idempotent=False).results
         jobs, tokens = [], {}
-        for i, src, res in zip(sent, srcs, results):
+        for i, views, res in zip(sent, srcs, results):
             codes[i] = code_of(res.code)
             if res.code == ErrorCode.OK:
                 tokens[i] = P.PutToken(keys[i], res.put_id)
-                jobs.extend((i, d, src) for d in res.replicas)
+                jobs.extend((i, piece, view) for d in res.replicas for piece, view in _pieces(d, views))
         written, _ = self._write_all(jobs)
         good = [i for i in tokens if written[i]]
         bad = [i for i in tokens if not written[i]]
@@ -679,6 +695,18 @@ def _source(buf, offset: int, size: int) -> memoryview:
     if offset < 0 or size < 0 or offset + size > len(view):
         raise InvalidParams(f"[{offset}, +{size}) exceeds the {len(view)}-byte buffer")
     return view[offset : offset + size]
+
+
+def _pieces(replica: P.ReplicaDesc, views: list[memoryview]) -> list[tuple[P.ReplicaDesc, memoryview]]:
+    """The replica's byte range cut into one range per source view, in order (a gather
+    write of one value: each view lands right after the previous one)."""
+    if len(views) == 1:
+        return [(replica, views[0])]
+    out, offset = [], replica.offset
+    for view in views:
+        out.append((msgspec.structs.replace(replica, offset=offset, length=len(view)), view))
+        offset += len(view)
+    return out
 
 
 def _plan_fragments(size: int, wanted) -> tuple[list[int], list[tuple[int, memoryview]]]:
