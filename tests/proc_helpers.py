@@ -8,8 +8,12 @@ editable install may point at another checkout), so the child gets this checkout
 from __future__ import annotations
 
 import os
+import signal
+import subprocess
 import sys
 from pathlib import Path
+
+import pytest
 
 import kvpool
 
@@ -22,3 +26,22 @@ def kvpool_env(**extra: str) -> dict:
     env = {**os.environ, "HF_HUB_OFFLINE": "1", **extra}
     env["PYTHONPATH"] = SRC + os.pathsep + env.get("PYTHONPATH", "")
     return env
+
+
+def run_kvpool(*args: str, env: dict | None = None, timeout_s: float = 60,
+               **popen) -> subprocess.CompletedProcess:
+    """Run ``kvpool ARGS`` of this checkout in its own process group and wait for it.
+
+    A command that should refuse at once but starts working instead (a cluster, a
+    benchmark, a model load) is stopped at ``timeout_s`` and fails the test.
+    """
+    proc = subprocess.Popen([*KVPOOL, *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            stdin=subprocess.DEVNULL, text=True, env=env or kvpool_env(),
+                            start_new_session=True, **popen)
+    try:
+        out, err = proc.communicate(timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.communicate()
+        pytest.fail(f"kvpool {' '.join(args)} still running after {timeout_s} s")
+    return subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
