@@ -11,6 +11,7 @@ import os
 import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -45,3 +46,13 @@ def run_kvpool(*args: str, env: dict | None = None, timeout_s: float = 60,
         proc.communicate()
         pytest.fail(f"kvpool {' '.join(args)} still running after {timeout_s} s")
     return subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
+
+
+def poll_until(check, timeout_s: float = 20.0, every_s: float = 0.01) -> bool:
+    """Call ``check()`` until it is true or ``timeout_s`` passes; its last value."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if check():
+            return True
+        time.sleep(every_s)
+    return bool(check())

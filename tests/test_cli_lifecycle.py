@@ -14,24 +14,14 @@ import signal
 import subprocess
 import sys
 import threading
-import time
 from pathlib import Path
 
 import pytest
 
 from kvpool.launch import Cluster, LaunchError
-from proc_helpers import KVPOOL, kvpool_env
+from proc_helpers import KVPOOL, kvpool_env, poll_until
 
 pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="/proc, process groups")
-
-
-def _poll(check, timeout_s: float = 60.0) -> bool:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if check():
-            return True
-        time.sleep(0.005)
-    return check()
 
 
 def _has_children(pid: int) -> bool:
@@ -66,7 +56,7 @@ def _ctrl_c(proc: subprocess.Popen) -> tuple[int, str, str]:
 
 def test_serve_ready_file_has_the_admin_address_and_ctrl_c_leaves_no_temp_folder(tmp_path):
     serve, ready, tmp = _serve(tmp_path, "--http-port", "0")
-    assert _poll(lambda: ready.exists() or serve.poll() is not None), "serve did not come up"
+    assert poll_until(lambda: ready.exists() or serve.poll() is not None, 60), "serve did not come up"
     info = json.loads(ready.read_text())
     code, out, err = _ctrl_c(serve)
     assert code == 0, err
@@ -79,7 +69,7 @@ def test_serve_ready_file_has_the_admin_address_and_ctrl_c_leaves_no_temp_folder
 def test_serve_log_dir_keeps_the_logs_where_asked(tmp_path):
     logs = tmp_path / "logs"
     serve, ready, tmp = _serve(tmp_path, "--log-dir", str(logs))
-    assert _poll(lambda: ready.exists() or serve.poll() is not None), "serve did not come up"
+    assert poll_until(lambda: ready.exists() or serve.poll() is not None, 60), "serve did not come up"
     code, _, err = _ctrl_c(serve)
     assert code == 0, err
     assert "listening on" in (logs / "master.log").read_text()
@@ -90,7 +80,7 @@ def test_serve_log_dir_keeps_the_logs_where_asked(tmp_path):
 def test_ctrl_c_while_serve_starts_says_interrupted(tmp_path):
     serve, _, tmp = _serve(tmp_path)
     # the master is started (a child exists) and serve has not printed its addresses yet
-    assert _poll(lambda: _has_children(serve.pid) or serve.poll() is not None)
+    assert poll_until(lambda: _has_children(serve.pid) or serve.poll() is not None, 60, 0.002)
     code, out, err = _ctrl_c(serve)
     assert "Ctrl-C to stop." not in out, "serve had finished starting; the test came too late"
     assert (code, err.strip()) == (130, "kvpool serve: interrupted")
