@@ -19,8 +19,8 @@ TINY_DEMO = [*KVPOOL, "demo", "--model", "tiny-random", "--questions", "2",
 
 
 def _fresh_env(tmp_path: Path) -> dict:
-    """Empty model cache, Hugging Face home and temp folder."""
-    for name in ("cache", "hf", "tmp"):
+    """A model cache folder that does not exist yet, an empty Hugging Face home and temp folder."""
+    for name in ("hf", "tmp"):
         (tmp_path / name).mkdir()
     return kvpool_env(KVPOOL_CACHE_DIR=str(tmp_path / "cache"), HF_HOME=str(tmp_path / "hf"),
                       TMPDIR=str(tmp_path / "tmp"), OMP_NUM_THREADS="1")
