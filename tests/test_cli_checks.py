@@ -48,6 +48,12 @@ REFUSED = [
     # plan: an unknown name lists the shipped ones
     (["plan", "kv", "llama-9"], "shipped configs: deepseek-v3, "),
     (["plan", "prefill", "llama-9", "--prompt", "100"], "llama-3-8b, mistral-7b"),
+    (["plan", "prefill", "smollm2-135m", "--prompt", "100", "--measure", "--repeats", "0"],
+     "--repeats must be >= 1, got 0"),
+    (["plan", "prefill", "smollm2-135m", "--prompt", "100", "--measure", "--threads", "-1"],
+     "--threads must be >= 0, got -1"),
+    (["plan", "prefill", "smollm2-135m", "--prompt", "100", "--measure", "--out",
+      f"{__file__}/sub/plan"], "test_cli_checks.py is not a folder"),
 ]
 
 

@@ -225,13 +225,18 @@ def check_at_least(args, minimum, *dests: str) -> None:
             raise UserError(f"--{dest.replace('_', '-')} must be >= {minimum}, got {value}")
 
 
-def check_output_path(flag: str, path: str | None) -> None:
+def check_output_path(flag: str, path: str | None, make_folders: bool = False) -> None:
     """Refuse at start an output file that could only fail to be written at the end:
-    its folder missing, not a folder, or not writable. None (not asked) passes.
+    its folder missing (or, with ``make_folders``, its nearest existing ancestor, since
+    the writer creates the rest), not a folder, or not writable. None (not asked) passes.
     Raises: UserError naming ``flag``."""
     if not path:
         return
     folder = os.path.dirname(os.path.abspath(path))
+    while make_folders and not os.path.exists(folder) and folder != os.path.dirname(folder):
+        folder = os.path.dirname(folder)
+    if os.path.exists(folder) and not os.path.isdir(folder):
+        raise UserError(f"{flag} {path}: {folder} is not a folder")
     if not os.path.isdir(folder):
         raise UserError(f"{flag} {path}: folder {folder} does not exist")
     if not os.access(folder, os.W_OK | os.X_OK):

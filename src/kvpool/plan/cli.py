@@ -10,6 +10,7 @@ import argparse
 import json
 from pathlib import Path
 
+from kvpool.config import check_at_least, check_output_path
 from kvpool.errors import UserError
 from kvpool.plan.kv import DTYPE_BYTES, KVPlan, plan_kv
 from kvpool.plan.prefill import (DEFAULT_ATTENTION_FLOPS, DEFAULT_BANDWIDTH_GBPS,
@@ -232,8 +233,9 @@ def _run_measure(args, spec) -> int:
 
     from kvpool.plan import measure
 
-    if args.threads < 0 or args.repeats < 1:
-        raise UserError("--threads must be >= 0 and --repeats >= 1")
+    check_at_least(args, 0, "threads")
+    check_at_least(args, 1, "repeats")
+    check_output_path("--out", args.out, make_folders=True)
     if args.threads:
         torch.set_num_threads(args.threads)
     dtype = {"fp32": "float32", "float32": "float32", "bf16": "bfloat16",
