@@ -165,14 +165,14 @@ def converted_folder(gguf: Path, name: str, progress=print) -> Path:
     if (target / _FINGERPRINT_FILE).is_file():
         return target
     progress(f"first run: converting {gguf.name} ({gguf.stat().st_size / _MIB:.0f} MiB) to "
-             f"safetensors once, about 20-60 s -> {target}")
+             f"safetensors once (about 20 s on an idle 2-core CPU) -> {target}")
     started = time.monotonic()
     ticker = _Ticker(progress, started)
 
     def write(tmp: Path) -> None:
         with ticker:
             model, tokenizer = _load_gguf(gguf, ticker)
-            ticker.stage = "writing safetensors"
+            ticker.next_stage("writing safetensors")
             model.save_pretrained(tmp)
             tokenizer.save_pretrained(tmp)
 
@@ -196,9 +196,12 @@ class _Ticker:
         self.stage, self.done, self.total = "starting", 0, 0
         self._stop = threading.Event()
 
+    def next_stage(self, stage: str) -> None:
+        self.stage, self.done, self.total = stage, 0, 0
+
     def count(self, items):
+        self.next_stage("de-quantising tensors")
         self.total = len(items)
-        self.stage = "de-quantising tensors"
         for item in items:
             yield item
             self.done += 1
@@ -249,9 +252,9 @@ def _load_gguf(gguf: Path, ticker: _Ticker):
     from transformers import AutoModelForCausalLM, AutoTokenizer
     from transformers import modeling_gguf_pytorch_utils as gguf_utils
 
-    ticker.stage = "building the tokenizer from the GGUF"
+    ticker.next_stage("building the tokenizer from the GGUF")
     tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
-    ticker.stage = "reading the GGUF tensors"
+    ticker.next_stage("reading the GGUF tensors")
     bar = getattr(gguf_utils, "tqdm", None)
     if bar is not None:
         gguf_utils.tqdm = lambda items, *a, **k: ticker.count(items)
