@@ -109,13 +109,7 @@ def run(args) -> int:
         signal.signal(sig, lambda *_: node.request_stop())
     admin, http_addr = None, None
     try:
-        try:
-            node.start()
-        except OSError as exc:  # memory taken by others since check_fits
-            if exc.errno not in (errno.ENOMEM, errno.ENOSPC):
-                raise
-            raise UserError(f"cannot create a {_gib(size)} segment: {exc.strerror} "
-                            f"({_gib(_mem_available() or 0)} memory available)") from None
+        node.start()
         if values["http_port"] is not None:  # kvpool.admin, served from a thread of its own
             from kvpool.admin.node_app import NodeAdmin
 
@@ -129,6 +123,11 @@ def run(args) -> int:
                 "shm_name": node.info.shm_name, "pid": os.getpid(), "http_addr": http_addr,
             })
         node.wait()
+    except OSError as exc:  # creating the segment: memory taken by others since check_fits
+        if exc.errno not in (errno.ENOMEM, errno.ENOSPC):
+            raise
+        raise UserError(f"cannot create a {_gib(size)} segment: {exc.strerror} "
+                        f"({_gib(_mem_available() or 0)} memory available)") from None
     finally:
         if admin is not None:
             admin.stop()
