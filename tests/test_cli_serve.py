@@ -10,12 +10,12 @@ import os
 import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
 
 from kvpool.launch import Cluster, child_preexec
+from proc_helpers import poll_until
 
 pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="PR_SET_PDEATHSIG is Linux")
 
@@ -48,12 +48,7 @@ def _alive(pid: int) -> bool:
 
 
 def _poll(check, timeout_s: float = 20.0) -> bool:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if check():
-            return True
-        time.sleep(0.05)
-    return check()
+    return poll_until(check, timeout_s, 0.05)
 
 
 def _start_serve(tmp_path: Path) -> tuple[subprocess.Popen, Path]:

@@ -15,14 +15,16 @@ import sys
 import threading
 import time
 
-DEMO = [sys.executable, "-m", "kvpool", "demo", "--model", "tiny-random", "--questions", "2",
+from proc_helpers import KVPOOL, kvpool_env
+
+DEMO = [*KVPOOL, "demo", "--model", "tiny-random", "--questions", "2",
         "--max-new-tokens", "6", "--segment-size", "64MiB", "--l1-size", "64MiB"]
 
 
 def test_demo_runs_end_to_end_and_writes_a_passing_verdict(tmp_path):
     out = tmp_path / "demo.json"
     proc = subprocess.run([*DEMO, "--force-tcp", "--quiet", "--json", str(out)],
-                          capture_output=True, text=True, timeout=170)
+                          capture_output=True, text=True, timeout=170, env=kvpool_env())
     assert proc.returncode == 0, proc.stdout + proc.stderr
     report = json.loads(out.read_text())
     assert report["ok"] is True
@@ -41,8 +43,9 @@ def test_demo_runs_end_to_end_and_writes_a_passing_verdict(tmp_path):
     assert report["target"]["requests"] == [2, 3, 4]
 
 
-def test_demo_ctrl_c_stops_every_child_process():
-    proc = subprocess.Popen(DEMO, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+def test_demo_ctrl_c_stops_every_child_process_and_leaves_no_temp_folder(tmp_path):
+    proc = subprocess.Popen(DEMO, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+                            env=kvpool_env(TMPDIR=str(tmp_path)))
     lines: queue.Queue = queue.Queue()
     threading.Thread(target=lambda: [lines.put(x) for x in proc.stderr], daemon=True).start()
     pids, deadline = [], time.monotonic() + 150
@@ -65,6 +68,7 @@ def test_demo_ctrl_c_stops_every_child_process():
             proc.wait()
     for pid in pids:
         assert not _alive(pid), f"child {pid} still running"
+    assert list(tmp_path.glob("kvpool-*")) == []
 
 
 def _alive(pid: int) -> bool:

@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 import importlib
 import os
+import signal
 import sys
 
 from kvpool.errors import ErrorCode, KVPoolError, UserError
@@ -107,9 +108,37 @@ def _main(argv: list[str] | None) -> int:
         suffix = "" if plain else f" ({exc.code.name})"
         print(f"kvpool {args.command}: error: {exc}{suffix}", file=sys.stderr)
         return 2
-    except KeyboardInterrupt:
-        print(f"kvpool {args.command}: interrupted", file=sys.stderr)
-        return 130
+    except (Exception, KeyboardInterrupt) as exc:
+        if not _interrupted(exc):
+            raise
+        return _report_interrupt(args.command)
+
+
+def _interrupted(exc: BaseException) -> bool:
+    """True when ``exc`` was caused by a Ctrl-C: some libraries turn a KeyboardInterrupt
+    raised inside their lazy imports into an ImportError whose cause is the interrupt."""
+    seen = set()
+    while exc is not None and id(exc) not in seen:
+        if isinstance(exc, KeyboardInterrupt):
+            return True
+        seen.add(id(exc))
+        exc = exc.__cause__ or exc.__context__
+    return False
+
+
+def _report_interrupt(command: str) -> int:
+    # a second Ctrl-C while the process winds down (threads joined at exit, a library's
+    # atexit) would end in a traceback: the first one already decided
+    _ignore_sigint()
+    print(f"kvpool {command}: interrupted", file=sys.stderr)
+    return 130
+
+
+def _ignore_sigint() -> None:
+    try:
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
+    except ValueError:  # not the main thread (main() called from a thread)
+        pass
 
 
 if __name__ == "__main__":

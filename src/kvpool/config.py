@@ -135,9 +135,14 @@ def add_options(parser, options: list[Option]) -> None:
 
 
 def load_config_file(path: str | None) -> dict:
-    """Settings from a YAML/JSON file (JSON is YAML); {} when ``path`` is None.
+    """Settings from a YAML or JSON file; {} when ``path`` is None.
 
-    Raises: UserError when the file is missing, unreadable or not a mapping.
+    A ``.json`` file, or text whose first non-blank character is ``{``, is parsed as
+    JSON (by :mod:`json`): YAML's flow syntax would accept some broken JSON, e.g. an
+    unquoted key, and read it as something else.
+
+    Raises: UserError when the file is missing, unreadable, invalid JSON or YAML, or
+    not a mapping.
     """
     if not path:
         return {}
@@ -145,9 +150,19 @@ def load_config_file(path: str | None) -> dict:
 
     try:
         with open(path) as f:
-            data = yaml.safe_load(f) or {}
-    except (OSError, yaml.YAMLError) as exc:
+            text = f.read()
+    except OSError as exc:
         raise UserError(f"cannot read config file {path!r}: {exc}") from None
+    if path.lower().endswith(".json") or text.lstrip().startswith("{"):
+        try:
+            data = json.loads(text) if text.strip() else {}
+        except ValueError as exc:
+            raise UserError(f"config file {path!r} is not valid JSON: {exc}") from None
+    else:
+        try:
+            data = yaml.safe_load(text) or {}
+        except yaml.YAMLError as exc:
+            raise UserError(f"config file {path!r} is not valid YAML: {exc}") from None
     if not isinstance(data, dict):
         raise UserError(f"config file {path!r} must hold a mapping of settings")
     return {str(k).replace("-", "_"): v for k, v in data.items()}
@@ -196,3 +211,35 @@ def write_ready_file(path: str, info: dict) -> None:
     with open(tmp, "w") as f:
         json.dump(info, f)
     os.replace(tmp, path)
+
+
+def check_at_least(args, minimum, *dests: str) -> None:
+    """Refuse, naming the one flag, the first of ``args.<dest>`` below ``minimum``.
+
+    ``dests`` are argparse destinations ("page_size" for ``--page-size``); an attribute
+    that is None (not given, no default) is skipped. Raises: UserError.
+    """
+    for dest in dests:
+        value = getattr(args, dest, None)
+        if value is not None and value < minimum:
+            raise UserError(f"--{dest.replace('_', '-')} must be >= {minimum}, got {value}")
+
+
+def check_output_path(flag: str, path: str | None, make_folders: bool = False) -> None:
+    """Refuse at start an output file that could only fail to be written at the end:
+    its folder missing (or, with ``make_folders``, its nearest existing ancestor, since
+    the writer creates the rest), not a folder, or not writable. None (not asked) passes.
+    Raises: UserError naming ``flag``."""
+    if not path:
+        return
+    folder = os.path.dirname(os.path.abspath(path))
+    while make_folders and not os.path.exists(folder) and folder != os.path.dirname(folder):
+        folder = os.path.dirname(folder)
+    if os.path.exists(folder) and not os.path.isdir(folder):
+        raise UserError(f"{flag} {path}: {folder} is not a folder")
+    if not os.path.isdir(folder):
+        raise UserError(f"{flag} {path}: folder {folder} does not exist")
+    if not os.access(folder, os.W_OK | os.X_OK):
+        raise UserError(f"{flag} {path}: folder {folder} is not writable")
+    if os.path.isdir(path):
+        raise UserError(f"{flag} {path}: is a folder, not a file")

@@ -89,22 +89,32 @@ class Child:
         env = dict(os.environ)
         env["PYTHONPATH"] = _SRC + os.pathsep + env.get("PYTHONPATH", "")
         cmd = [sys.executable, "-m", "kvpool", kind, *args, "--ready-file", str(self.ready_file)]
+        # its own process group: a Ctrl-C at the terminal reaches the launcher only, which
+        # stops its children in order (a child interrupted mid-start would read as failed)
         with open(self.log_path, "ab") as log:
             self.proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env,
-                                         stdin=subprocess.DEVNULL, preexec_fn=child_preexec())
+                                         stdin=subprocess.DEVNULL, preexec_fn=child_preexec(),
+                                         process_group=0)
         self.info: dict = {}
+        self.stopped = False  # stopped by the launcher (its exit status is no failure)
 
     def wait_ready(self, timeout_s: float) -> dict:
-        """Poll the ready file; returns its JSON. Raises LaunchError on exit or timeout."""
+        """Poll the ready file; returns its JSON (at once when already read). Raises
+        LaunchError, with the log's path and tail, as soon as the child has exited, or at
+        the timeout."""
+        if self.info:
+            return self.info
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
             if self.ready_file.exists():
                 self.info = json.loads(self.ready_file.read_text())
                 return self.info
             if self.proc.poll() is not None:
-                raise LaunchError(f"{self.kind} exited with {self.proc.returncode}:\n{self.log_tail()}")
+                raise LaunchError(f"{self.kind} exited with {self.proc.returncode} "
+                                  f"(log: {self.log_path}):\n{self.log_tail()}")
             time.sleep(0.01)
-        raise LaunchError(f"{self.kind} not ready after {timeout_s} s:\n{self.log_tail()}")
+        raise LaunchError(f"{self.kind} not ready after {timeout_s} s "
+                          f"(log: {self.log_path}):\n{self.log_tail()}")
 
     def log_tail(self, n: int = 20) -> str:
         try:
@@ -121,9 +131,15 @@ class Child:
                f"exited with status {code}")
         return f"{self.kind} (pid {self.proc.pid}) {how}; log: {self.log_path}"
 
+    @property
+    def failed(self) -> bool:
+        """True when the child exited on its own (not stopped by us) with a non-zero status."""
+        return not self.stopped and self.proc.poll() not in (None, 0)
+
     def stop(self, kill: bool = False, timeout_s: float = 5.0) -> int | None:
         """SIGTERM (or SIGKILL when ``kill``), wait, then SIGKILL. Returns the exit status."""
         if self.proc.poll() is None:
+            self.stopped = True
             self.proc.send_signal(signal.SIGKILL if kill else signal.SIGTERM)
             wait_or_kill(self.proc, timeout_s)
         return self.proc.returncode
@@ -148,7 +164,9 @@ class Cluster:
         segment_size: each node's shared-memory segment ("256MiB" or bytes).
         lease_ttl_ms: the master's --default-kv-lease-ttl.
         extra_master_args / extra_node_args: more command-line flags for the children.
-        log_dir: where children's logs go (default: a temporary folder removed on exit).
+        log_dir: where children's logs go, kept (default: a temporary folder, removed on
+            exit unless a child failed: exited on its own with a non-zero status, or did
+            not come up; then its path is in the error or :meth:`Child.exit_message`).
         num_nodes: nodes started with the cluster (more with :meth:`start_node`).
         master_port: 0 = any free port.
         startup_timeout_s: deadline for each child's ready file.
@@ -196,8 +214,8 @@ class Cluster:
             self.master.wait_ready(self.startup_timeout_s)
             for _ in range(self.num_nodes):
                 self.start_node()
-        except BaseException:
-            self.stop()
+        except BaseException as exc:
+            self.stop(keep_logs=not isinstance(exc, KeyboardInterrupt))
             raise
         return self
 
@@ -217,16 +235,20 @@ class Cluster:
         master notices by heartbeat TTL). Returns its exit status."""
         return self.node_children[index].stop(kill=kill)
 
-    def stop(self) -> None:
-        """Stop nodes (so they unmount and unlink), then the master; remove temp files."""
+    def stop(self, keep_logs: bool | None = None) -> None:
+        """Stop nodes (so they unmount and unlink), then the master; remove temp files.
+
+        ``keep_logs``: keep the temporary folder of logs (True), remove it (False), or
+        (None) keep it only when a child failed. A ``log_dir`` given is always kept.
+        """
+        if keep_logs is None:
+            keep_logs = any(c.failed for c in self.children)
         for child in self.node_children:
             child.stop()
         if self.master is not None:
             self.master.stop()
-        if self.log_dir != self._workdir:
+        if self.log_dir != self._workdir or not keep_logs:
             shutil.rmtree(self._workdir, ignore_errors=True)
-        elif all(c.proc.returncode in (0, -signal.SIGKILL) for c in self.children):
-            shutil.rmtree(self._workdir, ignore_errors=True)  # keep logs of a failure
 
     @property
     def children(self) -> list[Child]:
@@ -236,5 +258,7 @@ class Cluster:
     def __enter__(self) -> "Cluster":
         return self.start()
 
-    def __exit__(self, *exc) -> None:
-        self.stop()
+    def __exit__(self, exc_type, *exc) -> None:
+        # an error keeps the logs; Ctrl-C or a clean exit keeps them only if a child failed
+        self.stop(keep_logs=True if exc_type and not issubclass(exc_type, KeyboardInterrupt)
+                  else None)

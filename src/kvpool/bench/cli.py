@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import importlib
 
+from kvpool.config import check_at_least, check_output_path
 from kvpool.errors import UserError
 
 HELP = "benchmarks: store (data path vs Mooncake/Redis/limits), cache (prefix cache)"
@@ -61,4 +62,22 @@ def run(args) -> int:
     if not getattr(args, "_bench_run", None):
         raise UserError("choose a benchmark: kvpool bench store | kvpool bench cache "
                         "(see kvpool bench --help)")
+    check_arguments(args)
     return args._bench_run(args)
+
+
+# counts of every benchmark that must be >= 1 when given (a zero runs nothing, or all)
+_COUNTS = ("repeats", "instances", "limit", "sessions", "turns", "turn_tokens", "new_tokens",
+           "page_size")
+
+
+def check_arguments(args) -> None:
+    """Options every benchmark shares, checked before any cell runs: counts >= 1, a
+    positive ``--budget``, and output files whose folder exists and is writable (else
+    they fail only after the whole run). Raises: UserError naming the flag."""
+    check_at_least(args, 1, *_COUNTS)
+    budget = getattr(args, "budget", None)
+    if budget is not None and not budget > 0:
+        raise UserError(f"--budget must be > 0 seconds, got {budget:g}")
+    check_output_path("--json", getattr(args, "json_path", None))
+    check_output_path("--plot", getattr(args, "plot_path", None))

@@ -12,6 +12,7 @@ import json
 import os
 import sys
 
+from kvpool.config import check_at_least, parse_addr, parse_size
 from kvpool.errors import UserError
 
 HELP = "generate greedily with the reference engine, reusing prefix KV from a kvpool store"
@@ -57,20 +58,29 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--json", action="store_true", help="print the result as JSON")
 
 
-def run(args) -> int:
-    if args.page_size < 1 or args.threads < 1:
-        raise UserError("--page-size and --threads must be >= 1")
-    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+def check_cache_arguments(args) -> None:
+    """Check the options of :func:`add_cache_arguments` (and ``--model``, ``--master``
+    where present) before any expensive work: a typo must not cost a model load.
+    Raises: UserError naming the flag."""
     from kvpool.engine.models import resolve_source
 
+    check_at_least(args, 1, "page_size", "threads")
+    if parse_size(args.l1_size) == 0:
+        raise UserError(f"--l1-size {args.l1_size}: the L1 pool must hold at least one page")
+    if getattr(args, "master", None):
+        parse_addr(args.master)
     resolve_source(args.model)  # an unknown model fails before torch is imported
+
+
+def run(args) -> int:
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    check_cache_arguments(args)
     if args.worker:
         from kvpool.engine.worker import serve
 
         return serve(args)
+    check_at_least(args, 1, "max_new_tokens")
     text = _prompt_text(args)
-    if args.max_new_tokens < 1:
-        raise UserError("--max-new-tokens must be >= 1")
     from kvpool.engine.worker import handle, start_engine
 
     engine, _ = start_engine(args, lambda line: print(line, file=sys.stderr))

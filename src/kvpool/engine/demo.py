@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import shutil
 import signal
 import sys
 import tempfile
@@ -29,8 +30,8 @@ from pathlib import Path
 
 import numpy as np
 
-from kvpool.config import parse_size
-from kvpool.engine.cli import add_cache_arguments
+from kvpool.config import check_at_least, check_output_path
+from kvpool.engine.cli import add_cache_arguments, check_cache_arguments
 from kvpool.engine.procs import EngineProcess, decode_logits
 from kvpool.errors import UserError
 
@@ -55,15 +56,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--segment-size", default="1GiB",
                         help="the storage node's shared-memory segment (1GiB)")
     add_cache_arguments(parser)
+    parser.add_argument("--log-dir", default=None,
+                        help="keep every process's log in this folder (default: a temporary "
+                        "folder, removed at the end unless something failed)")
     parser.add_argument("--quiet", action="store_true", help="no progress lines")
 
 
 def run(args) -> int:
-    from kvpool.engine.models import resolve_source
     from kvpool.engine.workload import load_workload, plan_requests
 
-    _check_args(args)
-    resolve_source(args.model)  # an unknown model fails here, before any process starts
+    _check_args(args)  # a bad option fails here, before any process starts
     started = time.monotonic()
     say = (lambda text: None) if args.quiet else (
         lambda text: print(f"[demo] {text}", file=sys.stderr, flush=True))
@@ -92,13 +94,19 @@ def run(args) -> int:
 
 
 def _check_args(args) -> None:
-    if min(args.max_new_tokens, args.page_size, args.questions, args.threads) < 1:
-        raise UserError("--max-new-tokens, --page-size, --questions and --threads must be >= 1")
-    parse_size(args.segment_size)
-    parse_size(args.l1_size)
+    """Every option, before the cluster starts (and the model for the engines loads)."""
+    from kvpool.node.cli import check_fits, segment_size
+
+    check_at_least(args, 1, "max_new_tokens", "questions")
+    check_cache_arguments(args)
+    try:
+        check_fits(segment_size(args.segment_size), prefault=True)
+    except ValueError as exc:
+        raise UserError(f"--segment-size {args.segment_size}: {exc}") from None
     # fail now, not after minutes of work, on what can only fail at the end
-    if args.json and not Path(args.json).resolve().parent.is_dir():
-        raise UserError(f"--json {args.json}: folder {Path(args.json).parent} does not exist")
+    check_output_path("--json", args.json)
+    if args.log_dir and Path(args.log_dir).exists() and not Path(args.log_dir).is_dir():
+        raise UserError(f"--log-dir {args.log_dir}: not a folder")
 
 
 def _interrupt(signum, frame):
@@ -110,26 +118,38 @@ def _run(args, workload, plan, say) -> tuple[list[dict], dict]:
     from kvpool.launch import Cluster
 
     say(f"starting the cluster: master + 1 node, segment {args.segment_size}")
-    with tempfile.TemporaryDirectory(prefix="kvpool-demo-") as logs, \
-            Cluster(segment_size=args.segment_size) as cluster:
-        say(f"master {cluster.master_addr} (pid {cluster.master.proc.pid}), node data port "
-            f"{cluster.node_addrs[0]} (pid {cluster.node_children[0].proc.pid})")
-        engines: dict[str, EngineProcess] = {}
-        try:
-            _start_engines(args, cluster.master_addr, Path(logs), engines, say)
-            rows = run_plan(args, workload, plan, engines, say)
-            replay_cold(args, rows, engines, say)
-            info = {"model": engines["A"].info["model"], "master": cluster.master_addr,
-                    "transport": "tcp" if args.force_tcp else "shm"}
-        finally:
-            for engine in engines.values():
-                engine.stop()
+    logs = Path(args.log_dir or tempfile.mkdtemp(prefix="kvpool-demo-"))
+    logs.mkdir(parents=True, exist_ok=True)
+    failed = True
+    try:
+        with Cluster(segment_size=args.segment_size, log_dir=logs) as cluster:
+            say(f"master {cluster.master_addr} (pid {cluster.master.proc.pid}), node data port "
+                f"{cluster.node_addrs[0]} (pid {cluster.node_children[0].proc.pid})")
+            engines: dict[str, EngineProcess] = {}
+            try:
+                _start_engines(args, cluster.master_addr, logs, engines, say)
+                rows = run_plan(args, workload, plan, engines, say)
+                replay_cold(args, rows, engines, say)
+                info = {"model": engines["A"].info["model"], "master": cluster.master_addr,
+                        "transport": "tcp" if args.force_tcp else "shm"}
+            finally:
+                for engine in engines.values():
+                    engine.stop()
+            failed = any(c.failed for c in cluster.children)
+    except KeyboardInterrupt:
+        failed = False  # the user stopped it: nothing to look at
+        raise
+    finally:
+        if args.log_dir or failed:
+            print(f"[demo] logs of the master, node and engines: {logs}", file=sys.stderr)
+        else:
+            shutil.rmtree(logs, ignore_errors=True)
     return rows, info
 
 
 def _start_engines(args, master: str, logs: Path, engines: dict, say) -> None:
     """Start A and B (B after A when the model must first be converted: no race)."""
-    from kvpool.engine.models import is_prepared
+    from kvpool.engine.models import cache_root, is_prepared
 
     worker_args = ["--model", args.model, "--master", master, "--page-size", str(args.page_size),
                    "--l1-size", args.l1_size, "--threads", str(args.threads),
@@ -141,15 +161,23 @@ def _start_engines(args, master: str, logs: Path, engines: dict, say) -> None:
         say(f"engine {name}: {text}")
 
     serial = not is_prepared(args.model)
+    if serial:
+        say(f"first run: engine A prepares {args.model} in {cache_root()} before B starts")
     for name in ("A", "B"):
         say(f"starting engine {name} (loading {args.model})")
         engines[name] = EngineProcess(name, worker_args, logs / f"engine-{name}.log", progress)
         if serial:
-            engines[name].wait_ready(REQUEST_TIMEOUT_S)
-    for name, engine in engines.items():
-        info = engine.wait_ready(REQUEST_TIMEOUT_S)
-        say(f"engine {name} ready (pid {info['pid']}, model {info['model']['name']} "
-            f"{info['model']['fingerprint']})")
+            _ready(engines[name], say)
+    for engine in engines.values():
+        _ready(engine, say)  # returns at once for an engine already seen ready
+
+
+def _ready(engine: EngineProcess, say) -> None:
+    if engine.info:
+        return
+    info = engine.wait_ready(REQUEST_TIMEOUT_S)
+    say(f"engine {engine.name} ready (pid {info['pid']}, model {info['model']['name']} "
+        f"{info['model']['fingerprint']})")
 
 
 def run_plan(args, workload, plan, engines, say) -> list[dict]:

@@ -24,6 +24,8 @@ import importlib.util
 import os
 import shutil
 import tempfile
+import threading
+import time
 from pathlib import Path
 
 from kvpool.config import env
@@ -162,15 +164,60 @@ def converted_folder(gguf: Path, name: str, progress=print) -> Path:
     target = cache_root() / f"{name}-{fingerprint[:16]}"
     if (target / _FINGERPRINT_FILE).is_file():
         return target
-    progress(f"converting {gguf.name} to safetensors once (about 20 s) -> {target}")
+    progress(f"first run: converting {gguf.name} ({gguf.stat().st_size / _MIB:.0f} MiB) to "
+             f"safetensors once (about 20 s on an idle 2-core CPU) -> {target}")
+    started = time.monotonic()
+    ticker = _Ticker(progress, started)
 
     def write(tmp: Path) -> None:
-        model, tokenizer = _load_gguf(gguf)
-        model.save_pretrained(tmp)
-        tokenizer.save_pretrained(tmp)
+        with ticker:
+            model, tokenizer = _load_gguf(gguf, ticker)
+            ticker.next_stage("writing safetensors")
+            model.save_pretrained(tmp)
+            tokenizer.save_pretrained(tmp)
 
     write_folder_atomically(target, fingerprint, write)
+    progress(f"converted {gguf.name} in {time.monotonic() - started:.1f} s; later runs load "
+             f"the safetensors (< 1 s)")
     return target
+
+
+class _Ticker:
+    """While a conversion runs: one progress line every ``every_s`` seconds with the stage,
+    the tensors de-quantised so far of their total, and the elapsed time.
+
+    A context manager around the work; a daemon thread writes the lines (``progress``
+    must accept calls from another thread). ``count(items)`` wraps an iterable of
+    tensors and counts them as they are consumed.
+    """
+
+    def __init__(self, progress, started: float, every_s: float = 3.0):
+        self.progress, self.started, self.every_s = progress, started, every_s
+        self.stage, self.done, self.total = "starting", 0, 0
+        self._stop = threading.Event()
+
+    def next_stage(self, stage: str) -> None:
+        self.stage, self.done, self.total = stage, 0, 0
+
+    def count(self, items):
+        self.next_stage("de-quantising tensors")
+        self.total = len(items)
+        for item in items:
+            yield item
+            self.done += 1
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.every_s):
+            counted = f" {self.done}/{self.total}" if self.total else ""
+            self.progress(f"converting: {self.stage}{counted}, "
+                          f"{time.monotonic() - self.started:.0f} s")
+
+    def __enter__(self):
+        threading.Thread(target=self._run, name="convert-progress", daemon=True).start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._stop.set()
 
 
 def write_folder_atomically(target: Path, fingerprint: str, write) -> None:
@@ -194,15 +241,29 @@ def write_folder_atomically(target: Path, fingerprint: str, write) -> None:
         shutil.rmtree(tmp, ignore_errors=True)
 
 
-def _load_gguf(gguf: Path):
-    """De-quantise a GGUF with transformers; returns (model, tokenizer) in float32."""
+def _load_gguf(gguf: Path, ticker: _Ticker):
+    """De-quantise a GGUF with transformers; returns (model, tokenizer) in float32.
+
+    transformers' GGUF loader iterates the tensors through its module's ``tqdm``, whose
+    bar goes to a log nobody watches; for the load, that name counts them for ``ticker``.
+    """
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import modeling_gguf_pytorch_utils as gguf_utils
 
+    ticker.next_stage("building the tokenizer from the GGUF")
     tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
-    model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name,
-                                                 dtype=torch.float32)
+    ticker.next_stage("reading the GGUF tensors")
+    bar = getattr(gguf_utils, "tqdm", None)
+    if bar is not None:
+        gguf_utils.tqdm = lambda items, *a, **k: ticker.count(items)
+    try:
+        model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name,
+                                                     dtype=torch.float32)
+    finally:
+        if bar is not None:
+            gguf_utils.tqdm = bar
     # The weights are plain float tensors now; drop the GGUF marker so that
     # save_pretrained writes them as ordinary safetensors.
     del model.config.quantization_config

@@ -18,6 +18,7 @@ import queue
 import subprocess
 import sys
 import threading
+import time
 from pathlib import Path
 
 import numpy as np
@@ -42,14 +43,24 @@ def decode_logits(text: str) -> np.ndarray:
     return np.frombuffer(base64.b64decode(text), dtype="<f4")
 
 
+# a wait longer than this says what it is waiting for, again every interval
+HEARTBEAT_S = 10.0
+
+
 class EngineProcess:
     """One worker process.
+
+    Every message of the worker is read once, so each wait remembers what it saw: the
+    ready event (:meth:`wait_ready` returns it again at once) and the end of the stream
+    (every later wait fails at once with the exit status and the log tail, instead of
+    waiting for a message that can no longer come).
 
     Args:
         name: label in progress lines and errors ("A", "B").
         worker_args: arguments after ``kvpool generate --worker``.
         log_path: file receiving the worker's stderr.
-        on_progress: callable(name, text) for the worker's progress events.
+        on_progress: callable(name, text) for the worker's progress events, and for a
+            "still waiting" line every :data:`HEARTBEAT_S` seconds of a longer wait.
     """
 
     def __init__(self, name: str, worker_args: list[str], log_path: Path, on_progress=None):
@@ -66,7 +77,8 @@ class EngineProcess:
                                          stderr=log, env=env, preexec_fn=child_preexec())
         self._inbox: queue.Queue = queue.Queue()
         self._next_id = 0
-        self.info: dict = {}
+        self.info: dict = {}  # the ready event, once seen
+        self._ended = False  # the worker's stdout reached its end (it exited)
         threading.Thread(target=self._read_stdout, name=f"engine-{name}-reader",
                          daemon=True).start()
 
@@ -79,31 +91,54 @@ class EngineProcess:
                 self._inbox.put({"event": "progress", "text": line.decode(errors="replace")})
         self._inbox.put(None)
 
-    def _next_message(self, timeout_s: float) -> dict:
-        try:
-            msg = self._inbox.get(timeout=timeout_s)
-        except queue.Empty:
-            raise EngineProcessError(f"engine {self.name}: no reply within {timeout_s:.0f} s"
-                                     f"\n{self.log_tail()}") from None
-        if msg is None:
-            code = self.proc.wait()
-            raise EngineProcessError(f"engine {self.name} exited with status {code}"
-                                     f"\n{self.log_tail()}")
-        return msg
+    def _exited(self) -> EngineProcessError:
+        self._ended = True
+        code = self.proc.wait()
+        return EngineProcessError(f"engine {self.name} exited with status {code}"
+                                  f"\n{self.log_tail()}")
 
-    def _until(self, accept, timeout_s: float) -> dict:
+    def _next_message(self, what: str, deadline: float, started: float) -> dict:
+        """The next message; raises at once if the worker has exited, or at ``deadline``."""
+        while not self._ended:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise EngineProcessError(
+                    f"engine {self.name}: no reply within {deadline - started:.0f} s "
+                    f"({what})\n{self.log_tail()}")
+            try:
+                msg = self._inbox.get(timeout=min(left, HEARTBEAT_S))
+            except queue.Empty:
+                self.on_progress(self.name, f"still {what} "
+                                 f"({time.monotonic() - started:.0f} s)")
+                continue
+            if msg is None:
+                break
+            return msg
+        raise self._exited()
+
+    def _until(self, accept, what: str, timeout_s: float) -> dict:
         """Read messages, passing progress events on, until ``accept(msg)`` is true."""
+        started = time.monotonic()
+        deadline = started + timeout_s
         while True:
-            msg = self._next_message(timeout_s)
+            msg = self._next_message(what, deadline, started)
+            if msg.get("event") == "ready":
+                self.info = msg  # whoever reads it: the worker sends it only once
             if msg.get("event") == "progress":
                 self.on_progress(self.name, msg.get("text", ""))
             elif accept(msg):
                 return msg
 
     def wait_ready(self, timeout_s: float = 300.0) -> dict:
-        """Wait for the worker's ready event (model loaded, store connected); returns it."""
-        self.info = self._until(lambda m: m.get("event") == "ready", timeout_s)
-        return self.info
+        """Wait for the worker's ready event (model loaded, store connected); returns it.
+
+        Idempotent: once the event was seen, returns it at once (the worker sends it
+        only once). Raises EngineProcessError at once when the worker has exited, or
+        after ``timeout_s`` seconds without the event.
+        """
+        if self.info:
+            return self.info
+        return self._until(lambda m: m.get("event") == "ready", "loading", timeout_s)
 
     def send(self, request: dict) -> int:
         """Send one request (see :mod:`kvpool.engine.worker`); returns its id."""
@@ -118,7 +153,8 @@ class EngineProcess:
 
     def reply(self, request_id: int, timeout_s: float = 300.0) -> dict:
         """The result dict of request ``request_id``. Raises EngineProcessError."""
-        msg = self._until(lambda m: m.get("id") == request_id, timeout_s)
+        msg = self._until(lambda m: m.get("id") == request_id,
+                          f"working on request {request_id}", timeout_s)
         if "error" in msg:
             raise EngineProcessError(f"engine {self.name}: {msg['error']}")
         return msg["result"]

@@ -20,6 +20,7 @@ from __future__ import annotations
 import json
 import os
 import sys
+import threading
 
 from kvpool.engine.procs import encode_logits
 from kvpool.errors import KVPoolError
@@ -36,10 +37,12 @@ class _Channel:
         self._out = os.fdopen(os.dup(1), "w", buffering=1)
         os.dup2(2, 1)
         sys.stdout = sys.stderr
+        self._lock = threading.Lock()  # progress lines come from other threads too
 
     def send(self, **msg) -> None:
-        self._out.write(json.dumps(msg) + "\n")
-        self._out.flush()
+        with self._lock:
+            self._out.write(json.dumps(msg) + "\n")
+            self._out.flush()
 
 
 def serve(args) -> int:

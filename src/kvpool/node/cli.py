@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import errno
 import logging
 import os
 import signal
 
 from kvpool.config import Option, add_options, parse_addr, parse_size, resolve, write_ready_file
+from kvpool.errors import UserError
 
 HELP = "run a kvpool storage node: a shared-memory segment mounted with the master"
 
@@ -29,6 +31,45 @@ def segment_size(text) -> int:
         raise ValueError(f"a segment must be at least 1MiB, got {size} bytes "
                          f"(sizes take a unit: 64MiB, 1GiB)")
     return size
+
+
+SHM_DIR = "/dev/shm"
+
+
+def _mem_available() -> int | None:
+    """MemAvailable of /proc/meminfo in bytes (Linux proc(5)); None where absent."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return None
+
+
+def check_fits(size: int, prefault: bool) -> None:
+    """Refuse a segment this machine cannot hold, before anything starts.
+
+    A segment is a file in /dev/shm: it can never grow past that filesystem's free
+    space; prefaulted, its pages are also taken from memory at once, so it must fit in
+    MemAvailable too. Raises: UserError saying what was asked and what is available.
+    """
+    try:
+        st = os.statvfs(SHM_DIR)
+        limits = [(st.f_bavail * st.f_frsize, f"free in {SHM_DIR}")]
+    except OSError:
+        limits = []
+    available = _mem_available()
+    if prefault and available is not None:
+        limits.append((available, "memory available"))
+    for free, what in limits:
+        if size > free:
+            raise UserError(f"--segment-size {_gib(size)} does not fit: only {_gib(free)} {what}")
+
+
+def _gib(n: int) -> str:
+    return f"{n / (1 << 30):,.2f} GiB" if n >= 1 << 30 else f"{n / (1 << 20):,.1f} MiB"
 
 
 def _bool(text) -> bool:
@@ -61,8 +102,9 @@ def run(args) -> int:
 
     values = resolve(args, OPTIONS)
     size = segment_size(values["segment_size"])
+    check_fits(size, values["prefault"])
     logging.basicConfig(level=logging.INFO, format="%(asctime)s node %(levelname)s %(message)s")
-    node = SegmentHost(values["master"], values["host"], values["port"], size, _bool(values["prefault"]))
+    node = SegmentHost(values["master"], values["host"], values["port"], size, values["prefault"])
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: node.request_stop())
     admin, http_addr = None, None
@@ -81,6 +123,11 @@ def run(args) -> int:
                 "shm_name": node.info.shm_name, "pid": os.getpid(), "http_addr": http_addr,
             })
         node.wait()
+    except OSError as exc:  # creating the segment: memory taken by others since check_fits
+        if exc.errno not in (errno.ENOMEM, errno.ENOSPC):
+            raise
+        raise UserError(f"cannot create a {_gib(size)} segment: {exc.strerror} "
+                        f"({_gib(_mem_available() or 0)} memory available)") from None
     finally:
         if admin is not None:
             admin.stop()

@@ -12,7 +12,7 @@ import signal
 import threading
 
 from kvpool.config import Option, add_options, resolve
-from kvpool.node.cli import segment_size
+from kvpool.node.cli import check_fits, segment_size
 
 HELP = "run a master and one storage node together (Ctrl-C stops both)"
 LOG_LINES = 10  # last lines of a dead child's log that serve prints
@@ -28,7 +28,11 @@ OPTIONS = [
 
 def add_arguments(parser) -> None:
     add_options(parser, OPTIONS)
-    parser.add_argument("--ready-file", default=None, help="write {\"addr\": master, \"nodes\": [...]} JSON here once up")
+    parser.add_argument("--ready-file", default=None,
+                        help="write {\"addr\": master, \"http_addr\": admin, \"nodes\": [...]} JSON here once up")
+    parser.add_argument("--log-dir", default=None,
+                        help="keep the master's and node's logs in this folder (default: a "
+                        "temporary folder, removed on exit unless a child failed)")
 
 
 def _human(size: int) -> str:
@@ -54,12 +58,22 @@ def run(args) -> int:
 
     values = resolve(args, OPTIONS)
     size = segment_size(values["segment_size"])
+    check_fits(size, prefault=True)
     stop = threading.Event()
+
+    def on_signal(*_):
+        first = not stop.is_set()
+        stop.set()
+        if first and not started.is_set():  # still starting: unwind (Cluster stops the rest)
+            raise KeyboardInterrupt
+
+    started = threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
-        signal.signal(sig, lambda *_: stop.set())
+        signal.signal(sig, on_signal)
     with Cluster(segment_size=size, lease_ttl_ms=values["default_kv_lease_ttl"],
-                 master_port=values["port"],
+                 master_port=values["port"], log_dir=args.log_dir,
                  extra_master_args=() if values["http_port"] is None else ("--http-port", values["http_port"])) as cluster:
+        started.set()
         print(f"kvpool master: {cluster.master_addr}", flush=True)
         if cluster.master.info.get("http_addr"):
             print(f"kvpool admin:  http://{cluster.master.info['http_addr']}/metrics", flush=True)
@@ -67,7 +81,9 @@ def run(args) -> int:
             print(f"kvpool node:   {info['addr']} (segment {info['segment']}, {_human(size)})", flush=True)
         print("Ctrl-C to stop.", flush=True)
         if args.ready_file:
-            write_ready_file(args.ready_file, {"addr": cluster.master_addr, "nodes": cluster.node_addrs})
+            write_ready_file(args.ready_file, {"addr": cluster.master_addr,
+                                               "http_addr": cluster.master.info.get("http_addr"),
+                                               "nodes": cluster.node_addrs})
         while not stop.wait(0.5):
             dead = [c for c in cluster.children if c.proc.poll() is not None]
             if dead:

@@ -8,7 +8,9 @@ from __future__ import annotations
 
 import argparse
 import json
+from pathlib import Path
 
+from kvpool.config import check_at_least, check_output_path
 from kvpool.errors import UserError
 from kvpool.plan.kv import DTYPE_BYTES, KVPlan, plan_kv
 from kvpool.plan.prefill import (DEFAULT_ATTENTION_FLOPS, DEFAULT_BANDWIDTH_GBPS,
@@ -19,8 +21,23 @@ from kvpool.plan.spec import configs_dir, load_spec
 HELP = "size a KV pool from a model's config.json, and predict what a prefix hit saves"
 
 
+def _shipped() -> str:
+    return ", ".join(sorted(p.stem for p in configs_dir().glob("*.json")))
+
+
+def _load_spec(config: str):
+    """load_spec, whose error for a name that is neither a file nor shipped lists the
+    shipped names."""
+    try:
+        return load_spec(config)
+    except UserError as exc:
+        if Path(config).expanduser().exists():
+            raise
+        raise UserError(f"{exc} (not a file; shipped configs: {_shipped()})") from None
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    shipped = ", ".join(sorted(p.stem for p in configs_dir().glob("*.json")))
+    shipped = _shipped()
     sub = parser.add_subparsers(dest="plan_command", metavar="{kv,prefill}", required=True)
     kv = sub.add_parser("kv", help="KV bytes per token, page, request and pool",
                         description="KV bytes per token (total and per rank), per page, per "
@@ -98,7 +115,7 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _run_kv(args) -> int:
-    plan = plan_kv(load_spec(args.config), args.kv_dtype, tokens=args.tokens,
+    plan = plan_kv(_load_spec(args.config), args.kv_dtype, tokens=args.tokens,
                    requests=args.requests, tp=args.tp, pp=args.pp, page_size=args.page_size,
                    state_dtype=args.state_dtype)
     print(json.dumps(plan.to_dict(), indent=2) if args.json else format_kv(plan))
@@ -159,7 +176,7 @@ def _b(n: int) -> str:
 
 
 def _run_prefill(args) -> int:
-    spec = load_spec(args.config)
+    spec = _load_spec(args.config)
     given = _rate_flags(args)
     if args.measure:
         return _run_measure(args, spec)
@@ -242,8 +259,9 @@ def _run_measure(args, spec) -> int:
 
     from kvpool.plan import measure
 
-    if args.threads < 0 or args.repeats < 1:
-        raise UserError("--threads must be >= 0 and --repeats >= 1")
+    check_at_least(args, 0, "threads")
+    check_at_least(args, 1, "repeats")
+    check_output_path("--out", args.out, make_folders=True)
     if args.threads:
         torch.set_num_threads(args.threads)
     dtype = {"fp32": "float32", "float32": "float32", "bf16": "bfloat16",

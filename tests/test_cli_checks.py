@@ -1,0 +1,96 @@
+"""Every subcommand checks its options before any expensive work, in one line.
+
+A typo must cost nothing: no model load, no cluster, no benchmark cell. Each case runs
+the real ``kvpool`` of this checkout and expects exit 2 with one line naming the flag
+(a command that starts working instead is stopped and fails, see ``run_kvpool``).
+"""
+
+import argparse
+
+import pytest
+
+from kvpool.config import Option, add_options, resolve
+from kvpool.errors import UserError
+from proc_helpers import run_kvpool
+
+TINY = ["--model", "tiny-random"]
+GEN = ["generate", *TINY, "--prompt", "hi"]
+DEMO = ["demo", *TINY]
+
+REFUSED = [
+    # generate: before the model loads
+    ([*GEN, "--l1-size", "banana"], "not a size: 'banana'"),
+    ([*GEN, "--l1-size", "0"], "--l1-size 0: the L1 pool must hold at least one page"),
+    ([*GEN, "--page-size", "0"], "--page-size must be >= 1, got 0"),
+    ([*GEN, "--threads", "0"], "--threads must be >= 1, got 0"),
+    ([*GEN, "--max-new-tokens", "0"], "--max-new-tokens must be >= 1, got 0"),
+    ([*GEN, "--master", "host:port"], "host:port"),
+    (["generate", "--model", "no-such-model", "--prompt", "hi"], "unknown model 'no-such-model'"),
+    # demo: before the cluster starts
+    ([*DEMO, "--page-size", "0"], "--page-size must be >= 1, got 0"),
+    ([*DEMO, "--l1-size", "12XB"], "not a size: '12XB'"),
+    ([*DEMO, "--questions", "0"], "--questions must be >= 1, got 0"),
+    ([*DEMO, "--segment-size", "1"], "--segment-size 1: a segment must be at least 1MiB"),
+    ([*DEMO, "--segment-size", "999999TiB"], "does not fit"),
+    ([*DEMO, "--json", "/nonexistent/x.json"], "--json /nonexistent/x.json: folder /nonexistent"),
+    # serve and node: before any segment is created or master contacted
+    (["serve", "--segment-size", "999999TiB"], "--segment-size 1,023,998,976.00 GiB does not fit"),
+    (["node", "--segment-size", "100TiB"], "--segment-size 102,400.00 GiB does not fit"),
+    (["node", "--segment-size", "100TiB", "--prefault", "no"], "GiB free in /dev/shm"),
+    # bench: before the first cell, not at the end of the run
+    (["bench", "store", "--quick", "--repeats", "0"], "--repeats must be >= 1, got 0"),
+    (["bench", "store", "--quick", "--json", "/nonexistent/x.json"], "folder /nonexistent"),
+    (["bench", "store", "--quick", "--plot", "/nonexistent/x.png"], "folder /nonexistent"),
+    (["bench", "cache", "--json", "/nonexistent/x.json"], "folder /nonexistent"),
+    (["bench", "cache", "--quick", "--json", "/nonexistent/x.json"], "folder /nonexistent"),
+    (["bench", "cache", "--engine", "--page-size", "0"], "--page-size must be >= 1, got 0"),
+    (["bench", "cache", "--engine", "--repeats", "0"], "--repeats must be >= 1, got 0"),
+    # plan: an unknown name lists the shipped ones
+    (["plan", "kv", "llama-9"], "shipped configs: deepseek-v3, "),
+    (["plan", "prefill", "llama-9", "--prompt", "100"], "llama-3-8b, mistral-7b"),
+    (["plan", "prefill", "smollm2-135m", "--prompt", "100", "--measure", "--repeats", "0"],
+     "--repeats must be >= 1, got 0"),
+    (["plan", "prefill", "smollm2-135m", "--prompt", "100", "--measure", "--threads", "-1"],
+     "--threads must be >= 0, got -1"),
+    (["plan", "prefill", "smollm2-135m", "--prompt", "100", "--measure", "--out",
+      f"{__file__}/sub/plan"], "test_cli_checks.py is not a folder"),
+]
+
+
+@pytest.mark.parametrize("args, message", REFUSED, ids=[" ".join(a) for a, _ in REFUSED])
+def test_bad_option_is_refused_at_once_in_one_line(args, message):
+    r = run_kvpool(*args, timeout_s=60)
+    assert r.returncode == 2, r.stdout + r.stderr
+    lines = r.stderr.strip().splitlines()
+    assert len(lines) == 1 and message in lines[0], r.stderr
+    assert "loading model" not in r.stderr and "kvpool master" not in r.stdout
+
+
+def test_one_bad_count_names_only_its_flag():
+    r = run_kvpool(*DEMO, "--page-size", "0")
+    assert "--page-size" in r.stderr
+    assert not any(f in r.stderr for f in ("--threads", "--questions", "--max-new-tokens"))
+
+
+def _resolve_file(tmp_path, name: str, text: str) -> dict:
+    opts = [Option("client-ttl", 10.0, float, "ttl")]
+    parser = argparse.ArgumentParser()
+    add_options(parser, opts)
+    cfg = tmp_path / name
+    cfg.write_text(text)
+    return resolve(parser.parse_args(["--config", str(cfg)]), opts)
+
+
+@pytest.mark.parametrize("name", ["master.json", "master.yaml"])
+def test_invalid_json_config_is_reported_as_invalid_json(tmp_path, name):
+    # YAML's flow syntax reads `{client-ttl: 3}` as a mapping: a .json file, or text
+    # that opens like JSON, is JSON and must not be read as something else
+    with pytest.raises(UserError, match=r"is not valid JSON: Expecting property name"):
+        _resolve_file(tmp_path, name, "{client-ttl: 3}\n")
+    assert _resolve_file(tmp_path, name, '{"client-ttl": 3}') == {"client_ttl": 3.0}
+
+
+def test_yaml_config_still_reads(tmp_path):
+    assert _resolve_file(tmp_path, "m.yaml", "client-ttl: 4\n") == {"client_ttl": 4.0}
+    with pytest.raises(UserError, match="is not valid YAML"):
+        _resolve_file(tmp_path, "m.yaml", "client-ttl: [4\n")

@@ -1,0 +1,133 @@
+"""Starting and stopping `kvpool serve` and `kvpool generate` as a user does at a terminal.
+
+Ctrl-C at a terminal signals the whole foreground process group, so the tests send
+SIGINT to the group. Temporary folders go to a TMPDIR of the test's own, to see that
+nothing is left behind.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import queue
+import signal
+import subprocess
+import sys
+import threading
+from pathlib import Path
+
+import pytest
+
+from kvpool.launch import Cluster, LaunchError
+from proc_helpers import KVPOOL, kvpool_env, poll_until
+
+pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="/proc, process groups")
+
+
+def _has_children(pid: int) -> bool:
+    try:
+        return bool(Path(f"/proc/{pid}/task/{pid}/children").read_text().split())
+    except OSError:
+        return False
+
+
+def _serve(tmp_path: Path, *extra: str) -> tuple[subprocess.Popen, Path, Path]:
+    tmp = tmp_path / "tmp"
+    tmp.mkdir(exist_ok=True)
+    ready = tmp_path / "serve.ready.json"
+    proc = subprocess.Popen([*KVPOOL, "serve", "--port", "0", "--segment-size", "16MiB",
+                             "--ready-file", str(ready), *extra],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            stdin=subprocess.DEVNULL, start_new_session=True,
+                            env=kvpool_env(TMPDIR=str(tmp)))
+    return proc, ready, tmp
+
+
+def _ctrl_c(proc: subprocess.Popen) -> tuple[int, str, str]:
+    os.killpg(proc.pid, signal.SIGINT)
+    try:
+        out, err = proc.communicate(timeout=60)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.communicate()
+        pytest.fail("kvpool serve did not stop on Ctrl-C")
+    return proc.returncode, out, err
+
+
+def test_serve_ready_file_has_the_admin_address_and_ctrl_c_leaves_no_temp_folder(tmp_path):
+    serve, ready, tmp = _serve(tmp_path, "--http-port", "0")
+    assert poll_until(lambda: ready.exists() or serve.poll() is not None, 60), "serve did not come up"
+    info = json.loads(ready.read_text())
+    code, out, err = _ctrl_c(serve)
+    assert code == 0, err
+    host, port = info["http_addr"].rsplit(":", 1)  # as `kvpool master --ready-file` writes it
+    assert host == "127.0.0.1" and int(port) > 0 and info["addr"] and len(info["nodes"]) == 1
+    assert f"http://{info['http_addr']}/metrics" in out
+    assert list(tmp.glob("kvpool-*")) == []
+
+
+def test_serve_log_dir_keeps_the_logs_where_asked(tmp_path):
+    logs = tmp_path / "logs"
+    serve, ready, tmp = _serve(tmp_path, "--log-dir", str(logs))
+    assert poll_until(lambda: ready.exists() or serve.poll() is not None, 60), "serve did not come up"
+    code, _, err = _ctrl_c(serve)
+    assert code == 0, err
+    assert "listening on" in (logs / "master.log").read_text()
+    assert (logs / "node1.log").is_file()
+    assert list(tmp.glob("kvpool-*")) == []
+
+
+def test_ctrl_c_while_serve_starts_says_interrupted(tmp_path):
+    serve, _, tmp = _serve(tmp_path)
+    # the master is started (a child exists) and serve has not printed its addresses yet
+    assert poll_until(lambda: _has_children(serve.pid) or serve.poll() is not None, 60, 0.002)
+    code, out, err = _ctrl_c(serve)
+    # not a failure report (`master exited with 130`), and not a start that carried on
+    assert (code, err.strip(), out) == (130, "kvpool serve: interrupted", ""), (code, err, out)
+    assert list(tmp.glob("kvpool-*")) == []
+
+
+def test_a_child_that_fails_keeps_its_log_and_the_error_says_where(tmp_path):
+    with pytest.raises(LaunchError, match=r"node exited with 2 \(log: (\S+)\)") as info:
+        Cluster(segment_size="16MiB", extra_node_args=["--prefault", "maybe"]).start()
+    log = Path(info.value.args[0].split("(log: ")[1].split(")")[0])
+    assert "bad value 'maybe' for prefault" in log.read_text()
+    cluster_dir = log.parent
+    assert cluster_dir.name.startswith("kvpool-cluster-")
+    for path in cluster_dir.iterdir():
+        path.unlink()
+    cluster_dir.rmdir()
+
+
+def test_a_clean_cluster_exit_removes_its_temp_folder():
+    with Cluster(segment_size="16MiB") as c:
+        c.stop_node(0, kill=True)  # stopped by us: no failure
+        folder = c.node_children[0].log_path.parent
+    assert not folder.exists()
+
+
+def test_second_ctrl_c_while_generate_winds_down_prints_no_traceback(tmp_path):
+    prompt = tmp_path / "prompt.txt"
+    prompt.write_text("a long prompt " * 300)
+    # the second Ctrl-C comes from an exit handler: while the process winds down
+    code = ("import atexit, os, signal, sys\n"
+            "atexit.register(os.kill, os.getpid(), signal.SIGINT)\n"
+            "from kvpool.cli import main\n"
+            f"sys.exit(main(['generate', '--model', 'tiny-random', '--prompt-file', {str(prompt)!r},"
+            " '--max-new-tokens', '2000']))\n")
+    proc = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.DEVNULL,
+                            stderr=subprocess.PIPE, text=True, env=kvpool_env())
+    lines: queue.Queue = queue.Queue()
+    threading.Thread(target=lambda: [lines.put(x) for x in proc.stderr] + [lines.put("")],
+                     daemon=True).start()
+    seen = []
+    while not seen or "loading model" not in seen[-1]:
+        seen.append(lines.get(timeout=120))
+        assert seen[-1], "generate ended before loading its model: " + "".join(seen)
+    proc.send_signal(signal.SIGINT)
+    assert proc.wait(timeout=60) == 130
+    while (line := lines.get(timeout=10)):
+        seen.append(line)
+    err = "".join(seen)
+    assert "kvpool generate: interrupted" in err
+    assert "Traceback" not in err and "KeyboardInterrupt" not in err, err
