@@ -108,6 +108,37 @@ class RpcChannel:
             return False
         return True
 
+    def receive(self) -> msgspec.Struct:
+        """The next frame the master sends unasked (an IndexUpdate on a node's index
+        stream). Raises TimeoutError when none came within ``timeout_s`` (the connection
+        stays usable), RpcFailed when the connection is gone."""
+        if self._sock is None:
+            raise RpcFailed(f"master {self.addr}: not connected")
+        try:
+            header = bytearray(P.HEADER.size)
+            got = self._sock.recv_into(header, len(header), socket.MSG_PEEK)
+        except TimeoutError:
+            raise
+        except OSError as exc:
+            self.close()
+            raise RpcFailed(f"master {self.addr}: {exc}") from None
+        try:
+            if got == 0:
+                raise P.FrameError("connection closed")
+            return P.reply_decoder.decode(P.recv_frame(self._sock))
+        except (OSError, P.FrameError, msgspec.MsgspecError) as exc:
+            self.close()
+            raise RpcFailed(f"master {self.addr}: {exc}") from None
+
+    def shutdown(self) -> None:
+        """Wake a thread blocked in :meth:`receive` (it raises RpcFailed); thread-safe."""
+        sock = self._sock
+        if sock is not None:
+            try:
+                sock.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
+
     def _refused(self, request: msgspec.Struct, reply: P.ErrorResp) -> RpcFailed:
         code = code_of(reply.code, ErrorCode.RPC_FAIL)
         if code == ErrorCode.INVALID_VERSION:
