@@ -12,6 +12,8 @@ writes into a range the new master gave to another key.
 from __future__ import annotations
 
 import contextlib
+import os
+import signal
 import time
 
 import pytest
@@ -181,3 +183,39 @@ def test_k18_committed_objects_survive_a_master_restart(kind):
         client.remove_all(force=True)
         assert client.stats().used_bytes == 0
         pending.close()
+
+
+def test_k18_upserts_removals_and_replicas_on_two_nodes_survive_a_restart():
+    with Cluster(segment_size="64MiB", num_nodes=2, extra_master_args=FAST) as cluster:
+        with Client(cluster.master_addr) as client:
+            assert client.put("both", value("both"), replica_num=2) == 2
+            client.put("gone", value("gone"))
+            client.put("changed", value("old", 1000))
+            client.upsert("changed", value("new", 3000))
+            client.remove("gone")
+            before = client.stats().used_bytes
+            restart(cluster, client, segments=2)
+            assert client.stats().used_bytes == before
+            handle = client.query("both")
+            assert len(handle.replicas) == 2
+            assert client.read(handle) == value("both")
+            assert client.get("changed") == value("new", 3000)
+            assert not client.is_exist("gone")
+
+
+def test_k18_a_segment_the_master_dropped_comes_back_empty_and_its_old_grants_fail():
+    with Cluster(segment_size="64MiB", extra_master_args=FAST) as cluster, Client(cluster.master_addr) as client:
+        client.put("k", value("k"))
+        handle = client.query("k")
+        pid = cluster.nodes[0]["pid"]
+        os.kill(pid, signal.SIGSTOP)  # silent past the client TTL: the master drops the segment
+        try:
+            wait_for(lambda: not client.stats().segments, what="the silent node's segment to be dropped")
+        finally:
+            os.kill(pid, signal.SIGCONT)
+        wait_for(lambda: len(client.stats().segments) == 1, what="the node to mount again")
+        assert not client.is_exist("k")  # the same master removed it: not brought back
+        assert client.stats().used_bytes == 0
+        assert reuse_offset(client, "k", "other") == handle.replicas[0].offset
+        with pytest.raises(KVPoolError):
+            client.read(handle)
