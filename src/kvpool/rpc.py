@@ -51,6 +51,7 @@ class RpcChannel:
         self.addr = addr
         self.timeout_s = timeout_s
         self._sock: socket.socket | None = None
+        self._reader = None  # buffered reader of :meth:`receive`
         self._answered = False  # the master has answered on this connection
 
     def connect(self) -> None:
@@ -110,23 +111,25 @@ class RpcChannel:
 
     def receive(self) -> msgspec.Struct:
         """The next frame the master sends unasked (an IndexUpdate on a node's index
-        stream). Raises TimeoutError when none came within ``timeout_s`` (the connection
-        stays usable), RpcFailed when the connection is gone."""
+        stream), waiting as long as it takes; from the first call on, the connection is
+        read through a buffer (frames that queued up cost one system call) and serves
+        no more calls. Raises RpcFailed when the connection is gone or was
+        :meth:`shutdown`."""
         if self._sock is None:
             raise RpcFailed(f"master {self.addr}: not connected")
         try:
-            header = bytearray(P.HEADER.size)
-            got = self._sock.recv_into(header, len(header), socket.MSG_PEEK)
-        except TimeoutError:
-            raise
-        except OSError as exc:
-            self.close()
-            raise RpcFailed(f"master {self.addr}: {exc}") from None
-        try:
-            if got == 0:
+            if self._reader is None:
+                self._sock.settimeout(None)
+                self._reader = self._sock.makefile("rb", buffering=1 << 16)
+            header = self._reader.read(P.HEADER.size)
+            if len(header) < P.HEADER.size:
                 raise P.FrameError("connection closed")
-            return P.reply_decoder.decode(P.recv_frame(self._sock))
-        except (OSError, P.FrameError, msgspec.MsgspecError) as exc:
+            length = P.parse_header(header)
+            body = self._reader.read(length)
+            if len(body) < length:
+                raise P.FrameError("connection closed mid-frame")
+            return P.reply_decoder.decode(body)
+        except (OSError, ValueError, P.FrameError, msgspec.MsgspecError) as exc:
             self.close()
             raise RpcFailed(f"master {self.addr}: {exc}") from None
 
@@ -149,6 +152,9 @@ class RpcChannel:
         return RpcFailed(message, code)
 
     def close(self) -> None:
+        if self._reader is not None:
+            self._reader.close()
+            self._reader = None
         if self._sock is not None:
             self._sock.close()
             self._sock = None

@@ -136,8 +136,6 @@ class SegmentHost:
         while not self._stop.is_set():
             try:
                 update = self._stream.receive()
-            except TimeoutError:
-                continue
             except KVPoolError:
                 if not self._stop.is_set():
                     self._remount()
