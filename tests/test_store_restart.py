@@ -22,6 +22,7 @@ from kvpool import protocol as P
 from kvpool.client import Client
 from kvpool.errors import KVPoolError, ObjectNotFound
 from kvpool.launch import Cluster
+from kvpool.master.service import MasterService
 from kvpool.rpc import RpcChannel
 from kvpool.transfer.request import Op, TransferRequest, TransferStatus
 
@@ -219,3 +220,37 @@ def test_k18_a_segment_the_master_dropped_comes_back_empty_and_its_old_grants_fa
         assert reuse_offset(client, "k", "other") == handle.replicas[0].offset
         with pytest.raises(KVPoolError):
             client.read(handle)
+
+
+def _seg(name: str, size: int = 1 << 20) -> P.SegmentInfo:
+    return P.SegmentInfo(name, "host", name, size, "127.0.0.1:1")
+
+
+def test_restore_keeps_only_entries_that_fit_and_the_newest_version_of_each_key():
+    svc = MasterService()
+    entries = [P.IndexEntry("a", 0, 100, 5), P.IndexEntry("overlaps-a", 64, 10, 5),
+               P.IndexEntry("outside", 1 << 20, 10, 5), P.IndexEntry("misaligned", 1000, 10, 5),
+               P.IndexEntry("b", 4096, 200, 7)]
+    reply = svc.mount("n1", _seg("s1"), True, entries, 0)
+    assert sorted(reply.dropped) == ["misaligned", "outside", "overlaps-a"]
+    assert svc.stats().used_bytes == 128 + 256 and svc.stats().object_count == 2
+    # a second node reports "a" again (same version: a second replica) and "b" newer
+    reply = svc.mount("n2", _seg("s2"), True, [P.IndexEntry("a", 0, 100, 5), P.IndexEntry("b", 4096, 300, 9)], 0)
+    assert reply.dropped == []
+    assert len(svc.lookup("a").replicas) == 2
+    assert [r.segment for r in svc.lookup("b").replicas] == ["s2"] and svc.lookup("b").size == 300
+    assert svc.stats().used_bytes == 2 * 128 + 320  # b's old version on s1 is freed
+    assert [(u.name, u.drops) for u in svc.index_log.take()] == [("s1", ["b"])]
+    # the new incarnation's commits are newer than every restored version
+    r = svc.put_start(P.PutItem("a", 50, upsert=True))
+    assert svc.put_end(P.PutToken("a", r.put_id)).code == 0
+    assert svc.lookup("a").version > 9
+
+
+def test_a_master_ignores_the_index_of_a_segment_it_dropped_itself():
+    svc = MasterService()
+    first = svc.mount("n1", _seg("s1"), True, [], 0)
+    svc.unmount("n1", "s1")
+    again = svc.mount("n1", _seg("s1"), True, [P.IndexEntry("a", 0, 100, 5)], first.incarnation)
+    assert again.dropped == ["a"] and svc.stats().object_count == 0
+    assert again.epoch != first.epoch
