@@ -192,6 +192,7 @@ class Cluster:
         self.master: Child | None = None
         self.node_children: list[Child] = []
         self._count = 0
+        self._master_starts = 0
 
     @property
     def master_addr(self) -> str:
@@ -208,16 +209,28 @@ class Cluster:
     def start(self) -> "Cluster":
         """Start the master and the nodes; returns self. Raises LaunchError."""
         try:
-            args = ["--port", str(self.master_port), "--default-kv-lease-ttl", str(self.lease_ttl_ms),
-                    *self.extra_master_args]
-            self.master = Child("master", args, self._workdir, self.log_dir, "master")
-            self.master.wait_ready(self.startup_timeout_s)
+            self._start_master(self.master_port)
             for _ in range(self.num_nodes):
                 self.start_node()
         except BaseException as exc:
             self.stop(keep_logs=not isinstance(exc, KeyboardInterrupt))
             raise
         return self
+
+    def _start_master(self, port: int) -> None:
+        args = ["--port", str(port), "--default-kv-lease-ttl", str(self.lease_ttl_ms), *self.extra_master_args]
+        self._master_starts += 1
+        tag = "master" if self._master_starts == 1 else f"master{self._master_starts}"
+        self.master = Child("master", args, self._workdir, self.log_dir, tag)
+        self.master.wait_ready(self.startup_timeout_s)
+
+    def restart_master(self, kill: bool = True) -> None:
+        """Stop the master (SIGKILL by default: a crash; SIGTERM with ``kill=False``) and
+        start a new one on the same port with the same flags, as an operator would; the
+        nodes keep running. Raises LaunchError if the new master does not come up."""
+        port = int(self.master_addr.rsplit(":", 1)[1])
+        self.master.stop(kill=kill)
+        self._start_master(port)
 
     def start_node(self, segment_size=None, extra_args=()) -> int:
         """Start one more node; returns its index in ``node_addrs``."""

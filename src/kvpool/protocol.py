@@ -35,7 +35,7 @@ import msgspec
 
 from kvpool.errors import ErrorCode
 
-PROTOCOL_VERSION = 2  # 2: GetResp.grant_id, ReadDone, PutStartResp.message
+PROTOCOL_VERSION = 3  # 2: GetResp.grant_id, ReadDone, PutStartResp.message; 3: mount epochs, segment index
 MAGIC_PREFIX = b"KVP"
 HEADER = struct.Struct("<4sI")
 MAX_FRAME = 64 << 20  # bytes; a batch of 4096 keys of 4 KiB each still fits
@@ -78,7 +78,11 @@ class SegmentInfo(msgspec.Struct, array_like=True, frozen=True):
 
     name: unique segment id; host_id: machine identity (same value ⇒ shared memory is
     reachable); shm_name: POSIX shm name under /dev/shm; size: bytes; data_addr:
-    "host:port" of the node's TCP data server.
+    "host:port" of the node's TCP data server; epoch: the mount epoch the master stamped
+    on this mount of the segment (a random nonzero 63-bit number, new for every mount by
+    every master incarnation): every grant that names the segment carries it, and the
+    bytes move only while the node's current epoch is the same (0: no grant, unchecked;
+    see "Safety across master restarts" in docs/store.md).
     """
 
     name: str
@@ -86,6 +90,7 @@ class SegmentInfo(msgspec.Struct, array_like=True, frozen=True):
     shm_name: str
     size: int
     data_addr: str
+    epoch: int = 0
 
 
 class ReplicaDesc(msgspec.Struct, array_like=True, frozen=True):
@@ -120,6 +125,17 @@ class PutItem(msgspec.Struct, array_like=True):
     soft_pin_ttl_ms: int = -1
 
 
+class IndexEntry(msgspec.Struct, array_like=True):
+    """One COMPLETE object in a node's segment index: ``size`` value bytes of ``key`` at
+    ``offset``; ``version``: the master's commit version (wall-clock ns at PutEnd, kept
+    strictly increasing), so that of two reported versions of a key the later wins."""
+
+    key: str
+    offset: int
+    size: int
+    version: int
+
+
 class PutToken(msgspec.Struct, array_like=True):
     """Identifies one in-flight put: the key and the put id PutStart handed out."""
 
@@ -135,10 +151,21 @@ class Ping(_Msg):
 
 
 class MountSegment(_Msg):
-    """A node (``owner_id``) offers a segment. Reply: :class:`MountResp`."""
+    """A node (``owner_id``) offers a segment. Reply: :class:`MountResp`.
+
+    index: the node keeps an index of the segment's COMPLETE objects: the master then
+    sends :class:`IndexUpdate` notices on this connection after the reply, for as long
+    as the segment stays mounted; objects: that index, reported at a re-mount (the new
+    master incarnation rebuilds these objects); prev_incarnation: the incarnation that
+    mounted the segment before (0: none); the same master ignores ``objects`` (it
+    dropped the segment on purpose, e.g. a heartbeat timeout).
+    """
 
     owner_id: str
     segment: SegmentInfo
+    index: bool = False
+    objects: list[IndexEntry] = []
+    prev_incarnation: int = 0
 
 
 class UnmountSegment(_Msg):
@@ -245,6 +272,7 @@ class GetStats(_Msg):
 class DataWrite(_Msg):
     offset: int
     length: int
+    epoch: int = 0  # SegmentInfo.epoch of the grant (0: unchecked)
 
 
 class DataWriteMany(_Msg):
@@ -253,6 +281,7 @@ class DataWriteMany(_Msg):
 
     offsets: list[int]
     lengths: list[int]
+    epoch: int = 0  # SegmentInfo.epoch of the grant (0: unchecked)
 
 
 class DataRead(_Msg):
@@ -260,6 +289,7 @@ class DataRead(_Msg):
 
     offsets: list[int]
     lengths: list[int]
+    epoch: int = 0  # SegmentInfo.epoch of the grant (0: unchecked)
 
 
 # ---------------------------------------------------------------- replies
@@ -280,8 +310,26 @@ class ErrorResp(_Msg):
 
 
 class MountResp(_Msg):
+    """epoch: the mount epoch stamped on the segment (SegmentInfo.epoch); incarnation:
+    the master's (random, per start); dropped: reported index entries not restored (a
+    newer version of the key, an overlap, out of bounds): the node forgets them."""
+
     code: int
     heartbeat_interval_ms: int = 0
+    epoch: int = 0
+    incarnation: int = 0
+    dropped: list[str] = []
+
+
+class IndexUpdate(_Msg):
+    """Master to node, on a mount connection with ``index``: objects of segment ``name``
+    that stopped being visible (``drops``: removed, evicted, replaced) and, after them,
+    those committed (``adds``). Sent before the reply that makes the change known, so
+    the node's index holds every commit a client was told of. No reply."""
+
+    name: str
+    drops: list[str] = []
+    adds: list[IndexEntry] = []
 
 
 class PutStartResp(_Msg):
@@ -362,7 +410,7 @@ Request = Union[
 ]
 Reply = Union[
     Resp, ErrorResp, MountResp, PutStartResp, BatchPutStartResp, GetResp, BatchGetResp,
-    CodesResp, CountResp, StatsResp,
+    CodesResp, CountResp, StatsResp, IndexUpdate,
 ]
 DataRequest = Union[DataWrite, DataWriteMany, DataRead]
 

@@ -51,6 +51,7 @@ class RpcChannel:
         self.addr = addr
         self.timeout_s = timeout_s
         self._sock: socket.socket | None = None
+        self._reader = None  # buffered reader of :meth:`receive`
         self._answered = False  # the master has answered on this connection
 
     def connect(self) -> None:
@@ -108,6 +109,39 @@ class RpcChannel:
             return False
         return True
 
+    def receive(self) -> msgspec.Struct:
+        """The next frame the master sends unasked (an IndexUpdate on a node's index
+        stream), waiting as long as it takes; from the first call on, the connection is
+        read through a buffer (frames that queued up cost one system call) and serves
+        no more calls. Raises RpcFailed when the connection is gone or was
+        :meth:`shutdown`."""
+        if self._sock is None:
+            raise RpcFailed(f"master {self.addr}: not connected")
+        try:
+            if self._reader is None:
+                self._sock.settimeout(None)
+                self._reader = self._sock.makefile("rb", buffering=1 << 16)
+            header = self._reader.read(P.HEADER.size)
+            if len(header) < P.HEADER.size:
+                raise P.FrameError("connection closed")
+            length = P.parse_header(header)
+            body = self._reader.read(length)
+            if len(body) < length:
+                raise P.FrameError("connection closed mid-frame")
+            return P.reply_decoder.decode(body)
+        except (OSError, ValueError, P.FrameError, msgspec.MsgspecError) as exc:
+            self.close()
+            raise RpcFailed(f"master {self.addr}: {exc}") from None
+
+    def shutdown(self) -> None:
+        """Wake a thread blocked in :meth:`receive` (it raises RpcFailed); thread-safe."""
+        sock = self._sock
+        if sock is not None:
+            try:
+                sock.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
+
     def _refused(self, request: msgspec.Struct, reply: P.ErrorResp) -> RpcFailed:
         code = code_of(reply.code, ErrorCode.RPC_FAIL)
         if code == ErrorCode.INVALID_VERSION:
@@ -118,6 +152,9 @@ class RpcChannel:
         return RpcFailed(message, code)
 
     def close(self) -> None:
+        if self._reader is not None:
+            self._reader.close()
+            self._reader = None
         if self._sock is not None:
             self._sock.close()
             self._sock = None

@@ -32,6 +32,23 @@ class OffsetAllocator:
         if usable:
             self._insert(0, usable)
 
+    @classmethod
+    def with_used(cls, capacity: int, alignment: int, ranges: list[tuple[int, int]]) -> "OffsetAllocator":
+        """An allocator whose blocks ``ranges`` ((offset, size), sorted by offset, aligned,
+        not overlapping once rounded up: the caller checks) are allocated, the rest free."""
+        alloc = cls(0, alignment)
+        alloc.capacity = capacity
+        pos = 0
+        for offset, size in ranges:
+            if offset > pos:
+                alloc._insert(pos, offset - pos)
+            pos = offset + alloc.rounded(size)
+            alloc.used += alloc.rounded(size)
+        usable = capacity - capacity % alignment
+        if usable > pos:
+            alloc._insert(pos, usable - pos)
+        return alloc
+
     def rounded(self, size: int) -> int:
         """Bytes a request of ``size`` occupies (at least one alignment unit)."""
         a = self.alignment

@@ -78,7 +78,7 @@ def _adds_room(obj: ObjectMeta, room: dict[str, int], need: int, rounded) -> boo
 class Eviction:
     """Eviction handlers of :class:`~kvpool.master.service.MasterService` (a mixin: it
     uses the service's ``config``, ``segments``, ``objects``, ``queue``, ``counters``,
-    ``clock``, ``grants``, ``_free`` and ``_forget``, and keeps ``wants_eviction`` and
+    ``clock``, ``grants``, ``_free``, ``_forget`` and ``_index_drop``, and keeps ``wants_eviction`` and
     ``_eviction_debt``, the objects the current pass still has to free)."""
 
     def _allocate(self, item: PutItem, host_id: str) -> list[Replica]:
@@ -151,6 +151,7 @@ class Eviction:
         return evicted
 
     def _evict(self, obj: ObjectMeta) -> None:
+        self._index_drop(obj)
         self._free(obj.replicas)  # its lease ended, and with it every grant on it
         self.counters["evicted_objects"] += 1
         self.counters["evicted_bytes"] += obj.size

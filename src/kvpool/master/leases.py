@@ -25,10 +25,11 @@ class ReadGrants:
     """Open read grants (by id) and zombies over one master's segments.
 
     ``free(replicas)`` returns buffers to their segments; ``rounded(length)`` is the
-    aligned size an allocation of ``length`` bytes takes (for the byte count).
+    aligned size an allocation of ``length`` bytes takes (for the byte count);
+    ``first_id``: the first grant id (random per master incarnation, never 0).
     """
 
-    def __init__(self, free: Free, rounded: Callable[[int], int]):
+    def __init__(self, free: Free, rounded: Callable[[int], int], first_id: int = 1):
         self._free, self._rounded = free, rounded
         # id -> (deadline, the version's Grants); in grant order, which is deadline
         # order (one TTL for all), so expiry pops the front
@@ -36,7 +37,7 @@ class ReadGrants:
         self.zombies: dict[Zombie, None] = {}  # an ordered set
         self.zombie_buffers = 0
         self.zombie_bytes = 0
-        self._next_id = 1
+        self._next_id = first_id
 
     def grant(self, grants: Grants, deadline: float) -> int:
         """Open a grant on the version counted by ``grants``, ending at ``deadline``;

@@ -27,6 +27,7 @@ class Segment:
     info: SegmentInfo
     owner_id: str
     allocator: OffsetAllocator
+    indexed: bool = False  # its node keeps an index: commits and drops are sent to it
 
 
 @dataclass(frozen=True, slots=True)
@@ -93,6 +94,7 @@ class ObjectMeta:
     hard_pin: bool = False
     soft_pin_deadline: float = 0.0
     grants: Grants = field(default_factory=Grants)  # reads of the current ``replicas``
+    version: int = 0  # commit version of ``replicas`` (protocol.IndexEntry.version)
 
     @property
     def visible(self) -> bool:

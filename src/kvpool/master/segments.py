@@ -4,17 +4,29 @@ Placement strategies (Mooncake's allocation strategies):
 ``random`` (default) tries segments in random order; ``free_ratio_first`` tries the
 emptiest segment first; ``local_first`` tries segments on the writer's host first.
 Replicas of one object always land on distinct segments.
+
+Every mount gets a fresh mount epoch (:func:`new_epoch`), stamped on the stored
+``SegmentInfo`` and so on every replica descriptor the master hands out: a grant
+names the mount it is valid for (see "Safety across master restarts" in docs/store.md).
 """
 
 from __future__ import annotations
 
 import random
+import secrets
+
+import msgspec
 
 from kvpool.master.allocator import OffsetAllocator
 from kvpool.master.objects import Replica, Segment
 from kvpool.protocol import SegmentInfo
 
 STRATEGIES = ("random", "free_ratio_first", "local_first")
+
+
+def new_epoch() -> int:
+    """A random nonzero 63-bit number: two mounts share one with probability 2**-63."""
+    return secrets.randbits(63) or 1
 
 
 class SegmentTable:
@@ -28,14 +40,17 @@ class SegmentTable:
         self.segments: dict[str, Segment] = {}
         self.last_seen: dict[str, float] = {}  # owner_id -> monotonic seconds
 
-    def mount(self, owner_id: str, info: SegmentInfo, now: float) -> bool:
-        """Add ``info``; True if mounted (or already mounted by the same owner)."""
+    def mount(self, owner_id: str, info: SegmentInfo, now: float) -> Segment | None:
+        """Add ``info`` under a new mount epoch; returns the segment (also when already
+        mounted by the same owner: the same epoch), None when the name is taken."""
         seg = self.segments.get(info.name)
         if seg is not None:
-            return seg.owner_id == owner_id and seg.info == info
-        self.segments[info.name] = Segment(info, owner_id, OffsetAllocator(info.size, self.alignment))
+            same = seg.owner_id == owner_id and msgspec.structs.replace(seg.info, epoch=info.epoch) == info
+            return seg if same else None
+        stamped = msgspec.structs.replace(info, epoch=new_epoch())
+        seg = self.segments[info.name] = Segment(stamped, owner_id, OffsetAllocator(info.size, self.alignment))
         self.last_seen[owner_id] = now
-        return True
+        return seg
 
     def unmount(self, name: str) -> Segment | None:
         """Drop segment ``name`` (its allocator with it); forget an owner left with none."""

@@ -7,6 +7,12 @@ client of another protocol version is told so (:func:`kvpool.protocol.version_re
 before it is closed. :class:`~kvpool.protocol.ReadDone` is a notification: it gets no
 reply. A background task runs :meth:`MasterService.tick` (liveness, grants, zombies,
 eviction).
+
+A node that mounts with ``index`` keeps its connection as its index stream: after every
+request (and tick) the queued index changes (:class:`~kvpool.master.restore.IndexLog`)
+are written to the streams of their segments *before* the request's reply, so a commit
+is in the node's socket buffer before the client hears of it. A stream is closed when
+its segment is unmounted or mounted again (the node then re-mounts at once).
 """
 
 from __future__ import annotations
@@ -30,7 +36,7 @@ def _handlers(svc: MasterService) -> dict[type, Callable[[msgspec.Struct], msgsp
     """Request type -> function(request) -> its reply Struct (None: a notification)."""
     return {
         P.Ping: lambda r: svc.ping(),
-        P.MountSegment: lambda r: svc.mount(r.owner_id, r.segment),
+        P.MountSegment: lambda r: svc.mount(r.owner_id, r.segment, r.index, r.objects, r.prev_incarnation),
         P.UnmountSegment: lambda r: svc.unmount(r.owner_id, r.name),
         P.Heartbeat: lambda r: svc.heartbeat(r.owner_id),
         P.PutStart: lambda r: svc.put_start(r.item, r.host_id),
@@ -64,8 +70,43 @@ class MasterServer:
         self.service = service
         self.host, self.port = host, port
         self._handlers = _handlers(service)
+        self._handlers[P.MountSegment] = self._mount
         self._observers: list[Observer] = []
+        self._streams: dict[str, tuple[int, asyncio.StreamWriter]] = {}  # segment -> (epoch, index stream)
+        self._new_stream: tuple[str, int] | None = None  # set by an index mount, taken by its connection
         self._server: asyncio.base_events.Server | None = None
+
+    def _mount(self, req: P.MountSegment) -> P.MountResp:
+        reply = self.service.mount(req.owner_id, req.segment, req.index, req.objects, req.prev_incarnation)
+        if req.index and reply.code == ErrorCode.OK:
+            self._new_stream = (req.segment.name, reply.epoch)
+        return reply
+
+    def _send_index(self) -> None:
+        """Write the queued index changes to their segments' streams (no waiting: the
+        bytes are in the kernel, or queued in the transport, when this returns)."""
+        for update in self.service.index_log.take():
+            stream = self._streams.get(update.name)
+            if stream is not None:
+                stream[1].write(P.encode_frame(update))
+
+    def _close_stale_streams(self) -> None:
+        """Close the streams of segments unmounted, or mounted again, since."""
+        segments = self.service.segments.segments
+        for name, (epoch, writer) in list(self._streams.items()):
+            seg = segments.get(name)
+            if seg is None or seg.info.epoch != epoch:
+                del self._streams[name]
+                writer.close()
+
+    def _adopt_stream(self, writer: asyncio.StreamWriter) -> None:
+        if self._new_stream is not None:
+            name, epoch = self._new_stream
+            self._new_stream = None
+            old = self._streams.get(name)
+            if old is not None and old[1] is not writer:
+                old[1].close()
+            self._streams[name] = (epoch, writer)
 
     def observe(self, callback: Observer) -> None:
         """Call ``callback(op, reply)`` after each request is handled (e.g. per-op request
@@ -104,8 +145,10 @@ class MasterServer:
                 length = P.parse_header(await reader.readexactly(P.HEADER.size))
                 body = await reader.readexactly(length)
                 reply = self.dispatch(body)
+                self._send_index()  # before the reply: the commit is with the node first
                 if reply is not None:
                     writer.write(P.encode_frame(reply))
+                    self._adopt_stream(writer)
                     await writer.drain()
         except P.VersionMismatch as exc:  # say why before closing: "protocol version X, ..."
             log.warning("refused a client of protocol version %d (this master speaks %d)",
@@ -119,6 +162,9 @@ class MasterServer:
         except asyncio.CancelledError:
             pass  # the master is shutting down: end quietly instead of logging a cancel
         finally:
+            for name, (_, stream) in list(self._streams.items()):
+                if stream is writer:
+                    del self._streams[name]
             writer.close()
 
     async def start(self) -> str:
@@ -138,6 +184,8 @@ class MasterServer:
             await asyncio.sleep(TICK_S)
             try:
                 self.service.tick()
+                self._send_index()
+                self._close_stale_streams()
             except Exception:  # upkeep must keep running; the bug is logged
                 log.exception("master tick failed")
 

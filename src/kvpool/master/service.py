@@ -34,10 +34,11 @@ from kvpool.master.config import MasterConfig
 from kvpool.master.eviction import Eviction, EvictionQueue
 from kvpool.master.leases import ReadGrants
 from kvpool.master.objects import Grants, ObjectMeta, PendingPut, Replica
-from kvpool.master.segments import SegmentTable
+from kvpool.master.restore import IndexLog, Restore
+from kvpool.master.segments import SegmentTable, new_epoch
 from kvpool.protocol import (
     MAX_KEY_BYTES, SOFT_PIN_DISABLE, SOFT_PIN_ENABLE, SOFT_PIN_PRESERVE, BatchGetResp, BatchPutStartResp,
-    CodesResp, CountResp, GetResp, MountResp, PutItem, PutStartResp, PutToken, ReplicaDesc,
+    CodesResp, CountResp, GetResp, IndexEntry, MountResp, PutItem, PutStartResp, PutToken, ReplicaDesc,
     Resp, SegmentInfo, SegmentStats, StatsResp,
 )
 
@@ -50,7 +51,7 @@ def _key_ok(key: str) -> bool:
     return 0 < len(key.encode("utf-8")) <= MAX_KEY_BYTES  # msgspec decoded it: valid UTF-8
 
 
-class MasterService(Eviction):
+class MasterService(Eviction, Restore):
     """Objects, replicas, leases, pins, in-flight puts and eviction over a SegmentTable.
 
     ``clock()``: the time in seconds (monotonic); every deadline (leases, pins, grants,
@@ -64,12 +65,17 @@ class MasterService(Eviction):
         self.objects: dict[str, ObjectMeta] = {}
         self.object_count = 0  # visible objects, kept as replicas come and go
         self.queue = EvictionQueue(self.objects)
-        self.grants = ReadGrants(self._free, self.segments.rounded)
+        self.grants = ReadGrants(self._free, self.segments.rounded, first_id=new_epoch())
         self.counters: Counter[str] = Counter()
-        self._next_put_id = 1
+        # random per start, so that no id of an earlier incarnation means anything here
+        # (a stale PutEnd or ReadDone would otherwise commit or end another's put or grant)
+        self.incarnation = new_epoch()
+        self._next_put_id = new_epoch()
         self.in_flight: set[str] = set()  # keys with a pending put (tick scans only these)
         self.wants_eviction = False
         self._eviction_debt = 0
+        self.index_log = IndexLog()  # changes for the nodes' indexes (master/restore.py)
+        self._last_version = 0
 
     # ------------------------------------------------------------ inspection (admin)
 
@@ -94,15 +100,31 @@ class MasterService(Eviction):
 
     # ------------------------------------------------------------ segments, liveness
 
-    def mount(self, owner_id: str, info: SegmentInfo) -> MountResp:
+    def mount(self, owner_id: str, info: SegmentInfo, index: bool = False, objects: list[IndexEntry] = (),
+              prev_incarnation: int = 0) -> MountResp:
+        """Mount ``info`` for ``owner_id`` under a new mount epoch. ``index``: the node
+        keeps an index (changes are queued in ``index_log``); ``objects``: that index,
+        rebuilt unless this very incarnation mounted the segment before
+        (``prev_incarnation``) and so dropped it on purpose (master/restore.py)."""
         if not info.name or info.size < MIN_SEGMENT_SIZE or not owner_id:
             return MountResp(ErrorCode.INVALID_PARAMS)
-        if not self.segments.mount(owner_id, info, self.clock()):
+        fresh = info.name not in self.segments.segments
+        seg = self.segments.mount(owner_id, info, self.clock())
+        if seg is None:
             return MountResp(ErrorCode.SEGMENT_ALREADY_EXISTS)
+        dropped: list[str] = []
+        if fresh:
+            seg.indexed = index
+            if prev_incarnation == self.incarnation:
+                dropped = [e.key for e in objects]
+            elif objects:
+                dropped = self.restore(seg, objects)
+                self.counters["objects_restored"] += len(objects) - len(dropped)
         self.counters["segments_mounted"] += 1
-        log.info("mounted segment %s (%d bytes, owner %s, data %s)", info.name, info.size, owner_id, info.data_addr)
+        log.info("mounted segment %s (%d bytes, owner %s, data %s, %d objects restored)", info.name, info.size,
+                 owner_id, info.data_addr, len(objects) - len(dropped))
         interval_ms = max(50, int(self.config.client_ttl_s * 1000 / 4))
-        return MountResp(OK, interval_ms)
+        return MountResp(OK, interval_ms, seg.info.epoch, self.incarnation, dropped)
 
     def heartbeat(self, owner_id: str) -> Resp:
         if owner_id not in self.segments.last_seen:
@@ -184,9 +206,12 @@ class MasterService(Eviction):
         if pending is None or pending.put_id != token.put_id:
             return Resp(ErrorCode.INVALID_WRITE, "no such put in flight (discarded or ended)")
         now = self.clock()
+        self._index_drop(obj)
         self._retire(obj)  # an upsert's old value
         self._set_replicas(obj, pending.replicas)
         obj.size = pending.size
+        obj.version = self._next_version()
+        self._index_add(obj)
         self._clear_pending(obj)
         obj.lease_deadline = max(obj.lease_deadline, now)  # eviction order: put counts as use
         obj.hard_pin = pending.hard_pin
@@ -335,6 +360,7 @@ class MasterService(Eviction):
         if obj.leased(self.clock()) and not force:
             return Resp(ErrorCode.OBJECT_HAS_LEASE)
         # a forced removal keeps the buffers while a reader may still be copying them
+        self._index_drop(obj)
         self._retire(obj)
         self._set_replicas(obj, [])
         if obj.pending is None:

@@ -10,12 +10,18 @@ connection, blocking sockets: payloads go straight between socket and segment, s
 with ``recvmsg_into`` and gathered (reply header included) with ``sendmsg``
 (:mod:`kvpool.transfer.iov`).
 
+Mount epochs (:mod:`kvpool.transfer.epoch`): a request carries its grant's epoch and is
+served only while it is the segment's (else REPLICA_IS_GONE: a read's connection
+stays, a write's closes); :meth:`DataServer.fence` ends the old epoch before the node
+mounts again: requests in flight are cut (their sockets shut) and waited for.
+
 :class:`DataCounters` counts what the server did (requests, bytes, errors by kind); the
 node's admin app exposes them.
 """
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import logging
 import socket
@@ -26,6 +32,7 @@ import msgspec
 
 from kvpool import protocol as P
 from kvpool.errors import ErrorCode
+from kvpool.transfer.epoch import MOUNT_WAIT_S, NO_EPOCH, EpochWord
 from kvpool.transfer.iov import recv_views, send_views
 from kvpool.transfer.tcp import tune_data_socket
 
@@ -38,7 +45,8 @@ class DataCounters:
     except ``open_connections``).
 
     requests[op] / bytes[op]: served requests and payload bytes, op "read" or "write";
-    errors[kind]: "refused" (a range outside the segment), "bad_frame" (undecodable or
+    errors[kind]: "refused" (a range outside the segment), "stale" (a grant of another
+    mount epoch), "bad_frame" (undecodable or
     unframed bytes), "broken" (the peer vanished mid-request), "accept" (a connection
     that could not be accepted or served); connections: accepted.
     """
@@ -83,13 +91,50 @@ class _BadHeader(Exception):
 
 class DataServer:
     """Serves ``segment`` (a writable byte memoryview) on the listening socket ``sock``;
-    ``counters`` (:class:`DataCounters`) say what it did."""
+    ``counters`` (:class:`DataCounters`) say what it did; ``word``: the segment's epoch
+    word (None: no epochs checked)."""
 
-    def __init__(self, sock: socket.socket, segment: memoryview):
+    def __init__(self, sock: socket.socket, segment: memoryview, word: EpochWord | None = None):
         self.sock = sock
         self.segment = segment
+        self.word = word
         self.counters = DataCounters()
         self.stopped = threading.Event()
+        self._gate = threading.Condition()
+        self._busy: set[socket.socket] = set()  # connections inside an admitted request
+
+    def _admit(self, conn: socket.socket, epoch: int) -> bool:
+        """Let a request of ``epoch`` move bytes (False: stale). A request of a new epoch
+        that arrives while the node is still mounting waits for the mount (bounded)."""
+        with self._gate:
+            if self.word is not None and epoch != NO_EPOCH:
+                self._gate.wait_for(lambda: self.word.read() != NO_EPOCH, MOUNT_WAIT_S)
+                if self.word.read() != epoch:
+                    return False
+            self._busy.add(conn)
+            return True
+
+    def _leave(self, conn: socket.socket) -> None:
+        with self._gate:
+            self._busy.discard(conn)
+            self._gate.notify_all()
+
+    def fence(self, timeout_s: float) -> bool:
+        """End the current epoch: no request is admitted until :meth:`open_epoch`, and
+        those in flight are cut and waited for (at most ``timeout_s``). True when none
+        is left."""
+        with self._gate:
+            self.word.set(NO_EPOCH)
+            for conn in self._busy:
+                with contextlib.suppress(OSError):
+                    conn.shutdown(socket.SHUT_RDWR)
+            return self._gate.wait_for(lambda: not self._busy, timeout_s)
+
+    def open_epoch(self, epoch: int) -> None:
+        """Serve grants of ``epoch`` (the mount just made)."""
+        with self._gate:
+            self.word.set(epoch)
+            self._gate.notify_all()
 
     def in_bounds(self, offset: int, length: int) -> bool:
         return 0 <= offset and 0 <= length and offset + length <= len(self.segment)
@@ -165,31 +210,34 @@ class DataServer:
             conn.sendall(P.version_refusal(exc.version, "node", P.DataResp))
             return False
         if isinstance(req, P.DataRead):
-            return self._read(conn, req)
-        if isinstance(req, P.DataWrite):
+            views = self._ranges(req.offsets, req.lengths)
+        elif isinstance(req, P.DataWrite):
             views = self._ranges([req.offset], [req.length])
         else:
             views = self._ranges(req.offsets, req.lengths)
+        reading = isinstance(req, P.DataRead)
         if views is None:
-            self.counters.error("refused")
-            conn.sendall(P.encode_frame(P.DataResp(ErrorCode.INVALID_PARAMS)))
-            return False
-        recv_views(conn, views)
-        total = sum(len(v) for v in views)
-        self.counters.served("write", total)
-        conn.sendall(P.encode_frame(P.DataResp(ErrorCode.OK, total)))
+            return self._refuse(conn, "refused", ErrorCode.INVALID_PARAMS, keep=reading)
+        if not self._admit(conn, req.epoch):
+            return self._refuse(conn, "stale", ErrorCode.REPLICA_IS_GONE, keep=reading)
+        try:
+            total = sum(len(v) for v in views)
+            if reading:
+                send_views(conn, [P.encode_frame(P.DataResp(ErrorCode.OK, total)), *views])
+            else:
+                recv_views(conn, views)
+        finally:
+            self._leave(conn)
+        self.counters.served("read" if reading else "write", total)
+        if not reading:
+            conn.sendall(P.encode_frame(P.DataResp(ErrorCode.OK, total)))
         return True
 
-    def _read(self, conn: socket.socket, req: P.DataRead) -> bool:
-        views = self._ranges(req.offsets, req.lengths)
-        if views is None:
-            self.counters.error("refused")
-            conn.sendall(P.encode_frame(P.DataResp(ErrorCode.INVALID_PARAMS)))
-            return True
-        total = sum(req.lengths)
-        send_views(conn, [P.encode_frame(P.DataResp(ErrorCode.OK, total)), *views])
-        self.counters.served("read", total)
-        return True
+    def _refuse(self, conn: socket.socket, kind: str, code: ErrorCode, keep: bool) -> bool:
+        """Answer ``code``; a refused write closes (its payload cannot be skipped)."""
+        self.counters.error(kind)
+        conn.sendall(P.encode_frame(P.DataResp(code)))
+        return keep
 
 
 def _recv_request(conn: socket.socket) -> bytearray:

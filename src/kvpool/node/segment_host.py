@@ -4,18 +4,27 @@ Client with ``global_segment_size > 0`` embeds one (Mooncake's client-contribute
 segment), so the client imports this module and never the other way round.
 
 Lifecycle: create the segment (``/dev/shm/kvpool-<id>``), bind the data port, mount with
-the master, heartbeat every ``heartbeat_interval_ms`` the master asked for (remounting
-if the master forgot us: its restart, or our silence past the client TTL), and on stop
+the master, heartbeat every ``heartbeat_interval_ms`` the master asked for, and on stop
 unmount, unmap and unlink so nothing is left in /dev/shm. If this process is killed,
 Python's resource tracker (which registered the segment at creation) unlinks it.
+
+Index and re-mount: the mount connection stays open as the master's index stream
+(:class:`~kvpool.protocol.IndexUpdate`): the host keeps ``index``, the COMPLETE objects
+in its segment. When that stream ends (the master died, restarted, or dropped the
+segment) or a heartbeat says the master forgot us, the host fences the old mount epoch
+(:mod:`kvpool.transfer.epoch`: no grant of it moves bytes any more) and mounts again,
+reporting its index, until a master takes it: a new master incarnation rebuilds the
+objects from it (master/restore.py).
 """
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import logging
 import socket
 import threading
+import time
 import uuid
 from multiprocessing import shared_memory
 
@@ -24,9 +33,11 @@ from kvpool.errors import ErrorCode, KVPoolError, RpcFailed, UserError
 from kvpool.node.data_server import DataServer
 from kvpool.rpc import RpcChannel
 from kvpool.transfer import local_host_id
+from kvpool.transfer.epoch import EpochWord, shm_bytes
 from kvpool.transfer.shm import register_local_segment, unregister_local_segment
 
 log = logging.getLogger("kvpool.segment")
+FENCE_S = 5.0  # how long a remount waits for transfers of the old mount to end, per try
 
 
 def bind_listener(host: str, port: int) -> socket.socket:
@@ -65,43 +76,99 @@ class SegmentHost:
         self.data_addr = f"{host}:{self.listener.getsockname()[1]}"
         self.master = RpcChannel(master_addr, timeout_s=5.0)
         self.shm: shared_memory.SharedMemory | None = None
+        self.word: EpochWord | None = None  # the segment's mount epoch (this host sets it)
+        self._writers_word: EpochWord | None = None  # the same word, for this process's writers
         self.info: P.SegmentInfo | None = None
         self.server: DataServer | None = None
         self.segment_size = segment_size
         self.prefault = prefault
         self._stop = threading.Event()
         self._rpc_lock = threading.Lock()  # the heartbeat thread and stop() share one channel
+        self._stream = RpcChannel(master_addr, timeout_s=5.0)  # mount + index stream (its own thread)
+        self.index: dict[str, P.IndexEntry] = {}  # key -> COMPLETE object in this segment
+        self.incarnation = 0  # of the master that mounted the segment last
+        self.mounts = 0  # mounts made (the first and every re-mount)
 
     def start(self) -> None:
         """Reach the master, create the segment, mount it, start the data server."""
         self.master.connect()
         name = f"kvpool-{uuid.uuid4().hex[:16]}"
-        self.shm = shared_memory.SharedMemory(name=name, create=True, size=self.segment_size)
+        self.shm = shared_memory.SharedMemory(name=name, create=True, size=shm_bytes(self.segment_size))
         if self.prefault:
             _touch_pages(self.shm.buf)
         self.info = P.SegmentInfo(name, local_host_id(), self.shm.name, self.segment_size, self.data_addr)
-        self.server = DataServer(self.listener, self.shm.buf)
-        register_local_segment(self.shm.name, self.shm.buf)  # same-process clients memcpy
+        self.word = EpochWord(self.shm.buf, self.segment_size, self.shm.name)
+        self._writers_word = EpochWord(self.shm.buf, self.segment_size, self.shm.name)
+        self.server = DataServer(self.listener, self.shm.buf[: self.segment_size], self.word)
+        register_local_segment(self.shm.name, self.shm.buf, self._writers_word)  # same-process clients memcpy
+        self._stream.connect()
         self.interval_s = self._mount()
         threading.Thread(target=self.server.serve_forever, daemon=True).start()
         threading.Thread(target=self._heartbeat_loop, daemon=True).start()
+        threading.Thread(target=self._stream_loop, name="kvpool-index", daemon=True).start()
 
     def _call(self, request):
         with self._rpc_lock:
             return self.master.call(request)
 
+    def _fence(self) -> bool:
+        """End the current mount epoch: no grant of it moves bytes any more, and the
+        transfers under it have ended (TCP ones cut; same-host writers waited for).
+        False if a writer still holds the segment (then do not mount yet)."""
+        deadline = time.monotonic() + FENCE_S
+        return self.server.fence(FENCE_S) and self.word.fence(deadline)
+
     def _mount(self) -> float:
-        reply = self._call(P.MountSegment(self.owner_id, self.info))
+        """Mount on the stream channel, reporting the index; serve the new epoch."""
+        request = P.MountSegment(self.owner_id, self.info, True, list(self.index.values()), self.incarnation)
+        reply = self._stream.call(request, idempotent=False)
         if reply.code != ErrorCode.OK:
             raise KVPoolError(f"master refused to mount segment {self.info.name}", reply.code)
+        for key in reply.dropped:
+            self.index.pop(key, None)
+        self.incarnation = reply.incarnation
+        self.mounts += 1
+        self.server.open_epoch(reply.epoch)
         return reply.heartbeat_interval_ms / 1000
+
+    def _stream_loop(self) -> None:
+        """Apply the master's index updates; when the stream ends, mount again."""
+        while not self._stop.is_set():
+            try:
+                update = self._stream.receive()
+            except KVPoolError:
+                if not self._stop.is_set():
+                    self._remount()
+                continue
+            if isinstance(update, P.IndexUpdate) and update.name == self.info.name:
+                for key in update.drops:
+                    self.index.pop(key, None)
+                for entry in update.adds:
+                    self.index[entry.key] = entry
+
+    def _remount(self) -> None:
+        """Fence the old epoch and mount again (index reported), until a master takes it
+        or the host stops."""
+        log.warning("lost the master's index stream for segment %s; mounting again (%d objects indexed)",
+                    self.info.name, len(self.index))
+        while not self._stop.is_set():
+            try:
+                self._stream.close()
+                self._stream.connect()
+                if self._fence():
+                    self._mount()
+                    return
+                log.warning("a writer of the old mount still holds segment %s; not mounting yet", self.info.name)
+            except KVPoolError as exc:  # master down or restarting: keep trying
+                log.warning("mount of %s failed: %s", self.info.name, exc)
+            self._stop.wait(0.1)
 
     def _heartbeat_loop(self) -> None:
         while not self._stop.wait(self.interval_s):
             try:
                 if self._call(P.Heartbeat(self.owner_id)).code == ErrorCode.CLIENT_NOT_FOUND:
-                    log.warning("master forgot segment %s; remounting (its objects are gone)", self.info.name)
-                    self._mount()
+                    log.warning("master forgot segment %s", self.info.name)
+                    self._stream.shutdown()  # the stream thread mounts again
             except KVPoolError as exc:  # master down or restarting: keep trying
                 log.warning("heartbeat to %s failed: %s", self.master_addr, exc)
 
@@ -119,15 +186,22 @@ class SegmentHost:
         self._stop.set()
         if self.server:
             self.server.stop()
+            self.server.fence(0.5)
         if self.info:
             try:
                 self._call(P.UnmountSegment(self.owner_id, self.info.name))
             except RpcFailed:
                 pass  # master gone: it will expire us by TTL
         self.master.close()
+        self._stream.shutdown()
         self.listener.close()
         if self.shm:
             unregister_local_segment(self.shm.name)
+            for word in (self.word, self._writers_word):
+                if word is not None:
+                    word.close()
+            with contextlib.suppress(BufferError):  # a serving thread may still use it
+                self.server.segment.release()
             try:
                 self.shm.close()
             except BufferError:

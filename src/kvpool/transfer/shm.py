@@ -6,6 +6,10 @@ Segments are opened by name under /dev/shm with :func:`mmap.mmap` directly rathe
 ``multiprocessing.shared_memory.SharedMemory``: on Python < 3.13 the latter registers
 every *opened* segment with the resource tracker, which would unlink the node's segment
 when this process exits. Mappings are kept open for the life of the transport.
+
+Both transports move bytes under a grant only while the segment's mount epoch is the
+grant's (:mod:`kvpool.transfer.epoch`): writes hold the segment's shared lock and check
+first, reads check after copying; a request of a stale epoch fails and says why.
 """
 
 from __future__ import annotations
@@ -13,24 +17,55 @@ from __future__ import annotations
 import mmap
 import os
 import threading
+import time
 
 from kvpool.protocol import ReplicaDesc, SegmentInfo
 from kvpool.transfer import local_host_id
+from kvpool.transfer.epoch import SHM_DIR, EpochWord
 from kvpool.transfer.request import Cancel, Op, Transport, TransferRequest
 
-SHM_DIR = "/dev/shm"
-
-# shm name -> writable view of a segment hosted by this process (SegmentHost registers it)
-_IN_PROCESS: dict[str, memoryview] = {}
+# shm name -> (writable view, epoch word) of a segment hosted by this process
+_IN_PROCESS: dict[str, tuple[memoryview, EpochWord]] = {}
 
 
-def register_local_segment(shm_name: str, view: memoryview) -> None:
-    """Make ``view`` (a segment this process hosts) reachable by :class:`LocalTransport`."""
-    _IN_PROCESS[shm_name] = view
+def register_local_segment(shm_name: str, view: memoryview, word: EpochWord) -> None:
+    """Make ``view`` (a segment this process hosts) reachable by :class:`LocalTransport`;
+    ``word``: its epoch word, opened for this process's writers (not the host's own)."""
+    _IN_PROCESS[shm_name] = (view, word)
 
 
 def unregister_local_segment(shm_name: str) -> None:
     _IN_PROCESS.pop(shm_name, None)
+
+
+def _stale(segment: SegmentInfo) -> str:
+    return (f"segment {segment.name} was mounted again (epoch {segment.epoch} of the grant is "
+            f"stale): the grant came from an earlier mount or master incarnation")
+
+
+def _run(requests: list[TransferRequest], segment: memoryview, word: EpochWord, deadline: float,
+         cancel: Cancel, before_write=None) -> list[bool]:
+    """Copy ``requests`` (one segment) under their grant's epoch: writes only while it is
+    current (holding the segment's writer lock), reads kept only if it still is after."""
+    info = requests[0].segment
+    writes = any(r.op == Op.WRITE for r in requests)
+    with word.writing(info.epoch if writes else 0, deadline) as allowed:
+        if allowed:
+            _copy(requests, segment, before_write)
+    if not (allowed and word.valid(info.epoch)):
+        cancel.note(_stale(info))
+        return [False] * len(requests)
+    return [True] * len(requests)
+
+
+def _read_bytes(segment: SegmentInfo, view: memoryview, word: EpochWord, offset: int, length: int,
+                cancel: Cancel | None) -> bytes | None:
+    out = bytes(view[offset : offset + length])
+    if word.valid(segment.epoch):
+        return out
+    if cancel is not None:
+        cancel.note(_stale(segment))
+    return None
 
 
 def _copy(requests: list[TransferRequest], segment: memoryview, before_write=None) -> None:
@@ -54,19 +89,20 @@ class LocalTransport(Transport):
         return segment.shm_name in _IN_PROCESS
 
     def run(self, requests: list[TransferRequest], deadline: float, cancel: Cancel) -> list[bool]:
-        view = _IN_PROCESS.get(requests[0].segment.shm_name)
-        if view is None:  # unmounted meanwhile
+        hosted = _IN_PROCESS.get(requests[0].segment.shm_name)
+        if hosted is None:  # unmounted meanwhile
             cancel.note(f"local segment {requests[0].segment.name} is no longer hosted here")
             return [False] * len(requests)
-        _copy(requests, view)
-        return [True] * len(requests)
+        return _run(requests, *hosted, deadline, cancel)
 
     def read_bytes(self, segment: SegmentInfo, offset: int, length: int, deadline: float,
                    cancel: Cancel | None = None) -> bytes | None:
-        view = _IN_PROCESS.get(segment.shm_name)
-        if view is None and cancel is not None:
-            cancel.note(f"local segment {segment.name} is no longer hosted here")
-        return None if view is None else bytes(view[offset : offset + length])
+        hosted = _IN_PROCESS.get(segment.shm_name)
+        if hosted is None:
+            if cancel is not None:
+                cancel.note(f"local segment {segment.name} is no longer hosted here")
+            return None
+        return _read_bytes(segment, *hosted, offset, length, cancel)
 
 
 class ShmTransport(Transport):
@@ -109,25 +145,26 @@ class ShmTransport(Transport):
         if entry is None:
             cancel.note(f"shm {requests[0].segment.shm_name} cannot be mapped (its node is gone?)")
             return [False] * len(requests)
-        _copy(requests, entry.view, entry.populate)
-        return [True] * len(requests)
+        return _run(requests, entry.view, entry.word(requests[0].segment.size), deadline, cancel, entry.populate)
 
     def read_bytes(self, segment: SegmentInfo, offset: int, length: int, deadline: float,
                    cancel: Cancel | None = None) -> bytes | None:
-        view = self.view(segment.shm_name)
-        if view is None and cancel is not None:
-            cancel.note(f"shm {segment.shm_name} cannot be mapped (its node is gone?)")
-        return None if view is None else bytes(view[offset : offset + length])
+        entry = self._mapping(segment.shm_name)
+        if entry is None:
+            if cancel is not None:
+                cancel.note(f"shm {segment.shm_name} cannot be mapped (its node is gone?)")
+            return None
+        return _read_bytes(segment, entry.view, entry.word(segment.size), offset, length, cancel)
 
-    def write(self, desc: ReplicaDesc, src: memoryview) -> None:
-        """Copy ``src`` (``desc.length`` bytes) into the replica's buffer."""
+    def write(self, desc: ReplicaDesc, src: memoryview, timeout_s: float = 10.0) -> bool:
+        """Copy ``src`` (``desc.length`` bytes) into the replica's buffer; False (nothing
+        written) when the grant's mount epoch is no longer the segment's."""
         entry = self._mapping(desc.segment.shm_name)
         entry.populate(desc.offset, desc.length)
-        entry.view[desc.offset : desc.offset + desc.length] = src
-
-    def read_into(self, desc: ReplicaDesc, dst: memoryview) -> None:
-        """Copy the replica's ``desc.length`` bytes into ``dst[:desc.length]``."""
-        dst[: desc.length] = self.view(desc.segment.shm_name)[desc.offset : desc.offset + desc.length]
+        with entry.word(desc.segment.size).writing(desc.segment.epoch, time.monotonic() + timeout_s) as ok:
+            if ok:
+                entry.view[desc.offset : desc.offset + desc.length] = src
+        return ok
 
     def forget(self, shm_name: str) -> None:
         """Drop one mapping (e.g. its node is gone); views handed out keep it alive."""
@@ -167,9 +204,16 @@ class _Mapping:
     fault as they are touched.
     """
 
-    def __init__(self, mm: mmap.mmap):
-        self.mm, self.view = mm, memoryview(mm)
+    def __init__(self, mm: mmap.mmap, shm_name: str):
+        self.mm, self.view, self.shm_name = mm, memoryview(mm), shm_name
         self.populated = bytearray(-(-len(mm) // POPULATE_CHUNK))  # 1 per populated chunk
+        self._word: EpochWord | None = None
+
+    def word(self, size: int) -> EpochWord:
+        """The segment's epoch word (``size``: its value bytes), opened at first use."""
+        if self._word is None:
+            self._word = EpochWord(self.view, size, self.shm_name)
+        return self._word
 
     def populate(self, offset: int, length: int) -> None:
         """Fill the page tables of the chunks ``[offset, offset + length)`` touches that
@@ -188,6 +232,8 @@ class _Mapping:
             self.populated[c] = 1
 
     def close(self) -> None:
+        if self._word is not None:
+            self._word.close()
         try:
             self.view.release()
             self.mm.close()
@@ -206,4 +252,4 @@ def _open(shm_name: str) -> _Mapping | None:
         return None
     finally:
         os.close(fd)
-    return _Mapping(mm)
+    return _Mapping(mm, shm_name)

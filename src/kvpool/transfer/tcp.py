@@ -12,6 +12,8 @@ destinations (:mod:`kvpool.transfer.iov`): no byte is touched by Python code and
 no intermediate buffer. Connections are pooled per peer: a batch borrows one, several
 threads or the engine's lanes borrow several, so concurrent transfers never interleave
 on one socket. A connection that fails or times out is closed, never reused.
+Every request carries its grant's mount epoch (``SegmentInfo.epoch``); the data server
+refuses a stale one (REPLICA_IS_GONE, see :mod:`kvpool.transfer.epoch`).
 """
 
 from __future__ import annotations
@@ -164,7 +166,7 @@ class TcpTransport(Transport):
         cancel = cancel or Cancel()
 
         def work(sock):
-            send_views(sock, [P.encode_frame(P.DataRead([offset], [length]))], deadline)
+            send_views(sock, [P.encode_frame(P.DataRead([offset], [length], segment.epoch))], deadline)
             code = read_reply(sock, deadline).code
             if code != ErrorCode.OK:
                 cancel.note(f"tcp {segment.data_addr}: {NodeRefused(code, 'read')}")
@@ -182,7 +184,8 @@ class TcpTransport(Transport):
 
 
 def _write(sock: socket.socket, reqs: list[TransferRequest], deadline: float) -> bool:
-    head = P.encode_frame(P.DataWriteMany([r.remote_offset for r in reqs], [r.length for r in reqs]))
+    head = P.encode_frame(P.DataWriteMany([r.remote_offset for r in reqs], [r.length for r in reqs],
+                                          reqs[0].segment.epoch))
     send_views(sock, [head, *(r.local_view() for r in reqs)], deadline)
     code = read_reply(sock, deadline).code
     if code != ErrorCode.OK:
@@ -191,7 +194,8 @@ def _write(sock: socket.socket, reqs: list[TransferRequest], deadline: float) ->
 
 
 def _read(sock: socket.socket, reqs: list[TransferRequest], deadline: float, cancel: Cancel) -> bool:
-    send_views(sock, [P.encode_frame(P.DataRead([r.remote_offset for r in reqs], [r.length for r in reqs]))], deadline)
+    head = P.DataRead([r.remote_offset for r in reqs], [r.length for r in reqs], reqs[0].segment.epoch)
+    send_views(sock, [P.encode_frame(head)], deadline)
     code = read_reply(sock, deadline).code
     if code != ErrorCode.OK:
         cancel.note(f"tcp {reqs[0].segment.data_addr}: {NodeRefused(code, 'read')}")

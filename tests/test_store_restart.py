@@ -1,0 +1,256 @@
+"""K18: grants across master incarnations, and what a master restart keeps.
+
+Real master and node processes; the master is killed with SIGKILL and started again on
+the same port while the nodes keep running (:meth:`kvpool.launch.Cluster.restart_master`).
+Every path that moves bytes under a grant of the old master is tried after the restart:
+reads of a read handle (single, into a buffer, batch, ranged) and writes of a put
+allocation, over TCP, through a same-host mapping (shm) and in the hosting process
+(local). The rule: a stale grant never reads another key's bytes as a success and never
+writes into a range the new master gave to another key.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import time
+
+import pytest
+
+from kvpool import protocol as P
+from kvpool.client import Client
+from kvpool.errors import KVPoolError, ObjectNotFound
+from kvpool.launch import Cluster
+from kvpool.master.service import MasterService
+from kvpool.rpc import RpcChannel
+from kvpool.transfer.request import Op, TransferRequest, TransferStatus
+
+KINDS = ("tcp", "shm", "local")
+FAST = ["--client-ttl", "1"]  # heartbeats every 250 ms: a forgotten node remounts quickly
+SIZE = 4096
+
+
+def wait_for(predicate, timeout_s: float = 20.0, what: str = "condition"):
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        try:
+            if predicate():
+                return
+        except KVPoolError:
+            pass  # the master is still coming up
+        time.sleep(0.02)
+    pytest.fail(f"timed out waiting for {what}")
+
+
+@contextlib.contextmanager
+def setup(kind: str):
+    """A cluster and a client for ``kind``: "tcp" (every byte over the node's port),
+    "shm" (the node's segment mapped by the client), "local" (the only segment is hosted
+    by the client itself)."""
+    with Cluster(segment_size="64MiB", num_nodes=0 if kind == "local" else 1, extra_master_args=FAST) as cluster:
+        with Client(cluster.master_addr, force_tcp=kind == "tcp",
+                    global_segment_size=(16 << 20) if kind == "local" else 0) as client:
+            yield cluster, client
+
+
+def restart(cluster: Cluster, client: Client, segments: int = 1) -> None:
+    """kill -9 the master, start it on the same port, wait until ``segments`` are mounted."""
+    cluster.restart_master(kill=True)
+    wait_for(lambda: len(client.stats().segments) == segments, what="the segments to be mounted again")
+
+
+def value(tag: str, size: int = SIZE) -> bytes:
+    return (tag.encode() * (size // len(tag) + 1))[:size]
+
+
+def reuse_offset(client: Client, old_key: str, new_key: str, size: int = SIZE) -> int:
+    """Free ``old_key`` if the new master has it, then put ``new_key`` of the same size:
+    it lands on the freed range (best fit). Returns the new key's offset."""
+    with contextlib.suppress(ObjectNotFound):
+        client.remove(old_key, force=True)
+    client.put(new_key, value(new_key, size))
+    handle = client.query(new_key)
+    client.release([handle])
+    return handle.replicas[0].offset
+
+
+READS = {
+    "read": lambda c, h: c.read(h),
+    "read_into": lambda c, h: _into(c.read_into, h),
+    "batch_read_into": lambda c, h: _batch_into(c, h),
+    "batch_read_ranges": lambda c, h: _ranges(c, h),
+}
+
+
+def _into(read_into, handle) -> bytes:
+    buf = bytearray(handle.size)
+    read_into(handle, buf)
+    return bytes(buf)
+
+
+def _batch_into(client, handle) -> bytes:
+    buf = bytearray(handle.size)
+    n = client.batch_read_into([handle], [buf])[0]
+    if n < 0:
+        raise KVPoolError("batch read failed", n)
+    return bytes(buf)
+
+
+def _ranges(client, handle) -> bytes:
+    buf = bytearray(handle.size - 16)
+    n = client.batch_read_ranges([handle], [[(16, buf)]])[0][0]
+    if n < 0:
+        raise KVPoolError("ranged read failed", n)
+    return bytes(16) + bytes(buf)  # compare from byte 16 on
+
+
+@pytest.mark.parametrize("path", sorted(READS))
+@pytest.mark.parametrize("kind", KINDS)
+def test_k18_a_read_handle_of_the_old_master_never_reads_another_keys_bytes(kind, path):
+    with setup(kind) as (cluster, client):
+        original = value("old-key")
+        client.put("old-key", original)
+        handle = client.query("old-key")  # lease of 10 s: time alone does not save us
+        restart(cluster, client)
+        assert reuse_offset(client, "old-key", "new-key") == handle.replicas[0].offset
+        try:
+            got = READS[path](client, handle)
+        except KVPoolError:
+            return  # refused: right
+        assert got[16:] == original[16:], "a stale read handle returned another key's bytes as a success"
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_k18_a_put_allocated_by_the_old_master_never_writes_into_a_reassigned_range(kind):
+    with setup(kind) as (cluster, client):
+        chan = RpcChannel(cluster.master_addr)
+        late = chan.call(P.PutStart(P.PutItem("late", SIZE), client.host_id))
+        desc = late.replicas[0]
+        restart(cluster, client)
+        assert reuse_offset(client, "late", "victim") == desc.offset
+        src = memoryview(value("LATE"))
+        status = client.engine.transfer([TransferRequest(Op.WRITE, src, 0, desc.segment, desc.offset, SIZE)])
+        assert status[0] != TransferStatus.COMPLETED, "a stale allocation was written"
+        assert client.get("victim") == value("victim")
+        reply = chan.call(P.PutEnd(P.PutToken("late", late.put_id)))
+        assert reply.code != 0
+        assert not client.is_exist("late")
+        chan.close()
+
+
+def _filler(chan: RpcChannel) -> int:
+    reply = chan.call(P.PutStart(P.PutItem("filler", SIZE)))
+    chan.call(P.PutRevoke(P.PutToken("filler", reply.put_id)))
+    return reply.put_id
+
+
+def test_k18_a_put_end_of_the_old_master_never_commits_a_put_of_the_new_one():
+    with setup("shm") as (cluster, client):
+        chan = RpcChannel(cluster.master_addr)
+        for _ in range(4):
+            _filler(chan)
+        stale = chan.call(P.PutStart(P.PutItem("x", SIZE))).put_id
+        restart(cluster, client)
+        for _ in range(min(stale, 16)):  # line the new master's put ids up with the stale one, if they run alike
+            if _filler(chan) >= stale - 1:
+                break
+        assert chan.call(P.PutStart(P.PutItem("x", SIZE))).code == 0  # its bytes come later
+        chan.call(P.PutEnd(P.PutToken("x", stale)))
+        assert not client.is_exist("x"), "a stale PutEnd committed a put whose bytes were never written"
+        chan.close()
+
+
+@pytest.mark.parametrize("kind", ("shm", "local"))
+def test_k18_committed_objects_survive_a_master_restart(kind):
+    with setup(kind) as (cluster, client):
+        sizes = [100 + 997 * i for i in range(20)]
+        keys = [f"k{i}" for i in range(20)]
+        for k, n in zip(keys, sizes):
+            client.put(k, value(k, n))
+        pending = RpcChannel(cluster.master_addr)
+        pending.call(P.PutStart(P.PutItem("processing", SIZE)))  # PROCESSING: must be dropped
+        before = client.stats()
+        restart(cluster, client)
+        after = client.stats()
+        assert after.object_count == 20
+        assert after.used_bytes == before.used_bytes - 4096  # exact (K07): the pending put is gone
+        assert [client.get(k) for k in keys] == [value(k, n) for k, n in zip(keys, sizes)]
+        assert not client.is_exist("processing")
+        more = [f"m{i}" for i in range(20)]
+        for k, n in zip(more, sizes):
+            client.put(k, value(k, n))  # no two live keys share bytes
+        assert [client.get(k) for k in keys + more] == [value(k, n) for k, n in zip(keys + more, sizes * 2)]
+        client.remove_all(force=True)
+        assert client.stats().used_bytes == 0
+        pending.close()
+
+
+def test_k18_upserts_removals_and_replicas_on_two_nodes_survive_a_restart():
+    with Cluster(segment_size="64MiB", num_nodes=2, extra_master_args=FAST) as cluster:
+        with Client(cluster.master_addr) as client:
+            assert client.put("both", value("both"), replica_num=2) == 2
+            client.put("gone", value("gone"))
+            client.put("changed", value("old", 1000))
+            client.upsert("changed", value("new", 3000))
+            client.remove("gone")
+            before = client.stats().used_bytes
+            restart(cluster, client, segments=2)
+            assert client.stats().used_bytes == before
+            handle = client.query("both")
+            assert len(handle.replicas) == 2
+            assert client.read(handle) == value("both")
+            assert client.get("changed") == value("new", 3000)
+            assert not client.is_exist("gone")
+
+
+def test_k18_a_segment_the_master_dropped_comes_back_empty_and_its_old_grants_fail():
+    with Cluster(segment_size="64MiB", extra_master_args=FAST) as cluster, Client(cluster.master_addr) as client:
+        client.put("k", value("k"))
+        handle = client.query("k")
+        pid = cluster.nodes[0]["pid"]
+        os.kill(pid, signal.SIGSTOP)  # silent past the client TTL: the master drops the segment
+        try:
+            wait_for(lambda: not client.stats().segments, what="the silent node's segment to be dropped")
+        finally:
+            os.kill(pid, signal.SIGCONT)
+        wait_for(lambda: len(client.stats().segments) == 1, what="the node to mount again")
+        assert not client.is_exist("k")  # the same master removed it: not brought back
+        assert client.stats().used_bytes == 0
+        assert reuse_offset(client, "k", "other") == handle.replicas[0].offset
+        with pytest.raises(KVPoolError):
+            client.read(handle)
+
+
+def _seg(name: str, size: int = 1 << 20) -> P.SegmentInfo:
+    return P.SegmentInfo(name, "host", name, size, "127.0.0.1:1")
+
+
+def test_restore_keeps_only_entries_that_fit_and_the_newest_version_of_each_key():
+    svc = MasterService()
+    entries = [P.IndexEntry("a", 0, 100, 5), P.IndexEntry("overlaps-a", 64, 10, 5),
+               P.IndexEntry("outside", 1 << 20, 10, 5), P.IndexEntry("misaligned", 1000, 10, 5),
+               P.IndexEntry("b", 4096, 200, 7)]
+    reply = svc.mount("n1", _seg("s1"), True, entries, 0)
+    assert sorted(reply.dropped) == ["misaligned", "outside", "overlaps-a"]
+    assert svc.stats().used_bytes == 128 + 256 and svc.stats().object_count == 2
+    # a second node reports "a" again (same version: a second replica) and "b" newer
+    reply = svc.mount("n2", _seg("s2"), True, [P.IndexEntry("a", 0, 100, 5), P.IndexEntry("b", 4096, 300, 9)], 0)
+    assert reply.dropped == []
+    assert len(svc.lookup("a").replicas) == 2
+    assert [r.segment for r in svc.lookup("b").replicas] == ["s2"] and svc.lookup("b").size == 300
+    assert svc.stats().used_bytes == 2 * 128 + 320  # b's old version on s1 is freed
+    assert [(u.name, u.drops) for u in svc.index_log.take()] == [("s1", ["b"])]
+    # the new incarnation's commits are newer than every restored version
+    r = svc.put_start(P.PutItem("a", 50, upsert=True))
+    assert svc.put_end(P.PutToken("a", r.put_id)).code == 0
+    assert svc.lookup("a").version > 9
+
+
+def test_a_master_ignores_the_index_of_a_segment_it_dropped_itself():
+    svc = MasterService()
+    first = svc.mount("n1", _seg("s1"), True, [], 0)
+    svc.unmount("n1", "s1")
+    again = svc.mount("n1", _seg("s1"), True, [P.IndexEntry("a", 0, 100, 5)], first.incarnation)
+    assert again.dropped == ["a"] and svc.stats().object_count == 0
+    assert again.epoch != first.epoch
