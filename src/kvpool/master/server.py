@@ -6,7 +6,12 @@ connection stays open; a frame with a bad header closes that connection only, an
 client of another protocol version is told so (:func:`kvpool.protocol.version_refusal`)
 before it is closed. :class:`~kvpool.protocol.ReadDone` is a notification: it gets no
 reply. A background task runs :meth:`MasterService.tick` (liveness, grants, zombies,
-eviction).
+eviction) and closes connections that stalled mid-frame.
+
+What a connection may cost (K22): a body is buffered only as its bytes arrive (a header
+announcing :data:`~kvpool.protocol.MAX_FRAME` costs nothing until the bytes come), and a
+connection whose frame has not arrived whole ``stall_s`` seconds after its header
+(by the service's clock) is closed. Between frames a connection may stay idle.
 """
 
 from __future__ import annotations
@@ -24,6 +29,7 @@ from kvpool.master.service import MasterService
 
 log = logging.getLogger("kvpool.master")
 TICK_S = 0.05
+STALL_S = 30.0  # seconds a frame may take to arrive after its header
 
 
 def _handlers(svc: MasterService) -> dict[type, Callable[[msgspec.Struct], msgspec.Struct | None]]:
@@ -58,11 +64,15 @@ BAD_REQUEST = "BadRequest"  # the op name observers see for a body that did not 
 
 
 class MasterServer:
-    """Serves :class:`MasterService` on ``host:port`` (port 0 = any free port)."""
+    """Serves :class:`MasterService` on ``host:port`` (port 0 = any free port); a frame
+    must arrive whole within ``stall_s`` seconds of its header."""
 
-    def __init__(self, service: MasterService, host: str = "127.0.0.1", port: int = 50051):
+    def __init__(self, service: MasterService, host: str = "127.0.0.1", port: int = 50051,
+                 stall_s: float = STALL_S):
         self.service = service
         self.host, self.port = host, port
+        self.stall_s = stall_s
+        self._mid_frame: dict[asyncio.StreamWriter, float] = {}  # connection -> when its header came
         self._handlers = _handlers(service)
         self._observers: list[Observer] = []
         self._server: asyncio.base_events.Server | None = None
@@ -102,7 +112,9 @@ class MasterServer:
         try:
             while True:
                 length = P.parse_header(await reader.readexactly(P.HEADER.size))
+                self._mid_frame[writer] = self.service.clock()
                 body = await reader.readexactly(length)
+                del self._mid_frame[writer]
                 reply = self.dispatch(body)
                 if reply is not None:
                     writer.write(P.encode_frame(reply))
@@ -119,7 +131,20 @@ class MasterServer:
         except asyncio.CancelledError:
             pass  # the master is shutting down: end quietly instead of logging a cancel
         finally:
+            self._mid_frame.pop(writer, None)
             writer.close()
+
+    def close_stalled(self) -> int:
+        """Close every connection whose frame began over ``stall_s`` ago (its read then
+        ends); returns how many. Run by :meth:`tick_forever`."""
+        now = self.service.clock()
+        stalled = [w for w, since in self._mid_frame.items() if now - since > self.stall_s]
+        for writer in stalled:
+            del self._mid_frame[writer]
+            writer.transport.abort()
+        if stalled:
+            log.warning("closed %d connection(s) stalled mid-frame for over %.1f s", len(stalled), self.stall_s)
+        return len(stalled)
 
     async def start(self) -> str:
         """Bind and start serving; returns the bound "host:port"."""
@@ -138,6 +163,7 @@ class MasterServer:
             await asyncio.sleep(TICK_S)
             try:
                 self.service.tick()
+                self.close_stalled()
             except Exception:  # upkeep must keep running; the bug is logged
                 log.exception("master tick failed")
 

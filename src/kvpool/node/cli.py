@@ -7,6 +7,7 @@ import os
 import signal
 
 from kvpool.config import Option, add_options, parse_addr, parse_size, resolve, write_ready_file
+from kvpool.node.data_server import STALL_S
 
 HELP = "run a kvpool storage node: a shared-memory segment mounted with the master"
 
@@ -31,6 +32,13 @@ def segment_size(text) -> int:
     return size
 
 
+def _positive_float(text) -> float:
+    value = float(text)
+    if not value > 0:
+        raise ValueError("must be > 0")
+    return value
+
+
 def _bool(text) -> bool:
     if isinstance(text, bool):
         return text
@@ -48,6 +56,8 @@ OPTIONS = [
     Option("prefault", "yes", _bool, "allocate every page of the segment at start (yes|no)"),
     Option("http-port", None, int, "admin HTTP port: /health /metrics (0 = a free port; unset = none)",
            env="NODE_HTTP_PORT"),
+    Option("frame-timeout", STALL_S, _positive_float, "seconds a data-port peer may pause mid-frame "
+           "before its connection is closed"),
 ]
 
 
@@ -62,7 +72,8 @@ def run(args) -> int:
     values = resolve(args, OPTIONS)
     size = segment_size(values["segment_size"])
     logging.basicConfig(level=logging.INFO, format="%(asctime)s node %(levelname)s %(message)s")
-    node = SegmentHost(values["master"], values["host"], values["port"], size, _bool(values["prefault"]))
+    node = SegmentHost(values["master"], values["host"], values["port"], size, _bool(values["prefault"]),
+                       stall_s=values["frame_timeout"])
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: node.request_stop())
     admin, http_addr = None, None

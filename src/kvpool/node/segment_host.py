@@ -21,7 +21,7 @@ from multiprocessing import shared_memory
 
 from kvpool import protocol as P
 from kvpool.errors import ErrorCode, KVPoolError, RpcFailed, UserError
-from kvpool.node.data_server import DataServer
+from kvpool.node.data_server import STALL_S, DataServer
 from kvpool.rpc import RpcChannel
 from kvpool.transfer import local_host_id
 from kvpool.transfer.shm import register_local_segment, unregister_local_segment
@@ -52,13 +52,15 @@ class SegmentHost:
 
     Args: master_addr "host:port"; host/port of the data server (port 0 = free port);
     segment_size in bytes; prefault: allocate every page at start; owner_prefix names
-    the owner id ("node" or "client").
+    the owner id ("node" or "client"); stall_s: seconds a data-port peer may pause
+    mid-frame (:class:`~kvpool.node.data_server.DataServer`).
 
     Raises UserError (port in use), RpcFailed (master unreachable) from :meth:`start`.
     """
 
     def __init__(self, master_addr: str, host: str, port: int, segment_size: int, prefault: bool = True,
-                 owner_prefix: str = "node"):
+                 owner_prefix: str = "node", stall_s: float = STALL_S):
+        self.stall_s = stall_s
         self.master_addr = master_addr
         self.owner_id = f"{owner_prefix}-{uuid.uuid4().hex[:12]}"
         self.listener = bind_listener(host, port)
@@ -80,7 +82,7 @@ class SegmentHost:
         if self.prefault:
             _touch_pages(self.shm.buf)
         self.info = P.SegmentInfo(name, local_host_id(), self.shm.name, self.segment_size, self.data_addr)
-        self.server = DataServer(self.listener, self.shm.buf)
+        self.server = DataServer(self.listener, self.shm.buf, self.stall_s)
         register_local_segment(self.shm.name, self.shm.buf)  # same-process clients memcpy
         self.interval_s = self._mount()
         threading.Thread(target=self.server.serve_forever, daemon=True).start()
