@@ -1,7 +1,9 @@
 """The master's asyncio server: frames in, MasterService handlers, frames out.
 
 One event loop (uvloop when installed) owns all metadata, so handlers run one at a time
-without locks. A request that does not decode gets an :class:`ErrorResp` and the
+without locks. Requests that look at every object (RemoveAll, RemoveByRegex) run in
+slices (:mod:`kvpool.master.scans`) with other requests in between, so no request holds
+the loop for long (K23). A request that does not decode gets an :class:`ErrorResp` and the
 connection stays open; a frame with a bad header closes that connection only, and a
 client of another protocol version is told so (:func:`kvpool.protocol.version_refusal`)
 before it is closed. :class:`~kvpool.protocol.ReadDone` is a notification: it gets no
@@ -19,12 +21,13 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from typing import Callable
+from typing import Callable, Generator
 
 import msgspec
 
 from kvpool import protocol as P
 from kvpool.errors import ErrorCode
+from kvpool.master import scans
 from kvpool.master.service import MasterService
 
 log = logging.getLogger("kvpool.master")
@@ -33,7 +36,8 @@ STALL_S = 30.0  # seconds a frame may take to arrive after its header
 
 
 def _handlers(svc: MasterService) -> dict[type, Callable[[msgspec.Struct], msgspec.Struct | None]]:
-    """Request type -> function(request) -> its reply Struct (None: a notification)."""
+    """Request type -> function(request) -> its reply Struct (None: a notification), or
+    a scan generator (:mod:`kvpool.master.scans`) that returns it."""
     return {
         P.Ping: lambda r: svc.ping(),
         P.MountSegment: lambda r: svc.mount(r.owner_id, r.segment),
@@ -52,8 +56,8 @@ def _handlers(svc: MasterService) -> dict[type, Callable[[msgspec.Struct], msgsp
         P.BatchExistKey: lambda r: svc.batch_exist_key(r.keys),
         P.Remove: lambda r: svc.remove(r.key, r.force),
         P.BatchRemove: lambda r: svc.batch_remove(r.keys, r.force),
-        P.RemoveAll: lambda r: svc.remove_matching(None, r.force),
-        P.RemoveByRegex: lambda r: svc.remove_matching(r.pattern, r.force),
+        P.RemoveAll: lambda r: scans.remove_matching(svc, None, r.force),
+        P.RemoveByRegex: lambda r: scans.remove_matching(svc, r.pattern, r.force),
         P.SetPin: lambda r: svc.set_pin(r.key, r.mode),
         P.GetStats: lambda r: svc.stats(),
     }
@@ -87,8 +91,18 @@ class MasterServer:
         self._observers.append(callback)
 
     def dispatch(self, body: bytes | bytearray) -> msgspec.Struct | None:
-        """Decode one request body, run its handler, tell the observers; never raises.
-        Returns the reply, None for a notification (nothing is sent back)."""
+        """Decode one request body, run its handler (a scan to its end at once), tell the
+        observers; never raises. Returns the reply, None for a notification (nothing is
+        sent back)."""
+        return scans.run_to_end(self._steps(body))
+
+    async def dispatch_sliced(self, body: bytes | bytearray) -> msgspec.Struct | None:
+        """:meth:`dispatch`, with a scan run in slices that let other requests in."""
+        return await scans.run_in_slices(self._steps(body))
+
+    def _steps(self, body: bytes | bytearray):
+        """The work of one request as a generator that yields between scan slices and
+        returns the reply."""
         try:
             req = P.request_decoder.decode(body)
         except (msgspec.DecodeError, msgspec.ValidationError) as exc:
@@ -97,6 +111,8 @@ class MasterServer:
             op = type(req).__name__
             try:
                 reply = self._handlers[type(req)](req)
+                if isinstance(reply, Generator):
+                    reply = yield from reply
             except Exception:  # a bug must not take the whole master down; log it loudly
                 log.exception("handler for %s failed", op)
                 reply = None if isinstance(req, P.ReadDone) else P.ErrorResp(
@@ -115,7 +131,7 @@ class MasterServer:
                 self._mid_frame[writer] = self.service.clock()
                 body = await reader.readexactly(length)
                 del self._mid_frame[writer]
-                reply = self.dispatch(body)
+                reply = await self.dispatch_sliced(body)
                 if reply is not None:
                     writer.write(P.encode_frame(reply))
                     await writer.drain()

@@ -24,7 +24,6 @@ as they change, so ``stats()`` costs O(segments), not O(objects).
 from __future__ import annotations
 
 import logging
-import re
 import time
 from collections import Counter
 from typing import Callable
@@ -77,10 +76,6 @@ class MasterService(Eviction):
         """The record of ``key`` (visible or only a pending put), or None; read-only for
         the caller. Grants no lease and leaves the eviction order alone."""
         return self.objects.get(key)
-
-    def visible_keys(self, prefix: str = "") -> list[str]:
-        """Sorted keys of the visible objects that start with ``prefix`` (O(objects))."""
-        return sorted(k for k, o in self.objects.items() if o.visible and k.startswith(prefix))
 
     def _set_replicas(self, obj: ObjectMeta, replicas: list[Replica]) -> None:
         """Give ``obj`` its COMPLETE replicas (empty: invisible), keeping the count."""
@@ -344,17 +339,6 @@ class MasterService(Eviction):
 
     def batch_remove(self, keys: list[str], force: bool = False) -> CodesResp:
         return CodesResp([self.remove(k, force).code for k in keys])
-
-    def remove_matching(self, pattern: str | None, force: bool) -> CountResp:
-        """Remove every visible object (whose key ``re.search``-matches ``pattern``);
-        leased objects are skipped unless ``force``. Returns how many were removed."""
-        try:
-            rx = re.compile(pattern) if pattern is not None else None
-        except re.error:
-            return CountResp(ErrorCode.INVALID_PARAMS)
-        keys = [k for k, o in self.objects.items() if o.visible and (rx is None or rx.search(k))]
-        count = sum(self.remove(k, force).code == OK for k in keys)
-        return CountResp(OK, count)
 
     def set_pin(self, key: str, mode: str) -> Resp:
         obj = self.objects.get(key)
