@@ -10,14 +10,17 @@ import json
 import socket
 import threading
 import time
+import typing
 import urllib.request
 
+import msgspec
+import msgspec.inspect as mi
 import pytest
 
 from kvpool import protocol as P
 from kvpool.client import Client
 from kvpool.config import parse_addr
-from kvpool.errors import ErrorCode, InvalidParams
+from kvpool.errors import ErrorCode, InvalidParams, RpcFailed
 from kvpool.master.admin import start_master_admin
 from kvpool.master.config import MasterConfig
 from kvpool.master.server import MasterServer
@@ -228,3 +231,131 @@ def test_scans_over_every_object_let_other_requests_in():
         # only the pings already on their way when it began (1..3 measured)
         assert min(keys_pings, regex_pings, all_pings) >= 8, (keys_pings, regex_pings, all_pings)
         assert svc.object_count == 0
+
+
+# ---------------------------------------------------------------- field limits (rogue values)
+
+
+def _valid(t):
+    """A valid plain value (msgpack-ready) of msgspec type info ``t``."""
+    if isinstance(t, mi.IntType):
+        return t.ge if t.ge is not None else 0
+    if isinstance(t, mi.StrType):
+        return "k"
+    if isinstance(t, mi.BoolType):
+        return False
+    if isinstance(t, mi.ListType):
+        return []
+    if isinstance(t, mi.StructType):
+        return ([t.tag] if t.tag is not None else []) + [_valid(f.type) for f in t.fields]
+    raise AssertionError(f"no valid value for {t}")
+
+
+def _out_of_range(t, path: str):
+    """(path, value) pairs just outside each bound of ``t`` and of what it contains.
+    Raises AssertionError for an int, str or list without bounds (every request field
+    is bounded, so no value can overflow a later reply)."""
+    if isinstance(t, mi.IntType):
+        assert t.ge is not None and t.le is not None, f"{path}: an int without bounds"
+        yield path, t.le + 1
+        yield path, t.ge - 1
+    elif isinstance(t, mi.StrType):
+        assert t.max_length is not None, f"{path}: a str without max_length"
+        yield path, "x" * (t.max_length + 1)
+    elif isinstance(t, mi.ListType):
+        assert t.max_length is not None, f"{path}: a list without max_length"
+        yield path, [_valid(t.item_type)] * (t.max_length + 1)
+        for sub, bad in _out_of_range(t.item_type, path + "[0]"):
+            yield sub, ("item", bad)
+    elif isinstance(t, mi.StructType):
+        offset = t.tag is not None
+        for i, f in enumerate(t.fields):
+            for sub, bad in _out_of_range(f.type, f"{path}.{f.name}"):
+                yield sub, ("field", i + offset, bad)
+    else:
+        assert isinstance(t, mi.BoolType), f"{path}: unexpected type {t}"
+
+
+def _variants(msg_type):
+    """(valid message, [(field path, out-of-range message)]) as plain msgpack values."""
+    info = mi.type_info(msg_type)
+    valid = _valid(info)
+    return valid, [(path, _replace(valid, info, bad)) for path, bad in _out_of_range(info, msg_type.__name__)]
+
+
+def _replace(valid, t, bad):
+    """``valid`` (a value of type info ``t``) with one value replaced as ``bad`` says."""
+    if not isinstance(bad, tuple):
+        return bad
+    if bad[0] == "item":
+        return [_replace(_valid(t.item_type), t.item_type, bad[1])]
+    _, index, inner = bad
+    field = t.fields[index - (t.tag is not None)]
+    out = list(valid)
+    out[index] = _replace(out[index], field.type, inner)
+    return out
+
+
+REQUESTS = typing.get_args(P.Request)
+DATA_REQUESTS = typing.get_args(P.DataRequest)
+
+
+@pytest.mark.parametrize("msg_type", REQUESTS + DATA_REQUESTS, ids=lambda t: t.__name__)
+def test_every_field_of_every_request_is_bounded_at_decode_time(msg_type):
+    """Rogue values: one field just past its documented limit (protocol.py) is refused
+    by the decoder, while the same message within the limits decodes."""
+    decoder = P.data_request_decoder if msg_type in DATA_REQUESTS else P.request_decoder
+    valid, cases = _variants(msg_type)
+    assert isinstance(decoder.decode(msgspec.msgpack.encode(valid)), msg_type)
+    for path, bad in cases:
+        with pytest.raises(msgspec.ValidationError):
+            decoder.decode(msgspec.msgpack.encode(bad))
+            pytest.fail(f"{path} out of range was accepted")
+
+
+@pytest.mark.cluster(segment_size="16MiB")
+def test_out_of_range_requests_are_refused_on_the_wire_and_servers_keep_serving(cluster):
+    """Every request type with each field out of range, sent raw: the master answers
+    ErrorResp(INVALID_PARAMS) on the same connection, the node closes that data
+    connection only; a well-behaved client is served throughout."""
+    with Client(cluster.master_addr, force_tcp=True, timeout_s=10.0) as c, \
+            socket.create_connection(parse_addr(cluster.master_addr), timeout=10) as raw:
+        c.put("good", b"g" * 1000)
+        for msg_type in REQUESTS:
+            for path, bad in _variants(msg_type)[1]:
+                raw.sendall(_frame(bad))
+                reply = P.reply_decoder.decode(P.recv_frame(raw))
+                assert isinstance(reply, P.ErrorResp) and reply.code == ErrorCode.INVALID_PARAMS, path
+        for msg_type in DATA_REQUESTS:
+            for path, bad in _variants(msg_type)[1]:
+                with socket.create_connection(parse_addr(cluster.node_addrs[0]), timeout=10) as data:
+                    data.sendall(_frame(bad))
+                    assert data.recv(1) == b"", f"{path}: the node kept the connection"
+        assert c.get("good") == b"g" * 1000
+        assert c.stats().object_count == 1
+
+
+def _frame(value) -> bytes:
+    body = msgspec.msgpack.encode(value)
+    return P.HEADER.pack(P.MAGIC, len(body)) + body
+
+
+@pytest.mark.cluster(segment_size="16MiB")
+def test_a_rogue_mount_cannot_break_stats_for_everyone(cluster):
+    """A MountSegment of 2**64-1 bytes is refused; segments at the size limit fill the
+    master up to MAX_SEGMENTS and no further; GetStats stays encodable throughout."""
+    rpc = RpcChannel(cluster.master_addr, timeout_s=30.0)
+    with pytest.raises(RpcFailed) as refused:
+        rpc.call(P.MountSegment("rogue", P.SegmentInfo("huge", "h", "shm", 2**64 - 1, "127.0.0.1:1")))
+    assert refused.value.code == ErrorCode.INVALID_PARAMS
+    mounted = len(rpc.call(P.GetStats()).segments)
+    for i in range(P.MAX_SEGMENTS - mounted):
+        seg = P.SegmentInfo(f"big{i}", "h", "shm", P.MAX_SEGMENT_BYTES, "127.0.0.1:1")
+        assert rpc.call(P.MountSegment("rogue", seg)).code == ErrorCode.OK
+    extra = P.SegmentInfo("one-too-many", "h", "shm", P.MAX_SEGMENT_BYTES, "127.0.0.1:1")
+    assert rpc.call(P.MountSegment("rogue", extra)).code == ErrorCode.INVALID_PARAMS
+    stats = rpc.call(P.GetStats())
+    assert len(stats.segments) == P.MAX_SEGMENTS and stats.total_bytes < 2**63
+    with Client(cluster.master_addr, timeout_s=10.0) as c:
+        assert c.stats().total_bytes == stats.total_bytes
+    rpc.close()

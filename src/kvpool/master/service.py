@@ -35,8 +35,8 @@ from kvpool.master.leases import ReadGrants
 from kvpool.master.objects import Grants, ObjectMeta, PendingPut, Replica
 from kvpool.master.segments import SegmentTable
 from kvpool.protocol import (
-    MAX_KEY_BYTES, SOFT_PIN_DISABLE, SOFT_PIN_ENABLE, SOFT_PIN_PRESERVE, BatchGetResp, BatchPutStartResp,
-    CodesResp, CountResp, GetResp, MountResp, PutItem, PutStartResp, PutToken, ReplicaDesc,
+    MAX_KEY_BYTES, MAX_SEGMENTS, SOFT_PIN_DISABLE, SOFT_PIN_ENABLE, SOFT_PIN_PRESERVE, BatchGetResp,
+    BatchPutStartResp, CodesResp, CountResp, GetResp, MountResp, PutItem, PutStartResp, PutToken, ReplicaDesc,
     Resp, SegmentInfo, SegmentStats, StatsResp,
 )
 
@@ -92,6 +92,9 @@ class MasterService(Eviction):
     def mount(self, owner_id: str, info: SegmentInfo) -> MountResp:
         if not info.name or info.size < MIN_SEGMENT_SIZE or not owner_id:
             return MountResp(ErrorCode.INVALID_PARAMS)
+        if len(self.segments.segments) >= MAX_SEGMENTS and info.name not in self.segments.segments:
+            log.warning("refused segment %s of %s: %d segments are mounted", info.name, owner_id, MAX_SEGMENTS)
+            return MountResp(ErrorCode.INVALID_PARAMS)  # totals must stay encodable
         if not self.segments.mount(owner_id, info, self.clock()):
             return MountResp(ErrorCode.SEGMENT_ALREADY_EXISTS)
         self.counters["segments_mounted"] += 1
