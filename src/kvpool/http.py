@@ -11,6 +11,7 @@ import errno
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 
+from kvpool.config import format_addr
 from kvpool.errors import UserError
 
 
@@ -28,9 +29,9 @@ async def start_site(app: web.Application, host: str, port: int) -> tuple[web.Ap
         await runner.cleanup()
         if exc.errno == errno.EADDRINUSE:
             raise UserError(f"admin HTTP port {port} on {host} is already in use") from None
-        raise UserError(f"cannot serve admin HTTP on {host}:{port}: {exc.strerror or exc}") from None
+        raise UserError(f"cannot serve admin HTTP on {format_addr(host, port)}: {exc.strerror or exc}") from None
     bound_port = runner.addresses[0][1]
-    return runner, f"{host}:{bound_port}"
+    return runner, format_addr(host, bound_port)
 
 
 def metrics_response(registry: CollectorRegistry) -> web.Response:

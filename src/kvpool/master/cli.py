@@ -9,7 +9,7 @@ import logging
 import os
 import signal
 
-from kvpool.config import Option, add_options, resolve, write_ready_file
+from kvpool.config import Option, add_options, format_addr, parse_host, resolve, write_ready_file
 from kvpool.errors import UserError
 from kvpool.master.config import MasterConfig
 from kvpool.master.segments import STRATEGIES
@@ -40,7 +40,7 @@ def _strategy(text) -> str:
 
 
 OPTIONS = [
-    Option("host", "127.0.0.1", str, "address to listen on", env="MASTER_HOST"),
+    Option("host", "127.0.0.1", parse_host, "address to listen on: a name, IPv4 or IPv6 (::1)", env="MASTER_HOST"),
     Option("port", 50051, int, "TCP port of the control plane (0 = any free port)", env="MASTER_PORT"),
     Option("default-kv-lease-ttl", 10_000, _positive(int), "read lease granted by get/exist, ms"),
     Option("eviction-high-watermark-ratio", 0.90, _ratio, "evict when used/total exceeds this"),
@@ -125,5 +125,5 @@ def run(args) -> int:
     except OSError as exc:
         if exc.errno == errno.EADDRINUSE:
             raise UserError(f"port {values['port']} on {values['host']} is already in use") from None
-        raise UserError(f"cannot listen on {values['host']}:{values['port']}: {exc.strerror}") from None
+        raise UserError(f"cannot listen on {format_addr(values['host'], values['port'])}: {exc.strerror}") from None
     return 0

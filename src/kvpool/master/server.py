@@ -26,6 +26,7 @@ from typing import Callable, Generator
 import msgspec
 
 from kvpool import protocol as P
+from kvpool.config import format_addr
 from kvpool.errors import ErrorCode
 from kvpool.master import scans
 from kvpool.master.service import MasterService
@@ -163,10 +164,10 @@ class MasterServer:
         return len(stalled)
 
     async def start(self) -> str:
-        """Bind and start serving; returns the bound "host:port"."""
+        """Bind and start serving; returns the bound "host:port" (``[v6]:port``)."""
         self._server = await asyncio.start_server(self._serve_conn, self.host, self.port)
         port = self._server.sockets[0].getsockname()[1]
-        return f"{self.host}:{port}"
+        return format_addr(self.host, port)
 
     async def close(self) -> None:
         """Stop accepting connections."""

@@ -6,15 +6,16 @@ import logging
 import os
 import signal
 
-from kvpool.config import Option, add_options, parse_addr, parse_size, resolve, write_ready_file
+from kvpool.config import (
+    Option, add_options, format_addr, parse_addr, parse_host, parse_size, resolve, write_ready_file,
+)
 from kvpool.node.data_server import STALL_S
 
 HELP = "run a kvpool storage node: a shared-memory segment mounted with the master"
 
 
 def _addr(text) -> str:
-    host, port = parse_addr(str(text), default_port=50051)
-    return f"{host}:{port}"
+    return format_addr(*parse_addr(str(text), default_port=50051))
 
 
 # Mooncake refuses segments under its MIN_SEGMENT_SIZE (1 KiB); a node asks for 1 MiB:
@@ -49,8 +50,9 @@ def _bool(text) -> bool:
 
 
 OPTIONS = [
-    Option("master", "127.0.0.1:50051", _addr, "master address host:port", env="MASTER"),
-    Option("host", "127.0.0.1", str, "address of the TCP data server", env="NODE_HOST"),
+    Option("master", "127.0.0.1:50051", _addr, "master address host:port or [v6]:port", env="MASTER"),
+    Option("host", "127.0.0.1", parse_host, "address of the TCP data server: a name, IPv4 or IPv6 (::1)",
+           env="NODE_HOST"),
     Option("port", 0, int, "TCP data port (0 = a free port, distinct per node)", env="NODE_PORT"),
     Option("segment-size", "1GiB", segment_size, "shared-memory segment size, e.g. 64MiB, 1GiB"),
     Option("prefault", "yes", _bool, "allocate every page of the segment at start (yes|no)"),

@@ -20,6 +20,7 @@ import uuid
 from multiprocessing import shared_memory
 
 from kvpool import protocol as P
+from kvpool.config import format_addr
 from kvpool.errors import ErrorCode, KVPoolError, RpcFailed, UserError
 from kvpool.node.data_server import STALL_S, DataServer
 from kvpool.rpc import RpcChannel
@@ -30,19 +31,26 @@ log = logging.getLogger("kvpool.segment")
 
 
 def bind_listener(host: str, port: int) -> socket.socket:
-    """A listening TCP socket on host:port (0 = a free port the OS picks and we keep).
+    """A listening TCP socket on host:port (0 = a free port the OS picks and we keep);
+    ``host`` is a name, IPv4 or IPv6 address (the family is the first that
+    ``getaddrinfo`` gives for it).
 
     Raises UserError when the port is in use or the address is not local.
     """
-    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    where = format_addr(host, port)
+    try:
+        family, _, _, _, sockaddr = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0]
+    except socket.gaierror as exc:
+        raise UserError(f"cannot listen on {where}: {exc.strerror}") from None
+    sock = socket.socket(family, socket.SOCK_STREAM)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     try:
-        sock.bind((host, port))
+        sock.bind(sockaddr)
     except OSError as exc:
         sock.close()
         if exc.errno == errno.EADDRINUSE:
             raise UserError(f"port {port} on {host} is already in use") from None
-        raise UserError(f"cannot listen on {host}:{port}: {exc.strerror}") from None
+        raise UserError(f"cannot listen on {where}: {exc.strerror}") from None
     sock.listen(128)
     return sock
 
@@ -64,7 +72,7 @@ class SegmentHost:
         self.master_addr = master_addr
         self.owner_id = f"{owner_prefix}-{uuid.uuid4().hex[:12]}"
         self.listener = bind_listener(host, port)
-        self.data_addr = f"{host}:{self.listener.getsockname()[1]}"
+        self.data_addr = format_addr(host, self.listener.getsockname()[1])
         self.master = RpcChannel(master_addr, timeout_s=5.0)
         self.shm: shared_memory.SharedMemory | None = None
         self.info: P.SegmentInfo | None = None
