@@ -228,8 +228,9 @@ class MasterAdmin:
 
 
 async def start_master_admin(server: MasterServer, host: str, port: int) -> tuple[web.AppRunner, str]:
-    """Serve the admin app for ``server`` on host:port (0 = free) on the running loop.
+    """Serve the admin app for ``server`` on host:port (0 = free) on the running loop
+    (with the server's secret, a bearer token is required: :func:`kvpool.http.start_site`).
 
     Returns (runner, "host:port"). Raises UserError when the port cannot be bound.
     """
-    return await start_site(MasterAdmin(server).app(), host, port)
+    return await start_site(MasterAdmin(server).app(), host, port, server.secret)

@@ -25,6 +25,7 @@ from typing import Callable, Generator
 
 import msgspec
 
+from kvpool import auth
 from kvpool import protocol as P
 from kvpool.config import format_addr
 from kvpool.errors import ErrorCode
@@ -70,11 +71,13 @@ BAD_REQUEST = "BadRequest"  # the op name observers see for a body that did not 
 
 class MasterServer:
     """Serves :class:`MasterService` on ``host:port`` (port 0 = any free port); a frame
-    must arrive whole within ``stall_s`` seconds of its header."""
+    must arrive whole within ``stall_s`` seconds of its header; with ``secret`` a
+    connection must first answer a challenge (:mod:`kvpool.auth`) within ``stall_s``."""
 
     def __init__(self, service: MasterService, host: str = "127.0.0.1", port: int = 50051,
-                 stall_s: float = STALL_S):
+                 stall_s: float = STALL_S, secret: bytes | None = None):
         self.service = service
+        self.secret = secret  # set: every connection must answer a challenge first (kvpool.auth)
         self.host, self.port = host, port
         self.stall_s = stall_s
         self._mid_frame: dict[asyncio.StreamWriter, float] = {}  # connection -> when its header came
@@ -125,8 +128,25 @@ class MasterServer:
                 log.exception("master observer failed on %s", op)
         return reply
 
+    async def _authenticated(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> bool:
+        """Challenge a new connection; True when it answered right within ``stall_s``."""
+        if self.secret is None:
+            return True
+        hello, nonce = auth.challenge()
+        writer.write(hello)
+        try:
+            reply = await asyncio.wait_for(reader.readexactly(auth.ANSWER_BYTES), self.stall_s)
+        except asyncio.TimeoutError:
+            return False
+        if not auth.verify(self.secret, nonce, reply):
+            log.warning("refused a connection that failed authentication")
+            return False
+        return True
+
     async def _serve_conn(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         try:
+            if not await self._authenticated(reader, writer):
+                return
             while True:
                 length = P.parse_header(await reader.readexactly(P.HEADER.size))
                 self._mid_frame[writer] = self.service.clock()

@@ -58,6 +58,8 @@ OPTIONS = [
     Option("prefault", "yes", _bool, "allocate every page of the segment at start (yes|no)"),
     Option("http-port", None, int, "admin HTTP port: /health /metrics (0 = a free port; unset = none)",
            env="NODE_HTTP_PORT"),
+    Option("secret", "", str, "shared secret: asked of data-port peers, proven to the master "
+           "(empty = none; prefer the env var or a config file: flags show in ps)", env="SECRET"),
     Option("frame-timeout", STALL_S, _positive_float, "seconds a data-port peer may pause mid-frame "
            "before its connection is closed"),
 ]
@@ -75,7 +77,7 @@ def run(args) -> int:
     size = segment_size(values["segment_size"])
     logging.basicConfig(level=logging.INFO, format="%(asctime)s node %(levelname)s %(message)s")
     node = SegmentHost(values["master"], values["host"], values["port"], size, _bool(values["prefault"]),
-                       stall_s=values["frame_timeout"])
+                       stall_s=values["frame_timeout"], secret=values["secret"].encode())
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: node.request_stop())
     admin, http_addr = None, None

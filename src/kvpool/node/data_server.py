@@ -30,6 +30,7 @@ from collections import Counter
 
 import msgspec
 
+from kvpool import auth
 from kvpool import protocol as P
 from kvpool.errors import ErrorCode
 from kvpool.transfer.iov import recv_views, send_views, set_kernel_timeouts
@@ -48,7 +49,8 @@ class DataCounters:
 
     requests[op] / bytes[op]: served requests and payload bytes, op "read" or "write";
     errors[kind]: "refused" (a range outside the segment), "bad_frame" (undecodable or
-    unframed bytes), "broken" (the peer vanished mid-request), "stalled" (the peer
+    unframed bytes), "auth" (a wrong answer to the challenge), "broken" (the peer
+    vanished mid-request), "stalled" (the peer
     paused mid-frame for longer than the server's ``stall_s``), "accept" (a connection
     that could not be accepted or served); connections: accepted.
     """
@@ -94,12 +96,15 @@ class _BadHeader(Exception):
 class DataServer:
     """Serves ``segment`` (a writable byte memoryview) on the listening socket ``sock``;
     ``counters`` (:class:`DataCounters`) say what it did; ``stall_s``: seconds a peer
-    may pause mid-frame (see the module docstring)."""
+    may pause mid-frame (see the module docstring); ``secret``: connections must first
+    answer a challenge (:mod:`kvpool.auth`), else they are closed (counted as "auth")."""
 
-    def __init__(self, sock: socket.socket, segment: memoryview, stall_s: float = STALL_S):
+    def __init__(self, sock: socket.socket, segment: memoryview, stall_s: float = STALL_S,
+                 secret: bytes | None = None):
         self.sock = sock
         self.segment = segment
         self.stall_s = stall_s
+        self.secret = secret  # set: every connection answers a challenge first (kvpool.auth)
         self.counters = DataCounters()
         self.stopped = threading.Event()
 
@@ -145,6 +150,9 @@ class DataServer:
         self.counters.opened(1)
         try:
             with conn:
+                if not self._authenticated(conn):
+                    self.counters.error("auth")
+                    return
                 while self._handle(conn):
                     pass
         except _Closed:
@@ -157,6 +165,15 @@ class DataServer:
             self.counters.error("broken")
         finally:
             self.counters.opened(-1)
+
+    def _authenticated(self, conn: socket.socket) -> bool:
+        if self.secret is None:
+            return True
+        hello, nonce = auth.challenge()
+        send_views(conn, [hello], stall_s=self.stall_s)
+        reply = bytearray(auth.ANSWER_BYTES)
+        recv_views(conn, [memoryview(reply)], stall_s=self.stall_s)
+        return auth.verify(self.secret, nonce, reply)
 
     def _ranges(self, offsets: list[int], lengths: list[int]) -> list[memoryview] | None:
         """Segment views for the (offset, length) pairs, or None unless all are in bounds."""

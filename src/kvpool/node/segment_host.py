@@ -19,6 +19,7 @@ import threading
 import uuid
 from multiprocessing import shared_memory
 
+from kvpool import auth
 from kvpool import protocol as P
 from kvpool.config import format_addr
 from kvpool.errors import ErrorCode, KVPoolError, RpcFailed, UserError
@@ -61,19 +62,21 @@ class SegmentHost:
     Args: master_addr "host:port"; host/port of the data server (port 0 = free port);
     segment_size in bytes; prefault: allocate every page at start; owner_prefix names
     the owner id ("node" or "client"); stall_s: seconds a data-port peer may pause
-    mid-frame (:class:`~kvpool.node.data_server.DataServer`).
+    mid-frame (:class:`~kvpool.node.data_server.DataServer`); secret: what the data port
+    asks of its peers and what this host answers the master (None: ``KVPOOL_SECRET``).
 
     Raises UserError (port in use), RpcFailed (master unreachable) from :meth:`start`.
     """
 
     def __init__(self, master_addr: str, host: str, port: int, segment_size: int, prefault: bool = True,
-                 owner_prefix: str = "node", stall_s: float = STALL_S):
+                 owner_prefix: str = "node", stall_s: float = STALL_S, secret: bytes | None = None):
         self.stall_s = stall_s
+        self.secret = auth.secret_or_env(secret)
         self.master_addr = master_addr
         self.owner_id = f"{owner_prefix}-{uuid.uuid4().hex[:12]}"
         self.listener = bind_listener(host, port)
         self.data_addr = format_addr(host, self.listener.getsockname()[1])
-        self.master = RpcChannel(master_addr, timeout_s=5.0)
+        self.master = RpcChannel(master_addr, timeout_s=5.0, secret=self.secret or b"")
         self.shm: shared_memory.SharedMemory | None = None
         self.info: P.SegmentInfo | None = None
         self.server: DataServer | None = None
@@ -90,7 +93,7 @@ class SegmentHost:
         if self.prefault:
             _touch_pages(self.shm.buf)
         self.info = P.SegmentInfo(name, local_host_id(), self.shm.name, self.segment_size, self.data_addr)
-        self.server = DataServer(self.listener, self.shm.buf, self.stall_s)
+        self.server = DataServer(self.listener, self.shm.buf, self.stall_s, self.secret)
         register_local_segment(self.shm.name, self.shm.buf)  # same-process clients memcpy
         self.interval_s = self._mount()
         threading.Thread(target=self.server.serve_forever, daemon=True).start()
