@@ -18,6 +18,7 @@ import msgspec.inspect as mi
 import pytest
 
 from kvpool import protocol as P
+from kvpool.bench.fuzz import valid_value
 from kvpool.client import Client
 from kvpool.config import parse_addr
 from kvpool.errors import ErrorCode, InvalidParams, RpcFailed
@@ -236,21 +237,6 @@ def test_scans_over_every_object_let_other_requests_in():
 # ---------------------------------------------------------------- field limits (rogue values)
 
 
-def _valid(t):
-    """A valid plain value (msgpack-ready) of msgspec type info ``t``."""
-    if isinstance(t, mi.IntType):
-        return t.ge if t.ge is not None else 0
-    if isinstance(t, mi.StrType):
-        return "k"
-    if isinstance(t, mi.BoolType):
-        return False
-    if isinstance(t, mi.ListType):
-        return []
-    if isinstance(t, mi.StructType):
-        return ([t.tag] if t.tag is not None else []) + [_valid(f.type) for f in t.fields]
-    raise AssertionError(f"no valid value for {t}")
-
-
 def _out_of_range(t, path: str):
     """(path, value) pairs just outside each bound of ``t`` and of what it contains.
     Raises AssertionError for an int, str or list without bounds (every request field
@@ -264,7 +250,7 @@ def _out_of_range(t, path: str):
         yield path, "x" * (t.max_length + 1)
     elif isinstance(t, mi.ListType):
         assert t.max_length is not None, f"{path}: a list without max_length"
-        yield path, [_valid(t.item_type)] * (t.max_length + 1)
+        yield path, [valid_value(t.item_type)] * (t.max_length + 1)
         for sub, bad in _out_of_range(t.item_type, path + "[0]"):
             yield sub, ("item", bad)
     elif isinstance(t, mi.StructType):
@@ -279,7 +265,7 @@ def _out_of_range(t, path: str):
 def _variants(msg_type):
     """(valid message, [(field path, out-of-range message)]) as plain msgpack values."""
     info = mi.type_info(msg_type)
-    valid = _valid(info)
+    valid = valid_value(info)
     return valid, [(path, _replace(valid, info, bad)) for path, bad in _out_of_range(info, msg_type.__name__)]
 
 
@@ -288,7 +274,7 @@ def _replace(valid, t, bad):
     if not isinstance(bad, tuple):
         return bad
     if bad[0] == "item":
-        return [_replace(_valid(t.item_type), t.item_type, bad[1])]
+        return [_replace(valid_value(t.item_type), t.item_type, bad[1])]
     _, index, inner = bad
     field = t.fields[index - (t.tag is not None)]
     out = list(valid)
