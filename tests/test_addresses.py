@@ -38,7 +38,7 @@ MALFORMED = ["::1", "[::1", "[::1]x", "[::1]:", "[10.0.0.1]:5", "::zz:1", "a b:1
 
 
 @pytest.mark.parametrize("text,default,expected", PARSED)
-def test_every_address_form_parses_and_prints_back(text, default, expected):
+def test_k24_every_address_form_parses_and_prints_back(text, default, expected):
     assert parse_addr(text, default_port=default) == expected
     printed = format_addr(*expected)
     assert parse_addr(printed) == expected  # printed in a form that reads back
@@ -46,7 +46,7 @@ def test_every_address_form_parses_and_prints_back(text, default, expected):
 
 
 @pytest.mark.parametrize("text", MALFORMED)
-def test_a_malformed_address_is_refused_naming_it(text):
+def test_k24_a_malformed_address_is_refused_naming_it(text):
     with pytest.raises(UserError, match="address|host"):
         parse_addr(text)
 
@@ -80,7 +80,7 @@ def _has_ipv6_loopback() -> bool:
 
 
 @pytest.mark.skipif(not _has_ipv6_loopback(), reason="this machine has no IPv6 loopback (::1)")
-def test_a_whole_cluster_over_ipv6_loopback():
+def test_k24_a_whole_cluster_over_ipv6_loopback():
     """Master and node listen on ::1 (`--host ::1`, `--master [::1]:port`); clients put
     and get over shared memory and over TCP; the Mooncake facade takes local_hostname
     ::1 and master_server_addr [::1]:port and names itself in the same form."""

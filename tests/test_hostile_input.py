@@ -69,7 +69,7 @@ def _wait_all_closed(socks, sample, timeout_s: float = 30.0) -> None:
 
 
 @pytest.mark.cluster(segment_size="16MiB", extra_node_args=("--frame-timeout", "1"))
-def test_node_memory_is_bounded_by_the_bytes_a_connection_sent(cluster):
+def test_k22_node_memory_is_bounded_by_the_bytes_a_connection_sent(cluster):
     """K22: headers announcing 64 MiB bodies cost the node what was sent, not what was
     announced; the node closes them after its frame timeout; other clients keep working."""
     pid, addr = int(cluster.nodes[0]["pid"]), cluster.node_addrs[0]
@@ -93,7 +93,7 @@ def test_node_memory_is_bounded_by_the_bytes_a_connection_sent(cluster):
 
 
 @pytest.mark.cluster(segment_size="16MiB", extra_master_args=("--frame-timeout", "1"))
-def test_master_closes_a_connection_stalled_mid_frame(cluster):
+def test_k22_master_closes_a_connection_stalled_mid_frame(cluster):
     """K22 on the control port: a frame whose body never comes is closed after the frame
     timeout, at no memory cost, while other clients' requests are answered."""
     pid = int(cluster.master.info["pid"])
@@ -152,7 +152,7 @@ class Pinger:
 
 
 @pytest.mark.cluster(segment_size="16MiB")
-def test_a_pathological_regex_does_not_stall_other_clients(cluster):
+def test_k23_a_pathological_regex_does_not_stall_other_clients(cluster):
     """K23: RemoveByRegex('^(a+)+$') over a 26-character key held the loop 2.5 s with a
     backtracking engine; with RE2 other clients' pings stay quick and the answer is the
     same as ``re.search`` gives."""
@@ -204,7 +204,7 @@ def _timed(fn):
     return result, start, time.monotonic()
 
 
-def test_scans_over_every_object_let_other_requests_in():
+def test_k23_scans_over_every_object_let_other_requests_in():
     """K23: /keys, RemoveByRegex and RemoveAll over a large pool run in slices: pings on
     another connection are answered while each scan is still running."""
     objects = 60_000
