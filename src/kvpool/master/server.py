@@ -151,7 +151,7 @@ class MasterServer:
                 length = P.parse_header(await reader.readexactly(P.HEADER.size))
                 self._mid_frame[writer] = self.service.clock()
                 body = await reader.readexactly(length)
-                del self._mid_frame[writer]
+                self._mid_frame.pop(writer, None)  # close_stalled may have dropped it
                 reply = await self.dispatch_sliced(body)
                 if reply is not None:
                     writer.write(P.encode_frame(reply))
