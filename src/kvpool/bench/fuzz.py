@@ -44,6 +44,8 @@ HELP = "fuzz the master, a node and both admin HTTP servers with generated input
 TARGETS = ("master", "node", "master-http", "node-http")
 IO_TIMEOUT_S = 5.0  # a reply that has not come by then counts as a stall, not a hang
 CHECK_VALUE = 4096  # bytes of each value the checker puts and reads back
+PROGRESS_EVERY = 10_000  # inputs between progress lines
+CHECK_PAUSE_S = 0.01  # between checks: the checker must not starve the fuzzer (one GIL)
 HTTP_PATHS = ("/health", "/metrics", "/segments", "/keys", "/query_key", "/", "/nope", "/keys/../metrics")
 
 
@@ -203,6 +205,7 @@ class Checker(threading.Thread):
                     self.report.worst_stall_s = max(self.report.worst_stall_s, time.monotonic() - start)
                 self.report.checks = n
                 self._sample()
+                self.done.wait(CHECK_PAUSE_S)
 
     def _sample(self) -> None:
         for name, pid in self.pids.items():
@@ -249,6 +252,8 @@ def fuzz(inputs: int, targets=TARGETS, progress=lambda line: None) -> Report:
                 def feed(data_in: bytes) -> None:
                     count[0] += 1
                     send_one(addr, data_in)
+                    if count[0] % PROGRESS_EVERY == 0:
+                        progress(f"fuzz {target}: {count[0]} inputs so far, {len(report.errors)} errors")
 
                 feed()
                 report.inputs[target] = count[0]
