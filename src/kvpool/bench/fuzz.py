@@ -231,9 +231,9 @@ def fuzz(inputs: int, targets=TARGETS, progress=lambda line: None) -> Report:
     report = Report()
     started = time.monotonic()
     timeouts = ("--frame-timeout", "2")
-    with Cluster(segment_size="16MiB", num_nodes=2, lease_ttl_ms=1000,
+    with Cluster(segment_size="16MiB", num_nodes=2,
                  extra_master_args=("--http-port", "0", *timeouts, "--put-start-discard-timeout", "1",
-                                    "--put-start-release-timeout", "2", "--client-ttl", "3"),
+                                    "--put-start-release-timeout", "2"),
                  extra_node_args=("--http-port", "0", *timeouts)) as cluster:
         addrs = {"master": (cluster.master_addr, control), "node": (cluster.node_addrs[0], data),
                  "master-http": (cluster.master.info["http_addr"], http),
@@ -253,7 +253,8 @@ def fuzz(inputs: int, targets=TARGETS, progress=lambda line: None) -> Report:
                     count[0] += 1
                     send_one(addr, data_in)
                     if count[0] % PROGRESS_EVERY == 0:
-                        progress(f"fuzz {target}: {count[0]} inputs so far, {len(report.errors)} errors")
+                        last = f" (last: {report.errors[-1]})" if report.errors else ""
+                        progress(f"fuzz {target}: {count[0]} inputs so far, {len(report.errors)} errors{last}")
 
                 feed()
                 report.inputs[target] = count[0]
