@@ -172,9 +172,9 @@ def test_node_validates_offsets_and_survives_garbage(module_cluster):
     addr = module_cluster.node_addrs[0]
     size = 64 << 20
     with _raw(addr) as s:  # out-of-bounds read: error reply, connection kept
-        s.sendall(P.encode_frame(P.DataRead([size - 10, 2**63], [20, 1])))
+        s.sendall(P.encode_frame(P.DataRead([size - 10, P.MAX_SEGMENT_BYTES], [20, 1])))
         assert P.data_reply_decoder.decode(P.recv_frame(s)).code == ErrorCode.INVALID_PARAMS
-        s.sendall(P.encode_frame(P.DataRead([-1], [1])))
+        s.sendall(P.encode_frame(P.DataRead([size], [1])))
         assert P.data_reply_decoder.decode(P.recv_frame(s)).code == ErrorCode.INVALID_PARAMS
         s.sendall(P.encode_frame(P.DataRead([0], [8])))
         reply = P.data_reply_decoder.decode(P.recv_frame(s))

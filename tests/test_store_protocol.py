@@ -17,7 +17,7 @@ from kvpool.errors import ErrorCode, UserError
 from kvpool.master.allocator import OffsetAllocator
 from kvpool.rpc import RpcChannel
 
-BIG = [2**31 - 1, 2**31, 2**32 - 1, 2**32, 2**32 + 1, 2**40 + 7, 2**64 - 1]
+BIG = [2**31 - 1, 2**31, 2**32 - 1, 2**32, 2**32 + 1, 2**40 + 7, P.MAX_SEGMENT_BYTES]  # sizes past 32 bits, up to the limit
 
 
 @pytest.mark.parametrize("n", BIG)

@@ -11,7 +11,7 @@ import pytest
 from kvpool import protocol as P
 from kvpool.client import Client
 from kvpool.launch import Cluster
-from kvpool.errors import ErrorCode, InvalidParams, LeaseExpired, ObjectNotFound
+from kvpool.errors import ErrorCode, InvalidParams, LeaseExpired, ObjectNotFound, RpcFailed
 from kvpool.rpc import RpcChannel
 
 
@@ -230,9 +230,13 @@ def test_k11_upsert_is_seen_whole_or_not_at_all(module_cluster):
 
 def test_master_refuses_bad_put_parameters_on_the_wire(module_cluster):
     chan = RpcChannel(module_cluster.master_addr)
-    for item in (P.PutItem("k", 0), P.PutItem("k", -5), P.PutItem("k", 10, replica_num=0),
-                 P.PutItem("", 10), P.PutItem("k" * 4097, 10), P.PutItem("k", 10, replica_num=10**6)):
+    for item in (P.PutItem("k", 0), P.PutItem("k", 10, replica_num=0), P.PutItem("", 10),
+                 P.PutItem("é" * 2049, 10), P.PutItem("k", 10, replica_num=100)):
         assert chan.call(P.PutStart(item)).code == ErrorCode.INVALID_PARAMS
+    for item in (P.PutItem("k", -5), P.PutItem("k" * 4097, 10), P.PutItem("k", 10, replica_num=10**6)):
+        with pytest.raises(RpcFailed) as refused:  # out of the protocol's limits: refused at decode
+            chan.call(P.PutStart(item))
+        assert refused.value.code == ErrorCode.INVALID_PARAMS
     assert chan.call(P.PutEnd(P.PutToken("never-started", 1))).code == ErrorCode.OBJECT_NOT_FOUND
     assert chan.call(P.SetPin("nope", "hard")).code == ErrorCode.OBJECT_NOT_FOUND
     chan.close()

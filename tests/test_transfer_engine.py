@@ -116,7 +116,7 @@ def test_slicing_arithmetic_and_wire_fields_above_4_gib():
     pieces = [r for lane in spread([(0, req)], 4) for _, r in lane]
     assert sorted((r.remote_offset, r.local_offset) for r in pieces)[-1] == (2**32 + 7 + 3 * 2**31, 3 * 2**31)
     assert sum(r.length for r in pieces) == 2**33
-    for msg, decoder in ((P.DataRead([2**32 + 1, 2**63], [2**33, 1]), P.data_request_decoder),
+    for msg, decoder in ((P.DataRead([2**32 + 1, P.MAX_SEGMENT_BYTES], [2**33, 1]), P.data_request_decoder),
                          (P.DataWriteMany([2**40], [2**32 + 9]), P.data_request_decoder),
                          (P.DataResp(0, 2**35 + 1), P.data_reply_decoder)):
         body = P.encode_frame(msg)[P.HEADER.size:]

@@ -1,8 +1,10 @@
-"""Settings helpers: human sizes ("16MB", "1GiB"), durations and ``KVPOOL_*`` env vars."""
+"""Settings helpers: human sizes ("16MB", "1GiB"), durations, addresses (``host:port``,
+``[v6]:port``) and ``KVPOOL_*`` env vars."""
 
 from __future__ import annotations
 
 import difflib
+import ipaddress
 import json
 import os
 import re
@@ -64,20 +66,62 @@ def env(name: str, default: str | None = None) -> str | None:
 
 
 def parse_addr(addr: str, default_port: int | None = None) -> tuple[str, int]:
-    """Split ``"host:port"`` into ``(host, port)``.
+    """Split an address into ``(host, port)`` (K24); the host comes without brackets.
 
-    Raises: UserError when the port is missing (and no default) or not 0..65535.
+    Forms: ``host:port`` (a name or IPv4), ``[v6]:port``, and with ``default_port`` also
+    a bare host, ``[v6]`` or a bare IPv6 address (``::1``: a bare IPv6 never has a port;
+    write ``[::1]:50051``). An empty host means 127.0.0.1 (``:50051``).
+    Raises: UserError naming the address when it is malformed, the port is missing (and
+    no default) or not 0..65535.
     """
-    host, sep, port = str(addr).rpartition(":")
-    if not sep:
-        host, port = addr, ""
-    if not port:
+    text = str(addr).strip()
+    if text.startswith("["):
+        host, close, rest = text[1:].partition("]")
+        if not close or not _is_ipv6(host) or (rest and not rest.startswith(":")):
+            raise UserError(f"bad address {addr!r}: write an IPv6 address as [v6]:port, e.g. [::1]:50051")
+        port = rest[1:] if rest else None
+    elif text.count(":") > 1:
+        if not _is_ipv6(text):
+            raise UserError(f"bad address {addr!r}: neither host:port nor an IPv6 address ([v6]:port)")
+        host, port = text, None
+    else:
+        host, sep, port = text.partition(":")
+        port = port or None  # "host:" is a host without a port
+        if host and not _HOST_RE.match(host):
+            raise UserError(f"bad host {host!r} in address {addr!r}")
+    if port is None:
         if default_port is None:
-            raise UserError(f"address {addr!r} needs a port, as host:port")
+            raise UserError(f"address {addr!r} needs a port, as host:port or [v6]:port")
         return host or "127.0.0.1", default_port
-    if not port.isdigit() or not 0 <= int(port) <= 65535:
+    if not (port.isascii() and port.isdigit()) or not 0 <= int(port) <= 65535:
         raise UserError(f"bad port in address {addr!r}")
     return host or "127.0.0.1", int(port)
+
+
+def parse_host(text: str) -> str:
+    """A host to bind or connect to, without a port: a name, IPv4, IPv6 (bare or in
+    brackets; returned bare). Raises UserError when malformed or when it carries a port."""
+    value = str(text).strip()
+    host, port = parse_addr(value, default_port=-1)
+    if port != -1 or not value:
+        raise UserError(f"bad host {text!r}: give a host name or address without a port")
+    return host
+
+
+def format_addr(host: str, port: int) -> str:
+    """``host:port``, with an IPv6 host in brackets (``[::1]:50051``): what
+    :func:`parse_addr` reads back."""
+    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+
+
+_HOST_RE = re.compile(r"^[A-Za-z0-9_]([A-Za-z0-9_.-]*[A-Za-z0-9_.])?$")  # names (RFC 1123, "_" too) and IPv4
+
+
+def _is_ipv6(host: str) -> bool:
+    try:
+        return isinstance(ipaddress.ip_address(host), ipaddress.IPv6Address)
+    except ValueError:
+        return False
 
 
 def parse_port(value: str | int) -> int:

@@ -7,19 +7,27 @@ the process's ready file as ``"http_addr"``."""
 from __future__ import annotations
 
 import errno
+import hmac
 
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 
+from kvpool.auth import http_token
+from kvpool.config import format_addr
 from kvpool.errors import UserError
 
 
-async def start_site(app: web.Application, host: str, port: int) -> tuple[web.AppRunner, str]:
-    """Serve ``app`` on host:port (0 = a free port) on the running loop.
+async def start_site(app: web.Application, host: str, port: int,
+                     secret: bytes | None = None) -> tuple[web.AppRunner, str]:
+    """Serve ``app`` on host:port (0 = a free port) on the running loop; with ``secret``
+    every request needs ``Authorization: Bearer <kvpool.auth.http_token(secret)>``
+    (else 401).
 
     Returns (runner, "host:port" actually bound); ``await runner.cleanup()`` stops it.
     Raises UserError when the port is in use or the address cannot be bound.
     """
+    if secret is not None:
+        app.middlewares.append(_bearer(http_token(secret)))
     runner = web.AppRunner(app, access_log=None)
     await runner.setup()
     try:
@@ -28,9 +36,23 @@ async def start_site(app: web.Application, host: str, port: int) -> tuple[web.Ap
         await runner.cleanup()
         if exc.errno == errno.EADDRINUSE:
             raise UserError(f"admin HTTP port {port} on {host} is already in use") from None
-        raise UserError(f"cannot serve admin HTTP on {host}:{port}: {exc.strerror or exc}") from None
+        raise UserError(f"cannot serve admin HTTP on {format_addr(host, port)}: {exc.strerror or exc}") from None
     bound_port = runner.addresses[0][1]
-    return runner, f"{host}:{bound_port}"
+    return runner, format_addr(host, bound_port)
+
+
+def _bearer(token: str):
+    expected = f"Bearer {token}".encode()
+
+    @web.middleware
+    async def check(request: web.Request, handler):
+        given = request.headers.get("Authorization", "").encode()
+        if not hmac.compare_digest(given, expected):
+            return error_response(401, "this admin server needs Authorization: Bearer <token> "
+                                  "(kvpool.auth.http_token of the shared secret)")
+        return await handler(request)
+
+    return check
 
 
 def metrics_response(registry: CollectorRegistry) -> web.Response:

@@ -158,7 +158,8 @@ def wait_or_kill(proc: subprocess.Popen, timeout_s: float) -> int:
 
 
 class Cluster:
-    """A master and ``num_nodes`` nodes on 127.0.0.1, as a context manager.
+    """A master and ``num_nodes`` nodes on ``host`` (127.0.0.1; ``::1`` for IPv6), as a
+    context manager.
 
     Args:
         segment_size: each node's shared-memory segment ("256MiB" or bytes).
@@ -170,15 +171,17 @@ class Cluster:
         num_nodes: nodes started with the cluster (more with :meth:`start_node`).
         master_port: 0 = any free port.
         startup_timeout_s: deadline for each child's ready file.
+        host: the address master and nodes listen on (``--host``).
 
-    Attributes: ``master_addr`` ("127.0.0.1:PORT"), ``node_addrs`` (data ports),
+    Attributes: ``master_addr`` ("127.0.0.1:PORT", "[::1]:PORT"), ``node_addrs`` (data ports),
     ``nodes`` (ready-file dicts: addr, segment, owner_id, shm_name, pid).
     Raises LaunchError when a child does not come up.
     """
 
     def __init__(self, segment_size="256MiB", lease_ttl_ms: int = 10_000, extra_master_args=(),
                  log_dir=None, num_nodes: int = 1, extra_node_args=(), master_port: int = 0,
-                 startup_timeout_s: float = 30.0):
+                 startup_timeout_s: float = 30.0, host: str = "127.0.0.1"):
+        self.host = host
         self.segment_size = parse_size(segment_size)
         self.lease_ttl_ms = lease_ttl_ms
         self.extra_master_args = [str(a) for a in extra_master_args]
@@ -218,7 +221,8 @@ class Cluster:
         return self
 
     def _start_master(self, port: int) -> None:
-        args = ["--port", str(port), "--default-kv-lease-ttl", str(self.lease_ttl_ms), *self.extra_master_args]
+        args = ["--host", self.host, "--port", str(port), "--default-kv-lease-ttl", str(self.lease_ttl_ms),
+                *self.extra_master_args]
         self._master_starts += 1
         tag = "master" if self._master_starts == 1 else f"master{self._master_starts}"
         self.master = Child("master", args, self._workdir, self.log_dir, tag)
@@ -236,7 +240,7 @@ class Cluster:
         """Start one more node; returns its index in ``node_addrs``."""
         size = parse_size(segment_size) if segment_size is not None else self.segment_size
         self._count += 1
-        args = ["--master", self.master_addr, "--port", "0", "--segment-size", str(size),
+        args = ["--master", self.master_addr, "--host", self.host, "--port", "0", "--segment-size", str(size),
                 *self.extra_node_args, *[str(a) for a in extra_args]]
         child = Child("node", args, self._workdir, self.log_dir, f"node{self._count}")
         self.node_children.append(child)

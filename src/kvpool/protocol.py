@@ -18,8 +18,18 @@ msgspec Struct; the tag is the class name. Decoding validates every field's type
 malformed message is a :class:`msgspec.ValidationError` / :class:`msgspec.DecodeError`
 that the server answers with :class:`ErrorResp` (the framing is still intact); a frame with
 a bad magic or a length over :data:`MAX_FRAME` cannot be resynchronised and the
-connection is closed. Integers on the wire are msgpack ints, so sizes and offsets up to
-2**64 - 1 travel unchanged (no 32-bit field anywhere in a message body).
+connection is closed. Integers on the wire are msgpack ints (no 32-bit field anywhere in
+a message body).
+
+Limits (checked at decode time, so a request out of them is refused before any handler
+sees it): every int, str and list field of a request carries msgspec ``Meta`` bounds
+from the constants below: sizes, offsets and lengths ``0..``:data:`MAX_SEGMENT_BYTES`,
+ids ``0..``:data:`MAX_ID`, keys up to :data:`MAX_KEY_BYTES` characters (the master then
+checks 1..MAX_KEY_BYTES UTF-8 bytes), names and addresses up to :data:`MAX_NAME_LEN`,
+batches up to :data:`MAX_BATCH` items, data-plane ranges up to :data:`MAX_RANGES`. With
+at most :data:`MAX_SEGMENTS` segments mounted at once (the master refuses more), every
+total a reply carries stays below 2**63, so no stored value can make a reply
+unencodable.
 
 Data-plane payloads (value bytes) follow their header frame raw, never inside msgpack,
 so a node reads them straight into its segment with ``recv_into``.
@@ -29,7 +39,7 @@ from __future__ import annotations
 
 import socket
 import struct
-from typing import Union
+from typing import Annotated, Union
 
 import msgspec
 
@@ -40,9 +50,21 @@ MAGIC_PREFIX = b"KVP"
 HEADER = struct.Struct("<4sI")
 MAX_FRAME = 64 << 20  # bytes; a batch of 4096 keys of 4 KiB each still fits
 MAX_KEY_BYTES = 4096  # a key is a str of 1..MAX_KEY_BYTES UTF-8 bytes (client, master and admin agree)
+MAX_SEGMENT_BYTES = 1 << 50  # bytes (1 PiB): a segment's size, so any object's size, offset, length
+MAX_SEGMENTS = 4096  # segments mounted at once: totals stay <= 2**62 bytes
+MAX_ID = (1 << 63) - 1  # put ids, grant ids
+MAX_NAME_LEN = 512  # characters of a segment, owner, host or shm name, or an address
+MAX_BATCH = 1 << 16  # items in one batch request
+MAX_RANGES = 1 << 18  # (offset, length) pairs in one data-plane request
+MAX_INDEX_ENTRIES = 1 << 20  # objects a node reports at a re-mount (the frame limit binds first)
+MAX_REPLICAS = 1024  # replica_num on the wire (the master's --max-replicas is lower)
+MAX_TTL_MS = 1 << 42  # a soft-pin TTL, ms (about 139 years)
+MAX_PATTERN_LEN = 4096  # characters of a RemoveByRegex pattern
 
-
-
+Size = Annotated[int, msgspec.Meta(ge=0, le=MAX_SEGMENT_BYTES)]
+Id = Annotated[int, msgspec.Meta(ge=0, le=MAX_ID)]
+Key = Annotated[str, msgspec.Meta(max_length=MAX_KEY_BYTES)]
+Name = Annotated[str, msgspec.Meta(max_length=MAX_NAME_LEN)]
 
 def magic(version: int = PROTOCOL_VERSION) -> bytes:
     """The 4 magic bytes of frames of protocol ``version`` (0..9)."""
@@ -85,20 +107,20 @@ class SegmentInfo(msgspec.Struct, array_like=True, frozen=True):
     see "Safety across master restarts" in docs/store.md).
     """
 
-    name: str
-    host_id: str
-    shm_name: str
-    size: int
-    data_addr: str
-    epoch: int = 0
+    name: Name
+    host_id: Name
+    shm_name: Name
+    size: Size
+    data_addr: Name
+    epoch: Id = 0
 
 
 class ReplicaDesc(msgspec.Struct, array_like=True, frozen=True):
     """Where one replica's bytes live: ``length`` bytes at ``offset`` of ``segment``."""
 
     segment: SegmentInfo
-    offset: int
-    length: int
+    offset: Size
+    length: Size
 
 
 SOFT_PIN_PRESERVE, SOFT_PIN_ENABLE, SOFT_PIN_DISABLE = 0, 1, 2  # Mooncake's SoftPinAction
@@ -115,14 +137,14 @@ class PutItem(msgspec.Struct, array_like=True):
     hard_pin: never evicted; preferred_segment: segment name to try first ("" = strategy).
     """
 
-    key: str
-    size: int
-    replica_num: int = 1
+    key: Key
+    size: Size
+    replica_num: Annotated[int, msgspec.Meta(ge=0, le=MAX_REPLICAS)] = 1
     upsert: bool = False
-    soft_pin: int = SOFT_PIN_PRESERVE
+    soft_pin: Annotated[int, msgspec.Meta(ge=SOFT_PIN_PRESERVE, le=SOFT_PIN_DISABLE)] = SOFT_PIN_PRESERVE
     hard_pin: bool = False
-    preferred_segment: str = ""
-    soft_pin_ttl_ms: int = -1
+    preferred_segment: Name = ""
+    soft_pin_ttl_ms: Annotated[int, msgspec.Meta(ge=-1, le=MAX_TTL_MS)] = -1
 
 
 class IndexEntry(msgspec.Struct, array_like=True):
@@ -130,17 +152,17 @@ class IndexEntry(msgspec.Struct, array_like=True):
     ``offset``; ``version``: the master's commit version (wall-clock ns at PutEnd, kept
     strictly increasing), so that of two reported versions of a key the later wins."""
 
-    key: str
-    offset: int
-    size: int
-    version: int
+    key: Key
+    offset: Size
+    size: Size
+    version: Id
 
 
 class PutToken(msgspec.Struct, array_like=True):
     """Identifies one in-flight put: the key and the put id PutStart handed out."""
 
-    key: str
-    put_id: int
+    key: Key
+    put_id: Id
 
 
 # ---------------------------------------------------------------- requests
@@ -161,34 +183,34 @@ class MountSegment(_Msg):
     dropped the segment on purpose, e.g. a heartbeat timeout).
     """
 
-    owner_id: str
+    owner_id: Name
     segment: SegmentInfo
     index: bool = False
-    objects: list[IndexEntry] = []
-    prev_incarnation: int = 0
+    objects: Annotated[list[IndexEntry], msgspec.Meta(max_length=MAX_INDEX_ENTRIES)] = []
+    prev_incarnation: Id = 0
 
 
 class UnmountSegment(_Msg):
-    owner_id: str
-    name: str
+    owner_id: Name
+    name: Name
 
 
 class Heartbeat(_Msg):
     """Keeps ``owner_id``'s segments mounted. Reply code CLIENT_NOT_FOUND ⇒ remount."""
 
-    owner_id: str
+    owner_id: Name
 
 
 class PutStart(_Msg):
     """Allocate buffers for one object. ``host_id`` serves the local_first strategy."""
 
     item: PutItem
-    host_id: str = ""
+    host_id: Name = ""
 
 
 class BatchPutStart(_Msg):
-    items: list[PutItem]
-    host_id: str = ""
+    items: Annotated[list[PutItem], msgspec.Meta(max_length=MAX_BATCH)]
+    host_id: Name = ""
 
 
 class PutEnd(_Msg):
@@ -196,7 +218,7 @@ class PutEnd(_Msg):
 
 
 class BatchPutEnd(_Msg):
-    tokens: list[PutToken]
+    tokens: Annotated[list[PutToken], msgspec.Meta(max_length=MAX_BATCH)]
 
 
 class PutRevoke(_Msg):
@@ -204,17 +226,17 @@ class PutRevoke(_Msg):
 
 
 class BatchPutRevoke(_Msg):
-    tokens: list[PutToken]
+    tokens: Annotated[list[PutToken], msgspec.Meta(max_length=MAX_BATCH)]
 
 
 class GetReplicaList(_Msg):
     """COMPLETE replicas of ``key`` and a read lease. Reply: :class:`GetResp`."""
 
-    key: str
+    key: Key
 
 
 class BatchGetReplicaList(_Msg):
-    keys: list[str]
+    keys: Annotated[list[Key], msgspec.Meta(max_length=MAX_BATCH)]
 
 
 class ReadDone(_Msg):
@@ -224,24 +246,24 @@ class ReadDone(_Msg):
     only while a read grant on them is neither done nor expired; the object's lease is
     not shortened. Unknown, expired or repeated ids are ignored."""
 
-    grant_ids: list[int]
+    grant_ids: Annotated[list[Id], msgspec.Meta(max_length=MAX_BATCH)]
 
 
 class ExistKey(_Msg):
-    key: str
+    key: Key
 
 
 class BatchExistKey(_Msg):
-    keys: list[str]
+    keys: Annotated[list[Key], msgspec.Meta(max_length=MAX_BATCH)]
 
 
 class Remove(_Msg):
-    key: str
+    key: Key
     force: bool = False
 
 
 class BatchRemove(_Msg):
-    keys: list[str]
+    keys: Annotated[list[Key], msgspec.Meta(max_length=MAX_BATCH)]
     force: bool = False
 
 
@@ -250,7 +272,7 @@ class RemoveAll(_Msg):
 
 
 class RemoveByRegex(_Msg):
-    pattern: str
+    pattern: Annotated[str, msgspec.Meta(max_length=MAX_PATTERN_LEN)]
     force: bool = False
 
 
@@ -260,8 +282,8 @@ PIN_MODES = ("hard", "soft", "none")  # SetPin.mode values
 class SetPin(_Msg):
     """mode: "none", "soft" (until soft_pin_ttl from now) or "hard" (never evicted)."""
 
-    key: str
-    mode: str
+    key: Key
+    mode: Annotated[str, msgspec.Meta(max_length=16)]
 
 
 class GetStats(_Msg):
@@ -269,27 +291,30 @@ class GetStats(_Msg):
 
 
 # data plane (to a node's TCP server); payload bytes follow DataWrite / DataWriteMany raw
+Ranges = Annotated[list[Size], msgspec.Meta(max_length=MAX_RANGES)]
+
+
 class DataWrite(_Msg):
-    offset: int
-    length: int
-    epoch: int = 0  # SegmentInfo.epoch of the grant (0: unchecked)
+    offset: Size
+    length: Size
+    epoch: Id = 0  # SegmentInfo.epoch of the grant (0: unchecked)
 
 
 class DataWriteMany(_Msg):
     """Write ``lengths[i]`` bytes at ``offsets[i]``; the payload is their concatenation.
     Reply: DataResp(code, total bytes written)."""
 
-    offsets: list[int]
-    lengths: list[int]
-    epoch: int = 0  # SegmentInfo.epoch of the grant (0: unchecked)
+    offsets: Ranges
+    lengths: Ranges
+    epoch: Id = 0  # SegmentInfo.epoch of the grant (0: unchecked)
 
 
 class DataRead(_Msg):
     """Read ``lengths[i]`` bytes at ``offsets[i]``; the reply payload is their concatenation."""
 
-    offsets: list[int]
-    lengths: list[int]
-    epoch: int = 0  # SegmentInfo.epoch of the grant (0: unchecked)
+    offsets: Ranges
+    lengths: Ranges
+    epoch: Id = 0  # SegmentInfo.epoch of the grant (0: unchecked)
 
 
 # ---------------------------------------------------------------- replies

@@ -24,6 +24,7 @@ from typing import Sequence
 
 import msgspec
 
+from kvpool import auth
 from kvpool import protocol as P
 from kvpool.config import parse_addr
 from kvpool.errors import ErrorCode, RpcFailed, code_of
@@ -45,11 +46,14 @@ def _log_once(message: str) -> None:
 
 
 class RpcChannel:
-    """A blocking connection to ``addr`` ("host:port"); not thread-safe (one per thread)."""
+    """A blocking connection to ``addr`` ("host:port"); not thread-safe (one per thread).
+    ``secret``: answer the master's challenge with it (:mod:`kvpool.auth`; None:
+    ``KVPOOL_SECRET``, b"": none)."""
 
-    def __init__(self, addr: str, timeout_s: float = 10.0):
+    def __init__(self, addr: str, timeout_s: float = 10.0, secret: bytes | None = None):
         self.addr = addr
         self.timeout_s = timeout_s
+        self.secret = auth.secret_or_env(secret)
         self._sock: socket.socket | None = None
         self._reader = None  # buffered reader of :meth:`receive`
         self._answered = False  # the master has answered on this connection
@@ -61,6 +65,12 @@ class RpcChannel:
         except OSError as exc:
             raise RpcFailed(f"cannot reach master at {self.addr}: {exc.strerror or exc}") from None
         self._sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        if self.secret is not None:
+            try:
+                auth.client_handshake(self._sock, self.secret, self.timeout_s, f"master {self.addr}")
+            except RpcFailed:
+                self.close()
+                raise
         self._answered = False
 
     def call(self, request: msgspec.Struct, idempotent: bool = True, notices: Sequence[msgspec.Struct] = ()):
@@ -91,6 +101,8 @@ class RpcChannel:
                     hint = (" (the master closed the connection at the first request: it may run "
                             f"another kvpool release than protocol version {P.PROTOCOL_VERSION})"
                             if first and isinstance(exc, P.FrameError) else "")
+                    if auth.asks_for_secret(exc):
+                        hint = " (the master asks for a shared secret: set KVPOOL_SECRET)"
                     raise RpcFailed(f"master {self.addr}: {exc}{hint}") from None
         if isinstance(reply, P.ErrorResp):
             raise self._refused(request, reply)

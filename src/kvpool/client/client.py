@@ -624,8 +624,9 @@ class Client:
         return self._call(P.RemoveAll(force)).count
 
     def remove_by_regex(self, pattern: str, force: bool = False) -> int:
-        """Remove objects whose key matches ``pattern`` (re.search); returns the count.
-        Raises InvalidParams for a bad pattern."""
+        """Remove objects whose key matches ``pattern`` (RE2 search: Python ``re`` syntax
+        without backreferences or lookaround, linear time); returns the count.
+        Raises InvalidParams for a bad or unsupported pattern."""
         reply = self._call(P.RemoveByRegex(pattern, force))
         raise_for(reply.code, f"bad regex {pattern!r}")
         return reply.count

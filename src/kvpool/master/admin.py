@@ -1,7 +1,9 @@
 """The master's admin HTTP app: health, Prometheus metrics, segments, keys, one key.
 
 Everything runs on the master's event loop, the one that also runs the request handlers,
-so reading ``MasterService`` state needs no lock and never sees a half-done change.
+so reading ``MasterService`` state needs no lock and never sees a half-done change;
+``/keys`` scans in slices (:mod:`kvpool.master.scans`) with requests in between, the
+other endpoints cost O(segments) or O(1).
 Inspection never grants a read lease and never changes eviction order.
 
 Metrics (Prometheus text format; ``*_total`` are counters since the master started):
@@ -38,6 +40,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from kvpool.errors import ErrorCode, code_name
 from kvpool.http import error_response, metrics_response, start_site
+from kvpool.master.scans import run_in_slices, visible_keys
 from kvpool.master.server import MasterServer
 from kvpool.protocol import MAX_KEY_BYTES
 
@@ -220,13 +223,14 @@ class MasterAdmin:
             limit = -1
         if not 1 <= limit <= MAX_KEY_LIMIT:
             return error_response(400, f"limit must be an integer in 1..{MAX_KEY_LIMIT}", ErrorCode.INVALID_PARAMS)
-        found = self.service.visible_keys(prefix)
-        return web.json_response({"keys": found[:limit], "count": len(found), "truncated": len(found) > limit})
+        first, count = await run_in_slices(visible_keys(self.service, prefix, limit))
+        return web.json_response({"keys": first, "count": count, "truncated": count > limit})
 
 
 async def start_master_admin(server: MasterServer, host: str, port: int) -> tuple[web.AppRunner, str]:
-    """Serve the admin app for ``server`` on host:port (0 = free) on the running loop.
+    """Serve the admin app for ``server`` on host:port (0 = free) on the running loop
+    (with the server's secret, a bearer token is required: :func:`kvpool.http.start_site`).
 
     Returns (runner, "host:port"). Raises UserError when the port cannot be bound.
     """
-    return await start_site(MasterAdmin(server).app(), host, port)
+    return await start_site(MasterAdmin(server).app(), host, port, server.secret)

@@ -9,7 +9,8 @@ import logging
 import os
 import signal
 
-from kvpool.config import Option, add_options, resolve, write_ready_file
+from kvpool.auth import secret_bytes
+from kvpool.config import Option, add_options, format_addr, parse_host, resolve, write_ready_file
 from kvpool.errors import UserError
 from kvpool.master.config import MasterConfig
 from kvpool.master.segments import STRATEGIES
@@ -40,7 +41,7 @@ def _strategy(text) -> str:
 
 
 OPTIONS = [
-    Option("host", "127.0.0.1", str, "address to listen on", env="MASTER_HOST"),
+    Option("host", "127.0.0.1", parse_host, "address to listen on: a name, IPv4 or IPv6 (::1)", env="MASTER_HOST"),
     Option("port", 50051, int, "TCP port of the control plane (0 = any free port)", env="MASTER_PORT"),
     Option("default-kv-lease-ttl", 10_000, _positive(int), "read lease granted by get/exist, ms"),
     Option("eviction-high-watermark-ratio", 0.90, _ratio, "evict when used/total exceeds this"),
@@ -53,6 +54,10 @@ OPTIONS = [
     Option("allocation-strategy", "random", _strategy, f"replica placement: {' | '.join(STRATEGIES)}"),
     Option("http-port", None, int, "admin HTTP port: /health /metrics /segments /query_key /keys "
            "(0 = a free port; unset = no admin server)", env="MASTER_HTTP_PORT"),
+    Option("secret", "", str, "shared secret every client, node and admin request must prove "
+           "(empty = none; prefer the env var or a config file: flags show in ps)", env="SECRET"),
+    Option("frame-timeout", 30.0, _positive(float), "seconds a request frame may take to arrive after "
+           "its header before the connection is closed"),
 ]
 
 
@@ -77,18 +82,20 @@ def config_from(values: dict) -> MasterConfig:
 
 
 async def serve(service, host: str, port: int, ready_file: str | None,
-                http_port: int | None = None) -> None:
+                http_port: int | None = None, stall_s: float = 30.0, secret: bytes | None = None) -> None:
     """Assemble and run the master process until SIGTERM/SIGINT: the control-plane server
     over ``service`` (a :class:`~kvpool.master.service.MasterService`), its upkeep tick,
     and with ``http_port`` the admin HTTP app (:mod:`kvpool.master.admin`) on the same
-    loop (0 = a free port, None = none). Raises OSError if the port cannot be bound."""
+    loop (0 = a free port, None = none); ``stall_s``: the frame timeout; ``secret``:
+    what connections and admin requests must prove (:mod:`kvpool.auth`). Raises OSError
+    if the port cannot be bound."""
     from kvpool.master.admin import start_master_admin
     from kvpool.master.server import MasterServer
 
     # millions of long-lived metadata objects make each full GC pass costly: collect
     # young objects less often (measured: 34 -> 25 us per put at 100k objects)
     gc.set_threshold(50_000, 20, 100)
-    server = MasterServer(service, host, port)
+    server = MasterServer(service, host, port, stall_s, secret)
     addr = await server.start()
     http_addr = None
     if http_port is not None:
@@ -117,9 +124,10 @@ def run(args) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s master %(levelname)s %(message)s")
     service = MasterService(config_from(values))
     try:
-        run_event_loop(serve(service, values["host"], values["port"], args.ready_file, values["http_port"]))
+        run_event_loop(serve(service, values["host"], values["port"], args.ready_file, values["http_port"],
+                             values["frame_timeout"], secret_bytes(values["secret"])))
     except OSError as exc:
         if exc.errno == errno.EADDRINUSE:
             raise UserError(f"port {values['port']} on {values['host']} is already in use") from None
-        raise UserError(f"cannot listen on {values['host']}:{values['port']}: {exc.strerror}") from None
+        raise UserError(f"cannot listen on {format_addr(values['host'], values['port'])}: {exc.strerror}") from None
     return 0

@@ -1,18 +1,25 @@
 """The master's asyncio server: frames in, MasterService handlers, frames out.
 
 One event loop (uvloop when installed) owns all metadata, so handlers run one at a time
-without locks. A request that does not decode gets an :class:`ErrorResp` and the
+without locks. Requests that look at every object (RemoveAll, RemoveByRegex) run in
+slices (:mod:`kvpool.master.scans`) with other requests in between, so no request holds
+the loop for long (K23). A request that does not decode gets an :class:`ErrorResp` and the
 connection stays open; a frame with a bad header closes that connection only, and a
 client of another protocol version is told so (:func:`kvpool.protocol.version_refusal`)
 before it is closed. :class:`~kvpool.protocol.ReadDone` is a notification: it gets no
 reply. A background task runs :meth:`MasterService.tick` (liveness, grants, zombies,
-eviction).
+eviction) and closes connections that stalled mid-frame.
 
 A node that mounts with ``index`` keeps its connection as its index stream: after every
 request (and tick) the queued index changes (:class:`~kvpool.master.restore.IndexLog`)
 are written to the streams of their segments *before* the request's reply, so a commit
 is in the node's socket buffer before the client hears of it. A stream is closed when
 its segment is unmounted or mounted again (the node then re-mounts at once).
+
+What a connection may cost (K22): a body is buffered only as its bytes arrive (a header
+announcing :data:`~kvpool.protocol.MAX_FRAME` costs nothing until the bytes come), and a
+connection whose frame has not arrived whole ``stall_s`` seconds after its header
+(by the service's clock) is closed. Between frames a connection may stay idle.
 """
 
 from __future__ import annotations
@@ -20,20 +27,25 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from typing import Callable
+from typing import Callable, Generator
 
 import msgspec
 
+from kvpool import auth
 from kvpool import protocol as P
+from kvpool.config import format_addr
 from kvpool.errors import ErrorCode
+from kvpool.master import scans
 from kvpool.master.service import MasterService
 
 log = logging.getLogger("kvpool.master")
 TICK_S = 0.05
+STALL_S = 30.0  # seconds a frame may take to arrive after its header
 
 
 def _handlers(svc: MasterService) -> dict[type, Callable[[msgspec.Struct], msgspec.Struct | None]]:
-    """Request type -> function(request) -> its reply Struct (None: a notification)."""
+    """Request type -> function(request) -> its reply Struct (None: a notification), or
+    a scan generator (:mod:`kvpool.master.scans`) that returns it."""
     return {
         P.Ping: lambda r: svc.ping(),
         P.MountSegment: lambda r: svc.mount(r.owner_id, r.segment, r.index, r.objects, r.prev_incarnation),
@@ -52,8 +64,8 @@ def _handlers(svc: MasterService) -> dict[type, Callable[[msgspec.Struct], msgsp
         P.BatchExistKey: lambda r: svc.batch_exist_key(r.keys),
         P.Remove: lambda r: svc.remove(r.key, r.force),
         P.BatchRemove: lambda r: svc.batch_remove(r.keys, r.force),
-        P.RemoveAll: lambda r: svc.remove_matching(None, r.force),
-        P.RemoveByRegex: lambda r: svc.remove_matching(r.pattern, r.force),
+        P.RemoveAll: lambda r: scans.remove_matching(svc, None, r.force),
+        P.RemoveByRegex: lambda r: scans.remove_matching(svc, r.pattern, r.force),
         P.SetPin: lambda r: svc.set_pin(r.key, r.mode),
         P.GetStats: lambda r: svc.stats(),
     }
@@ -64,11 +76,17 @@ BAD_REQUEST = "BadRequest"  # the op name observers see for a body that did not 
 
 
 class MasterServer:
-    """Serves :class:`MasterService` on ``host:port`` (port 0 = any free port)."""
+    """Serves :class:`MasterService` on ``host:port`` (port 0 = any free port); a frame
+    must arrive whole within ``stall_s`` seconds of its header; with ``secret`` a
+    connection must first answer a challenge (:mod:`kvpool.auth`) within ``stall_s``."""
 
-    def __init__(self, service: MasterService, host: str = "127.0.0.1", port: int = 50051):
+    def __init__(self, service: MasterService, host: str = "127.0.0.1", port: int = 50051,
+                 stall_s: float = STALL_S, secret: bytes | None = None):
         self.service = service
+        self.secret = secret  # set: every connection must answer a challenge first (kvpool.auth)
         self.host, self.port = host, port
+        self.stall_s = stall_s
+        self._mid_frame: dict[asyncio.StreamWriter, float] = {}  # connection -> when its header came
         self._handlers = _handlers(service)
         self._handlers[P.MountSegment] = self._mount
         self._observers: list[Observer] = []
@@ -118,8 +136,18 @@ class MasterServer:
         self._observers.append(callback)
 
     def dispatch(self, body: bytes | bytearray) -> msgspec.Struct | None:
-        """Decode one request body, run its handler, tell the observers; never raises.
-        Returns the reply, None for a notification (nothing is sent back)."""
+        """Decode one request body, run its handler (a scan to its end at once), tell the
+        observers; never raises. Returns the reply, None for a notification (nothing is
+        sent back)."""
+        return scans.run_to_end(self._steps(body))
+
+    async def dispatch_sliced(self, body: bytes | bytearray) -> msgspec.Struct | None:
+        """:meth:`dispatch`, with a scan run in slices that let other requests in."""
+        return await scans.run_in_slices(self._steps(body))
+
+    def _steps(self, body: bytes | bytearray):
+        """The work of one request as a generator that yields between scan slices and
+        returns the reply."""
         try:
             req = P.request_decoder.decode(body)
         except (msgspec.DecodeError, msgspec.ValidationError) as exc:
@@ -128,6 +156,8 @@ class MasterServer:
             op = type(req).__name__
             try:
                 reply = self._handlers[type(req)](req)
+                if isinstance(reply, Generator):
+                    reply = yield from reply
             except Exception:  # a bug must not take the whole master down; log it loudly
                 log.exception("handler for %s failed", op)
                 reply = None if isinstance(req, P.ReadDone) else P.ErrorResp(
@@ -139,12 +169,31 @@ class MasterServer:
                 log.exception("master observer failed on %s", op)
         return reply
 
+    async def _authenticated(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> bool:
+        """Challenge a new connection; True when it answered right within ``stall_s``."""
+        if self.secret is None:
+            return True
+        hello, nonce = auth.challenge()
+        writer.write(hello)
+        try:
+            reply = await asyncio.wait_for(reader.readexactly(auth.ANSWER_BYTES), self.stall_s)
+        except asyncio.TimeoutError:
+            return False
+        if not auth.verify(self.secret, nonce, reply):
+            log.warning("refused a connection that failed authentication")
+            return False
+        return True
+
     async def _serve_conn(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         try:
+            if not await self._authenticated(reader, writer):
+                return
             while True:
                 length = P.parse_header(await reader.readexactly(P.HEADER.size))
+                self._mid_frame[writer] = self.service.clock()
                 body = await reader.readexactly(length)
-                reply = self.dispatch(body)
+                self._mid_frame.pop(writer, None)  # close_stalled may have dropped it
+                reply = await self.dispatch_sliced(body)
                 self._send_index()  # before the reply: the commit is with the node first
                 if reply is not None:
                     writer.write(P.encode_frame(reply))
@@ -162,16 +211,29 @@ class MasterServer:
         except asyncio.CancelledError:
             pass  # the master is shutting down: end quietly instead of logging a cancel
         finally:
+            self._mid_frame.pop(writer, None)
             for name, (_, stream) in list(self._streams.items()):
                 if stream is writer:
                     del self._streams[name]
             writer.close()
 
+    def close_stalled(self) -> int:
+        """Close every connection whose frame began over ``stall_s`` ago (its read then
+        ends); returns how many. Run by :meth:`tick_forever`."""
+        now = self.service.clock()
+        stalled = [w for w, since in self._mid_frame.items() if now - since > self.stall_s]
+        for writer in stalled:
+            del self._mid_frame[writer]
+            writer.transport.abort()
+        if stalled:
+            log.warning("closed %d connection(s) stalled mid-frame for over %.1f s", len(stalled), self.stall_s)
+        return len(stalled)
+
     async def start(self) -> str:
-        """Bind and start serving; returns the bound "host:port"."""
+        """Bind and start serving; returns the bound "host:port" (``[v6]:port``)."""
         self._server = await asyncio.start_server(self._serve_conn, self.host, self.port)
         port = self._server.sockets[0].getsockname()[1]
-        return f"{self.host}:{port}"
+        return format_addr(self.host, port)
 
     async def close(self) -> None:
         """Stop accepting connections."""
@@ -186,6 +248,7 @@ class MasterServer:
                 self.service.tick()
                 self._send_index()
                 self._close_stale_streams()
+                self.close_stalled()
             except Exception:  # upkeep must keep running; the bug is logged
                 log.exception("master tick failed")
 

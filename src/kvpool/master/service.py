@@ -24,7 +24,6 @@ as they change, so ``stats()`` costs O(segments), not O(objects).
 from __future__ import annotations
 
 import logging
-import re
 import time
 from collections import Counter
 from typing import Callable
@@ -37,8 +36,9 @@ from kvpool.master.objects import Grants, ObjectMeta, PendingPut, Replica
 from kvpool.master.restore import IndexLog, Restore
 from kvpool.master.segments import SegmentTable, new_epoch
 from kvpool.protocol import (
-    MAX_KEY_BYTES, SOFT_PIN_DISABLE, SOFT_PIN_ENABLE, SOFT_PIN_PRESERVE, BatchGetResp, BatchPutStartResp,
-    CodesResp, CountResp, GetResp, IndexEntry, MountResp, PutItem, PutStartResp, PutToken, ReplicaDesc,
+    MAX_KEY_BYTES, MAX_SEGMENTS, SOFT_PIN_DISABLE, SOFT_PIN_ENABLE, SOFT_PIN_PRESERVE, BatchGetResp,
+    BatchPutStartResp, CodesResp, CountResp, GetResp, IndexEntry, MountResp, PutItem, PutStartResp, PutToken,
+    ReplicaDesc,
     Resp, SegmentInfo, SegmentStats, StatsResp,
 )
 
@@ -84,10 +84,6 @@ class MasterService(Eviction, Restore):
         the caller. Grants no lease and leaves the eviction order alone."""
         return self.objects.get(key)
 
-    def visible_keys(self, prefix: str = "") -> list[str]:
-        """Sorted keys of the visible objects that start with ``prefix`` (O(objects))."""
-        return sorted(k for k, o in self.objects.items() if o.visible and k.startswith(prefix))
-
     def _set_replicas(self, obj: ObjectMeta, replicas: list[Replica]) -> None:
         """Give ``obj`` its COMPLETE replicas (empty: invisible), keeping the count."""
         self.object_count += bool(replicas) - obj.visible
@@ -109,6 +105,9 @@ class MasterService(Eviction, Restore):
         if not info.name or info.size < MIN_SEGMENT_SIZE or not owner_id:
             return MountResp(ErrorCode.INVALID_PARAMS)
         fresh = info.name not in self.segments.segments
+        if fresh and len(self.segments.segments) >= MAX_SEGMENTS:
+            log.warning("refused segment %s of %s: %d segments are mounted", info.name, owner_id, MAX_SEGMENTS)
+            return MountResp(ErrorCode.INVALID_PARAMS)  # totals must stay encodable
         seg = self.segments.mount(owner_id, info, self.clock())
         if seg is None:
             return MountResp(ErrorCode.SEGMENT_ALREADY_EXISTS)
@@ -370,17 +369,6 @@ class MasterService(Eviction, Restore):
 
     def batch_remove(self, keys: list[str], force: bool = False) -> CodesResp:
         return CodesResp([self.remove(k, force).code for k in keys])
-
-    def remove_matching(self, pattern: str | None, force: bool) -> CountResp:
-        """Remove every visible object (whose key ``re.search``-matches ``pattern``);
-        leased objects are skipped unless ``force``. Returns how many were removed."""
-        try:
-            rx = re.compile(pattern) if pattern is not None else None
-        except re.error:
-            return CountResp(ErrorCode.INVALID_PARAMS)
-        keys = [k for k, o in self.objects.items() if o.visible and (rx is None or rx.search(k))]
-        count = sum(self.remove(k, force).code == OK for k in keys)
-        return CountResp(OK, count)
 
     def set_pin(self, key: str, mode: str) -> Resp:
         obj = self.objects.get(key)

@@ -16,7 +16,7 @@ import socket
 from dataclasses import dataclass
 
 from kvpool.client import Client
-from kvpool.config import parse_addr, parse_size_mooncake
+from kvpool.config import format_addr, parse_addr, parse_size_mooncake
 from kvpool.errors import InvalidParams, UserError
 from kvpool.node.segment_host import bind_listener
 
@@ -86,7 +86,7 @@ def build(local_hostname, metadata_server, global_segment_size, local_buffer_siz
         own_host, own_port = parse_addr(local_hostname, default_port=0)
     except UserError as exc:
         raise InvalidParams(f"master_server_addr or local_hostname: {exc}") from None
-    return SetupArgs(local_hostname, own_host, own_port, f"{host}:{port}",
+    return SetupArgs(local_hostname, own_host, own_port, format_addr(host, port),
                      _size("global_segment_size", global_segment_size),
                      _size("local_buffer_size", local_buffer_size), protocol)
 
@@ -114,9 +114,9 @@ def identity(args: SetupArgs, client: Client) -> tuple[str, socket.socket | None
         if args.port not in (0, port):
             log.warning("local_hostname %s: the segment's data server listens on port %d instead "
                         "(get_hostname() reports it)", args.local_hostname, port)
-        return f"{args.host}:{port}", None
+        return format_addr(args.host, port), None
     sock = bind_listener(args.bind_host, args.port)  # held, never served: it only reserves the port
-    return f"{args.host}:{sock.getsockname()[1]}", sock
+    return format_addr(args.host, sock.getsockname()[1]), sock
 
 
 def release(client: Client, reservation: socket.socket | None) -> None:

@@ -523,7 +523,7 @@ class MooncakeDistributedStore:
             return int(exc.code)
 
     def remove_by_regex(self, regex_pattern: str, force: bool = False) -> int:
-        """Remove objects whose key matches (``re.search``); the count, or -600 for a bad regex."""
+        """Remove objects whose key matches (RE2 search, as ``re.search`` without backreferences and lookaround); the count, or -600 for a bad regex."""
         if not isinstance(regex_pattern, str):
             raise TypeError(f"regex_pattern must be str, not {type(regex_pattern).__name__}")
         client = self._client

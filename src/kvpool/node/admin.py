@@ -38,7 +38,7 @@ class NodeCollector:
 
     def __init__(self, node: SegmentHost):
         self.node = node
-        self._master = RpcChannel(node.master_addr, MASTER_TIMEOUT_S)
+        self._master = RpcChannel(node.master_addr, MASTER_TIMEOUT_S, node.secret or b"")
         self._lock = threading.Lock()  # scrapes run in worker threads
 
     def describe(self):
@@ -133,7 +133,7 @@ class NodeAdmin:
 
     def start(self) -> str:
         self.thread.start()
-        coro = start_site(node_app(self.node, self.collector), self.host, self.port)
+        coro = start_site(node_app(self.node, self.collector), self.host, self.port, self.node.secret)
         try:
             self.runner, addr = asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout=30)
         except BaseException:

@@ -7,15 +7,17 @@ import logging
 import os
 import signal
 
-from kvpool.config import Option, add_options, parse_addr, parse_size, resolve, write_ready_file
+from kvpool.config import (
+    Option, add_options, format_addr, parse_addr, parse_host, parse_size, resolve, write_ready_file,
+)
 from kvpool.errors import UserError
+from kvpool.node.data_server import STALL_S
 
 HELP = "run a kvpool storage node: a shared-memory segment mounted with the master"
 
 
 def _addr(text) -> str:
-    host, port = parse_addr(str(text), default_port=50051)
-    return f"{host}:{port}"
+    return format_addr(*parse_addr(str(text), default_port=50051))
 
 
 # Mooncake refuses segments under its MIN_SEGMENT_SIZE (1 KiB); a node asks for 1 MiB:
@@ -72,6 +74,13 @@ def _gib(n: int) -> str:
     return f"{n / (1 << 30):,.2f} GiB" if n >= 1 << 30 else f"{n / (1 << 20):,.1f} MiB"
 
 
+def _positive_float(text) -> float:
+    value = float(text)
+    if not value > 0:
+        raise ValueError("must be > 0")
+    return value
+
+
 def _bool(text) -> bool:
     if isinstance(text, bool):
         return text
@@ -82,13 +91,18 @@ def _bool(text) -> bool:
 
 
 OPTIONS = [
-    Option("master", "127.0.0.1:50051", _addr, "master address host:port", env="MASTER"),
-    Option("host", "127.0.0.1", str, "address of the TCP data server", env="NODE_HOST"),
+    Option("master", "127.0.0.1:50051", _addr, "master address host:port or [v6]:port", env="MASTER"),
+    Option("host", "127.0.0.1", parse_host, "address of the TCP data server: a name, IPv4 or IPv6 (::1)",
+           env="NODE_HOST"),
     Option("port", 0, int, "TCP data port (0 = a free port, distinct per node)", env="NODE_PORT"),
     Option("segment-size", "1GiB", segment_size, "shared-memory segment size, e.g. 64MiB, 1GiB"),
     Option("prefault", "yes", _bool, "allocate every page of the segment at start (yes|no)"),
     Option("http-port", None, int, "admin HTTP port: /health /metrics (0 = a free port; unset = none)",
            env="NODE_HTTP_PORT"),
+    Option("secret", "", str, "shared secret: asked of data-port peers, proven to the master "
+           "(empty = none; prefer the env var or a config file: flags show in ps)", env="SECRET"),
+    Option("frame-timeout", STALL_S, _positive_float, "seconds a data-port peer may pause mid-frame "
+           "before its connection is closed"),
 ]
 
 
@@ -104,7 +118,8 @@ def run(args) -> int:
     size = segment_size(values["segment_size"])
     check_fits(size, values["prefault"])
     logging.basicConfig(level=logging.INFO, format="%(asctime)s node %(levelname)s %(message)s")
-    node = SegmentHost(values["master"], values["host"], values["port"], size, values["prefault"])
+    node = SegmentHost(values["master"], values["host"], values["port"], size, values["prefault"],
+                       stall_s=values["frame_timeout"], secret=values["secret"].encode())
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: node.request_stop())
     admin, http_addr = None, None

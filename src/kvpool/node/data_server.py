@@ -5,7 +5,13 @@ against the segment before a byte moves. A frame that does not decode, or a writ
 is out of bounds (its payload cannot be skipped safely), closes that connection only; an
 out-of-bounds read gets an error reply and the connection stays. A peer of another
 protocol version gets one DataResp(INVALID_VERSION) in its own framing, then the
-connection closes (counted as a bad frame). One thread per
+connection closes (counted as a bad frame).
+
+What a connection may cost (K22): a request frame's body is read in chunks of
+:data:`BODY_CHUNK` as its bytes arrive, so a header announcing a huge body costs only
+what was really sent; a connection that stops sending mid-frame (header, body or write
+payload) or stops reading a reply for ``stall_s`` seconds is closed (counted as
+"stalled"). Between frames a connection may stay idle for as long as it likes. One thread per
 connection, blocking sockets: payloads go straight between socket and segment, scattered
 with ``recvmsg_into`` and gathered (reply header included) with ``sendmsg``
 (:mod:`kvpool.transfer.iov`).
@@ -30,14 +36,18 @@ from collections import Counter
 
 import msgspec
 
+from kvpool import auth
 from kvpool import protocol as P
 from kvpool.errors import ErrorCode
 from kvpool.transfer.epoch import MOUNT_WAIT_S, NO_EPOCH, EpochWord
-from kvpool.transfer.iov import recv_views, send_views
+from kvpool.transfer.iov import recv_views, send_views, set_kernel_timeouts
 from kvpool.transfer.tcp import tune_data_socket
 
 log = logging.getLogger("kvpool.data")
 ACCEPT_BACKOFF_S = 0.05  # pause after a failed accept (e.g. out of file descriptors)
+STALL_S = 30.0  # seconds a peer may pause mid-frame before its connection is closed
+BODY_CHUNK = 64 << 10  # bytes of a request body allocated ahead of their arrival
+_AGAIN = (errno.EAGAIN, errno.EWOULDBLOCK)
 
 
 class DataCounters:
@@ -47,7 +57,9 @@ class DataCounters:
     requests[op] / bytes[op]: served requests and payload bytes, op "read" or "write";
     errors[kind]: "refused" (a range outside the segment), "stale" (a grant of another
     mount epoch), "bad_frame" (undecodable or
-    unframed bytes), "broken" (the peer vanished mid-request), "accept" (a connection
+    unframed bytes), "auth" (a wrong answer to the challenge), "broken" (the peer
+    vanished mid-request), "stalled" (the peer
+    paused mid-frame for longer than the server's ``stall_s``), "accept" (a connection
     that could not be accepted or served); connections: accepted.
     """
 
@@ -92,12 +104,17 @@ class _BadHeader(Exception):
 class DataServer:
     """Serves ``segment`` (a writable byte memoryview) on the listening socket ``sock``;
     ``counters`` (:class:`DataCounters`) say what it did; ``word``: the segment's epoch
-    word (None: no epochs checked)."""
+    word (None: no epochs checked); ``stall_s``: seconds a peer
+    may pause mid-frame (see the module docstring); ``secret``: connections must first
+    answer a challenge (:mod:`kvpool.auth`), else they are closed (counted as "auth")."""
 
-    def __init__(self, sock: socket.socket, segment: memoryview, word: EpochWord | None = None):
+    def __init__(self, sock: socket.socket, segment: memoryview, word: EpochWord | None = None,
+                 stall_s: float = STALL_S, secret: bytes | None = None):
         self.sock = sock
         self.segment = segment
         self.word = word
+        self.stall_s = stall_s
+        self.secret = secret  # set: every connection answers a challenge first (kvpool.auth)
         self.counters = DataCounters()
         self.stopped = threading.Event()
         self._gate = threading.Condition()
@@ -163,7 +180,7 @@ class DataServer:
 
     def _start_conn(self, conn: socket.socket) -> None:
         try:
-            conn.settimeout(None)
+            set_kernel_timeouts(conn, self.stall_s)  # blocking calls wake to check for a stall
             tune_data_socket(conn)
             threading.Thread(target=self._serve_conn, args=(conn,), daemon=True).start()
         except (OSError, RuntimeError) as exc:  # RuntimeError: no thread could be started
@@ -178,16 +195,30 @@ class DataServer:
         self.counters.opened(1)
         try:
             with conn:
+                if not self._authenticated(conn):
+                    self.counters.error("auth")
+                    return
                 while self._handle(conn):
                     pass
         except _Closed:
             pass
         except _BadHeader:
             self.counters.error("bad_frame")
+        except TimeoutError:
+            self.counters.error("stalled")
         except (P.FrameError, OSError):  # EOF inside a frame or a payload, a reset
             self.counters.error("broken")
         finally:
             self.counters.opened(-1)
+
+    def _authenticated(self, conn: socket.socket) -> bool:
+        if self.secret is None:
+            return True
+        hello, nonce = auth.challenge()
+        send_views(conn, [hello], stall_s=self.stall_s)
+        reply = bytearray(auth.ANSWER_BYTES)
+        recv_views(conn, [memoryview(reply)], stall_s=self.stall_s)
+        return auth.verify(self.secret, nonce, reply)
 
     def _ranges(self, offsets: list[int], lengths: list[int]) -> list[memoryview] | None:
         """Segment views for the (offset, length) pairs, or None unless all are in bounds."""
@@ -198,7 +229,7 @@ class DataServer:
     def _handle(self, conn: socket.socket) -> bool:
         """Serve one request; False when the connection must close."""
         try:
-            req = P.data_request_decoder.decode(_recv_request(conn))
+            req = P.data_request_decoder.decode(self._recv_request(conn))
         except msgspec.MsgspecError:
             self.counters.error("bad_frame")
             return False
@@ -206,55 +237,91 @@ class DataServer:
             self.counters.error("bad_frame")
             log.warning("refused a peer of protocol version %d (this node speaks %d)",
                         exc.version, P.PROTOCOL_VERSION)
-            P.recv_exact_into(conn, memoryview(bytearray(exc.length)))
-            conn.sendall(P.version_refusal(exc.version, "node", P.DataResp))
+            self._recv_body(conn, exc.length)
+            send_views(conn, [P.version_refusal(exc.version, "node", P.DataResp)], stall_s=self.stall_s)
             return False
         if isinstance(req, P.DataRead):
-            views = self._ranges(req.offsets, req.lengths)
-        elif isinstance(req, P.DataWrite):
+            return self._read(conn, req)
+        if isinstance(req, P.DataWrite):
             views = self._ranges([req.offset], [req.length])
         else:
             views = self._ranges(req.offsets, req.lengths)
-        reading = isinstance(req, P.DataRead)
         if views is None:
-            return self._refuse(conn, "refused", ErrorCode.INVALID_PARAMS, keep=reading)
+            return self._refuse(conn, "refused", ErrorCode.INVALID_PARAMS, keep=False)
         if not self._admit(conn, req.epoch):
-            return self._refuse(conn, "stale", ErrorCode.REPLICA_IS_GONE, keep=reading)
+            return self._refuse(conn, "stale", ErrorCode.REPLICA_IS_GONE, keep=False)
         try:
-            total = sum(len(v) for v in views)
-            if reading:
-                send_views(conn, [P.encode_frame(P.DataResp(ErrorCode.OK, total)), *views])
-            else:
-                recv_views(conn, views)
+            recv_views(conn, views, stall_s=self.stall_s)
         finally:
             self._leave(conn)
-        self.counters.served("read" if reading else "write", total)
-        if not reading:
-            conn.sendall(P.encode_frame(P.DataResp(ErrorCode.OK, total)))
+        total = sum(len(v) for v in views)
+        self.counters.served("write", total)
+        self._reply(conn, [P.encode_frame(P.DataResp(ErrorCode.OK, total))])
         return True
 
     def _refuse(self, conn: socket.socket, kind: str, code: ErrorCode, keep: bool) -> bool:
         """Answer ``code``; a refused write closes (its payload cannot be skipped)."""
         self.counters.error(kind)
-        conn.sendall(P.encode_frame(P.DataResp(code)))
+        self._reply(conn, [P.encode_frame(P.DataResp(code))])
         return keep
 
+    def _reply(self, conn: socket.socket, views: list) -> None:
+        send_views(conn, views, stall_s=self.stall_s)
 
-def _recv_request(conn: socket.socket) -> bytearray:
-    """One request frame's body. Raises _Closed when the peer closed before a new frame
-    began, VersionMismatch, _BadHeader, FrameError (EOF mid-frame), OSError."""
-    header = bytearray(P.HEADER.size)
-    got = conn.recv_into(header, len(header), socket.MSG_WAITALL)
-    if got == 0:
-        raise _Closed()
-    if got < len(header):
-        P.recv_exact_into(conn, memoryview(header)[got:])
-    try:
-        length = P.parse_header(bytes(header))
-    except P.VersionMismatch:
-        raise
-    except P.FrameError:
-        raise _BadHeader() from None
-    body = bytearray(length)
-    P.recv_exact_into(conn, memoryview(body))
-    return body
+    def _read(self, conn: socket.socket, req: P.DataRead) -> bool:
+        views = self._ranges(req.offsets, req.lengths)
+        if views is None:
+            return self._refuse(conn, "refused", ErrorCode.INVALID_PARAMS, keep=True)
+        if not self._admit(conn, req.epoch):
+            return self._refuse(conn, "stale", ErrorCode.REPLICA_IS_GONE, keep=True)
+        total = sum(req.lengths)
+        try:
+            self._reply(conn, [P.encode_frame(P.DataResp(ErrorCode.OK, total)), *views])
+        finally:
+            self._leave(conn)
+        self.counters.served("read", total)
+        return True
+
+    def _recv_request(self, conn: socket.socket) -> bytes | bytearray:
+        """One request frame's body. Waits as long as need be for a frame to begin, then
+        at most ``stall_s`` between bytes. Raises _Closed when the peer closed before a
+        new frame began, VersionMismatch, _BadHeader, TimeoutError (a stall), FrameError,
+        ConnectionError (EOF mid-frame), OSError."""
+        header = bytearray(P.HEADER.size)
+        got = _recv_first(conn, header, self.stopped)
+        if got < len(header):
+            recv_views(conn, [memoryview(header)[got:]], stall_s=self.stall_s)
+        try:
+            length = P.parse_header(bytes(header))
+        except P.VersionMismatch:
+            raise
+        except P.FrameError:
+            raise _BadHeader() from None
+        return self._recv_body(conn, length)
+
+    def _recv_body(self, conn: socket.socket, length: int) -> bytes | bytearray:
+        """``length`` bytes, allocated :data:`BODY_CHUNK` at a time as they arrive (K22)."""
+        parts = []
+        while length > 0:
+            part = bytearray(min(length, BODY_CHUNK))
+            recv_views(conn, [memoryview(part)], stall_s=self.stall_s)
+            parts.append(part)
+            length -= len(part)
+        return parts[0] if len(parts) == 1 else b"".join(parts)
+
+
+def _recv_first(conn: socket.socket, header: bytearray, stopped: threading.Event) -> int:
+    """Bytes of a new frame's header received (at least 1): an idle connection is
+    allowed, so a kernel timeout before the first byte just waits on. Raises _Closed on
+    a clean EOF, OSError."""
+    while not stopped.is_set():
+        try:
+            got = conn.recv_into(header, len(header), socket.MSG_WAITALL)
+        except OSError as exc:
+            if exc.errno not in _AGAIN:
+                raise
+            continue
+        if got == 0:
+            raise _Closed()
+        return got
+    raise _Closed()

@@ -28,9 +28,11 @@ import time
 import uuid
 from multiprocessing import shared_memory
 
+from kvpool import auth
 from kvpool import protocol as P
+from kvpool.config import format_addr
 from kvpool.errors import ErrorCode, KVPoolError, RpcFailed, UserError
-from kvpool.node.data_server import DataServer
+from kvpool.node.data_server import STALL_S, DataServer
 from kvpool.rpc import RpcChannel
 from kvpool.transfer import local_host_id
 from kvpool.transfer.epoch import EpochWord, shm_bytes
@@ -41,19 +43,26 @@ FENCE_S = 5.0  # how long a remount waits for transfers of the old mount to end,
 
 
 def bind_listener(host: str, port: int) -> socket.socket:
-    """A listening TCP socket on host:port (0 = a free port the OS picks and we keep).
+    """A listening TCP socket on host:port (0 = a free port the OS picks and we keep);
+    ``host`` is a name, IPv4 or IPv6 address (the family is the first that
+    ``getaddrinfo`` gives for it).
 
     Raises UserError when the port is in use or the address is not local.
     """
-    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    where = format_addr(host, port)
+    try:
+        family, _, _, _, sockaddr = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0]
+    except socket.gaierror as exc:
+        raise UserError(f"cannot listen on {where}: {exc.strerror}") from None
+    sock = socket.socket(family, socket.SOCK_STREAM)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     try:
-        sock.bind((host, port))
+        sock.bind(sockaddr)
     except OSError as exc:
         sock.close()
         if exc.errno == errno.EADDRINUSE:
             raise UserError(f"port {port} on {host} is already in use") from None
-        raise UserError(f"cannot listen on {host}:{port}: {exc.strerror}") from None
+        raise UserError(f"cannot listen on {where}: {exc.strerror}") from None
     sock.listen(128)
     return sock
 
@@ -63,18 +72,22 @@ class SegmentHost:
 
     Args: master_addr "host:port"; host/port of the data server (port 0 = free port);
     segment_size in bytes; prefault: allocate every page at start; owner_prefix names
-    the owner id ("node" or "client").
+    the owner id ("node" or "client"); stall_s: seconds a data-port peer may pause
+    mid-frame (:class:`~kvpool.node.data_server.DataServer`); secret: what the data port
+    asks of its peers and what this host answers the master (None: ``KVPOOL_SECRET``).
 
     Raises UserError (port in use), RpcFailed (master unreachable) from :meth:`start`.
     """
 
     def __init__(self, master_addr: str, host: str, port: int, segment_size: int, prefault: bool = True,
-                 owner_prefix: str = "node"):
+                 owner_prefix: str = "node", stall_s: float = STALL_S, secret: bytes | None = None):
+        self.stall_s = stall_s
+        self.secret = auth.secret_or_env(secret)
         self.master_addr = master_addr
         self.owner_id = f"{owner_prefix}-{uuid.uuid4().hex[:12]}"
         self.listener = bind_listener(host, port)
-        self.data_addr = f"{host}:{self.listener.getsockname()[1]}"
-        self.master = RpcChannel(master_addr, timeout_s=5.0)
+        self.data_addr = format_addr(host, self.listener.getsockname()[1])
+        self.master = RpcChannel(master_addr, timeout_s=5.0, secret=self.secret or b"")
         self.shm: shared_memory.SharedMemory | None = None
         self.word: EpochWord | None = None  # the segment's mount epoch (this host sets it)
         self._writers_word: EpochWord | None = None  # the same word, for this process's writers
@@ -84,7 +97,7 @@ class SegmentHost:
         self.prefault = prefault
         self._stop = threading.Event()
         self._rpc_lock = threading.Lock()  # the heartbeat thread and stop() share one channel
-        self._stream = RpcChannel(master_addr, timeout_s=5.0)  # mount + index stream (its own thread)
+        self._stream = RpcChannel(master_addr, timeout_s=5.0, secret=self.secret or b"")  # mount + index stream (its own thread)
         self.index: dict[str, P.IndexEntry] = {}  # key -> COMPLETE object in this segment
         self.incarnation = 0  # of the master that mounted the segment last
         self.mounts = 0  # mounts made (the first and every re-mount)
@@ -99,7 +112,8 @@ class SegmentHost:
         self.info = P.SegmentInfo(name, local_host_id(), self.shm.name, self.segment_size, self.data_addr)
         self.word = EpochWord(self.shm.buf, self.segment_size, self.shm.name)
         self._writers_word = EpochWord(self.shm.buf, self.segment_size, self.shm.name)
-        self.server = DataServer(self.listener, self.shm.buf[: self.segment_size], self.word)
+        self.server = DataServer(self.listener, self.shm.buf[: self.segment_size], self.word,
+                                 self.stall_s, self.secret)
         register_local_segment(self.shm.name, self.shm.buf, self._writers_word)  # same-process clients memcpy
         self._stream.connect()
         self.interval_s = self._mount()

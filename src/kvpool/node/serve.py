@@ -11,13 +11,15 @@ from __future__ import annotations
 import signal
 import threading
 
-from kvpool.config import Option, add_options, resolve
+from kvpool.config import Option, add_options, parse_host, resolve
 from kvpool.node.cli import check_fits, segment_size
 
 HELP = "run a master and one storage node together (Ctrl-C stops both)"
 LOG_LINES = 10  # last lines of a dead child's log that serve prints
 
 OPTIONS = [
+    Option("host", "127.0.0.1", parse_host, "address master and node listen on: a name, IPv4 or IPv6 (::1)",
+           env="MASTER_HOST"),
     Option("port", 50051, int, "master control port (0 = any free port)", env="MASTER_PORT"),
     Option("segment-size", "1GiB", segment_size, "the node's shared-memory segment size (at least 1MiB)"),
     Option("default-kv-lease-ttl", 10_000, int, "read lease granted by get/exist, ms"),
@@ -71,7 +73,7 @@ def run(args) -> int:
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, on_signal)
     with Cluster(segment_size=size, lease_ttl_ms=values["default_kv_lease_ttl"],
-                 master_port=values["port"], log_dir=args.log_dir,
+                 master_port=values["port"], host=values["host"], log_dir=args.log_dir,
                  extra_master_args=() if values["http_port"] is None else ("--http-port", values["http_port"])) as cluster:
         started.set()
         print(f"kvpool master: {cluster.master_addr}", flush=True)

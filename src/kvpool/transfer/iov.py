@@ -49,13 +49,25 @@ def _advance(views: list[memoryview], n: int) -> list[memoryview]:
     return rest
 
 
-def send_views(sock: socket.socket, views: list, deadline: float | None = None) -> None:
+def _stalled(deadline: float | None, stall_s: float | None, moved: int) -> float | None:
+    """The deadline once a call moved ``moved`` bytes (-1: before the first call). With
+    ``stall_s`` it replaces the caller's: ``stall_s`` from the last byte moved."""
+    if stall_s is not None and moved:
+        return time.monotonic() + stall_s
+    return deadline
+
+
+def send_views(sock: socket.socket, views: list, deadline: float | None = None,
+               stall_s: float | None = None) -> None:
     """Send every byte of ``views`` (bytes or byte memoryviews) in order.
 
-    One ``sendmsg`` per call gathers up to IOV_MAX views. Raises TimeoutError,
-    ConnectionError, OSError; the stream is then unusable (part may have gone).
+    One ``sendmsg`` per call gathers up to IOV_MAX views. ``stall_s`` (instead of
+    ``deadline``): give up when no byte has left for that many seconds. Raises
+    TimeoutError, ConnectionError, OSError; the stream is then unusable (part may have
+    gone).
     """
     pending = [v if isinstance(v, memoryview) else memoryview(v) for v in views if len(v)]
+    deadline = _stalled(deadline, stall_s, -1)
     while pending:
         try:
             n = sock.sendmsg(pending[:IOV_MAX])
@@ -64,17 +76,22 @@ def send_views(sock: socket.socket, views: list, deadline: float | None = None) 
                 raise
             n = 0
         pending = _advance(pending, n)
+        deadline = _stalled(deadline, stall_s, n)
         if pending and not n:
             _check(deadline, "send")
 
 
-def recv_views(sock: socket.socket, views: list[memoryview], deadline: float | None = None) -> None:
+def recv_views(sock: socket.socket, views: list[memoryview], deadline: float | None = None,
+               stall_s: float | None = None) -> None:
     """Fill every view of ``views`` from ``sock``, in order (scatter, MSG_WAITALL).
 
-    Raises ConnectionError on EOF (the peer closed or died), TimeoutError past
-    ``deadline``; the views' content is then undefined.
+    ``stall_s`` (instead of ``deadline``): give up when no byte has arrived for that many
+    seconds (a server must not wait forever on a peer that stopped mid-frame, K22).
+    Raises ConnectionError on EOF (the peer closed or died), TimeoutError past the
+    deadline; the views' content is then undefined.
     """
     pending = [v for v in views if len(v)]
+    deadline = _stalled(deadline, stall_s, -1)
     while pending:
         try:
             if len(pending) == 1:
@@ -88,6 +105,7 @@ def recv_views(sock: socket.socket, views: list[memoryview], deadline: float | N
                 raise
             n = 0
         pending = _advance(pending, n)
+        deadline = _stalled(deadline, stall_s, n)
         if pending and not n:
             _check(deadline, "receive")
 

@@ -25,9 +25,10 @@ import time
 
 import msgspec
 
+from kvpool import auth
 from kvpool import protocol as P
 from kvpool.config import parse_addr
-from kvpool.errors import ErrorCode, code_name
+from kvpool.errors import ErrorCode, RpcFailed, code_name
 from kvpool.protocol import SegmentInfo
 from kvpool.transfer.iov import recv_bytes, recv_views, send_views, set_kernel_timeouts
 from kvpool.transfer.request import Cancel, Op, Transport, TransferRequest
@@ -101,13 +102,16 @@ class _Pool:
 class TcpTransport(Transport):
     """Pooled blocking TCP connections to segments' data servers (any host).
 
-    Args: timeout_s bounds connecting (each request's own deadline bounds the rest).
+    Args: timeout_s bounds connecting (each request's own deadline bounds the rest);
+    secret answers the data servers' challenge (:mod:`kvpool.auth`; None:
+    ``KVPOOL_SECRET``, b"": none).
     """
 
     name, rank, lanes = "tcp", 2, LANES
 
-    def __init__(self, timeout_s: float = 10.0):
+    def __init__(self, timeout_s: float = 10.0, secret: bytes | None = None):
         self.timeout_s = timeout_s
+        self.secret = auth.secret_or_env(secret)
         self._pool = _Pool()
 
     def can_reach(self, segment: SegmentInfo) -> bool:
@@ -118,6 +122,12 @@ class TcpTransport(Transport):
         sock = socket.create_connection(parse_addr(addr), timeout=limit)
         tune_data_socket(sock)
         set_kernel_timeouts(sock)
+        if self.secret is not None:
+            try:
+                auth.client_handshake(sock, self.secret, limit, f"node {addr}")
+            except RpcFailed:
+                sock.close()
+                raise ConnectionRefusedError(f"node {addr} refused authentication") from None
         return sock
 
     def _with_conn(self, addr: str, deadline: float, cancel: Cancel, work):
