@@ -1,0 +1,1 @@
+"""Adapters that let other serving engines (vLLM, SGLang, LMCache) use kvpool's store."""
