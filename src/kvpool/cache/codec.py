@@ -90,14 +90,27 @@ def encode_page(header: PageHeader, payload) -> bytes:
     Raises LengthMismatch when the payload is not ``header.payload_len`` bytes.
     """
     view = memoryview(payload).cast("B")
-    if view.nbytes != header.payload_len:
-        raise LengthMismatch(f"payload is {view.nbytes} bytes, header says {header.payload_len}")
     out = bytearray(HEADER_SIZE + view.nbytes)
-    _HEADER.pack_into(out, 0, MAGIC, PAGE_FORMAT_VERSION, header.ns_digest, header.page_key,
-                      header.page_index, header.token_count, header.payload_len,
-                      xxhash.xxh3_64_intdigest(view))
     out[HEADER_SIZE:] = view
+    seal_page(out, header)
     return bytes(out)
+
+
+def seal_page(page, header: PageHeader) -> None:
+    """Write the header of a page whose payload already sits at ``page[HEADER_SIZE:]``.
+
+    For writers that gather a payload straight into a staging row (no second copy to
+    prepend the header). ``page``: a writable C-contiguous buffer of
+    ``HEADER_SIZE + header.payload_len`` bytes. Raises LengthMismatch otherwise.
+    """
+    view = memoryview(page).cast("B")
+    payload = view[HEADER_SIZE:]
+    if payload.nbytes != header.payload_len:
+        raise LengthMismatch(f"payload is {payload.nbytes} bytes, header says {header.payload_len}")
+    view[:HEADER_SIZE] = bytes(HEADER_SIZE)
+    _HEADER.pack_into(view, 0, MAGIC, PAGE_FORMAT_VERSION, header.ns_digest, header.page_key,
+                      header.page_index, header.token_count, header.payload_len,
+                      xxhash.xxh3_64_intdigest(payload))
 
 
 def decode_page(blob, expect: PageHeader) -> memoryview:
