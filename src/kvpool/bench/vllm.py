@@ -1,15 +1,17 @@
 """One vLLM instance as a measured process: the harness of kvpool's vLLM tests and bench.
 
-``python -m kvpool.bench.vllm JOB.json OUT.json`` starts ``vllm.LLM`` (engine in this
+``python -m kvpool.bench.vllm run JOB.json OUT.json`` starts ``vllm.LLM`` (engine in this
 process: ``VLLM_ENABLE_V1_MULTIPROCESSING=0``, so the connector's counters are readable
 here) with the job's KV connector, runs its prompts one after another and writes, per
 prompt, the greedy output token ids, vLLM's ``num_cached_tokens``, the TTFT (engine
 timestamps: first token minus queued) and the wall time of the whole request.
 
 JOB: {"model": folder, "connector": null | kv_transfer_config dict,
-      "prompts": [{"question": str, "max_tokens": int, "cache_salt": str | null}],
+      "prompts": [{"question": str (about the shipped document) | "text": str (a short chat),
+                   "max_tokens": int, "cache_salt": str | null}],
       "vllm": {extra vllm.LLM keyword arguments}}
-Needs vLLM (``scripts/setup-vllm.sh``); this module imports it only in :func:`run_job`.
+``python -m kvpool.bench.vllm compare [OUT.json]`` prints the figures of docs/bench.md
+(:func:`compare`). Needs vLLM (``scripts/setup-vllm.sh``); imported only in :func:`run_job`.
 """
 
 from __future__ import annotations
@@ -50,7 +52,9 @@ def run_job(job: dict) -> dict:
     tokenizer = llm.get_tokenizer()
     results = []
     for p in job["prompts"]:
-        ids = chat_prompt_ids(tokenizer, prompt_messages(p["question"]))
+        messages = ([{"role": "user", "content": p["text"]}] if "text" in p
+                    else prompt_messages(p["question"]))
+        ids = chat_prompt_ids(tokenizer, messages)
         prompt = TokensPrompt(prompt_token_ids=ids)
         if p.get("cache_salt"):
             prompt["cache_salt"] = p["cache_salt"]
@@ -61,7 +65,7 @@ def run_job(job: dict) -> dict:
         wall = time.monotonic() - t0
         m = out.metrics
         ttft = (m.first_token_ts - m.queued_ts) if m and m.first_token_ts else wall
-        results.append({"question": p["question"], "prompt_tokens": len(ids),
+        results.append({"prompt_tokens": len(ids),
                         "num_cached_tokens": out.num_cached_tokens or 0,
                         "output_ids": list(out.outputs[0].token_ids),
                         "text": out.outputs[0].text, "ttft_s": ttft, "wall_s": wall})
@@ -73,14 +77,71 @@ def run_job(job: dict) -> dict:
     return {"startup_s": startup_s, "prompts": results, "metrics": metrics}
 
 
+def compare(out_path: str | None, question: str, max_tokens: int = 16) -> dict:
+    """The side-by-side figures of docs/bench.md, one fresh vLLM process per row:
+    a cold run without a connector; kvpool (first instance, then a second one over
+    shared memory and one over TCP); vLLM's bundled ExampleConnector (safetensors on
+    local disk), first and second instance. Runs in vLLM's environment."""
+    import subprocess
+    import tempfile
+
+    from kvpool.engine.model_cli import model_folder
+    from kvpool.launch import Cluster
+
+    model = str(model_folder("smollm2"))
+    prompts = [{"question": question, "max_tokens": max_tokens}]
+    rows = {}
+    with tempfile.TemporaryDirectory() as tmp, Cluster(segment_size="1GiB") as cluster:
+        def kvpool(**extra):
+            return {"kv_connector": "KVPoolConnector", "kv_role": "kv_both",
+                    "kv_connector_module_path": "kvpool.integrations.vllm",
+                    "kv_connector_extra_config": {"master": cluster.master_addr, **extra}}
+        example = {"kv_connector": "ExampleConnector", "kv_role": "kv_both",
+                   "kv_connector_extra_config": {"shared_storage_path": f"{tmp}/example"}}
+        plan = [("cold (no connector)", None), ("kvpool first instance", kvpool()),
+                ("kvpool second instance (shm)", kvpool()),
+                ("kvpool second instance (force_tcp)", kvpool(force_tcp=True)),
+                ("ExampleConnector first instance", example),
+                ("ExampleConnector second instance", example)]
+        for i, (name, conn) in enumerate(plan):
+            job, out = f"{tmp}/job{i}.json", f"{tmp}/out{i}.json"
+            with open(job, "w") as f:
+                json.dump({"model": model, "connector": conn, "prompts": prompts}, f)
+            subprocess.run([sys.executable, "-m", "kvpool.bench.vllm", "run", job, out],
+                           check=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+            with open(out) as f:
+                rows[name] = json.load(f)["prompts"][0]
+            r = rows[name]
+            print(f"{name:38s} TTFT {r['ttft_s']:7.3f} s  total {r['wall_s']:7.3f} s  "
+                  f"cached {r['num_cached_tokens']}/{r['prompt_tokens']}", flush=True)
+    cold = rows["cold (no connector)"]
+    summary = {name: {"ttft_s": r["ttft_s"], "wall_s": r["wall_s"],
+                      "num_cached_tokens": r["num_cached_tokens"],
+                      "prompt_tokens": r["prompt_tokens"],
+                      "ttft_ratio_vs_cold": cold["ttft_s"] / r["ttft_s"],
+                      "same_tokens_as_cold": r["output_ids"] == cold["output_ids"]}
+               for name, r in rows.items()}
+    if out_path:
+        with open(out_path, "w") as f:
+            json.dump(summary, f, indent=1)
+    return summary
+
+
 def main(argv: list[str]) -> int:
-    job_path, out_path = argv
-    with open(job_path) as f:
-        job = json.load(f)
-    result = run_job(job)
-    with open(out_path, "w") as f:
-        json.dump(result, f, indent=1)
-    return 0
+    """``run JOB OUT`` (one instance) or ``compare [OUT]`` (the bench figures)."""
+    if argv[:1] == ["run"] and len(argv) == 3:
+        with open(argv[1]) as f:
+            job = json.load(f)
+        result = run_job(job)
+        with open(argv[2], "w") as f:
+            json.dump(result, f, indent=1)
+        return 0
+    if argv[:1] == ["compare"] and len(argv) <= 2:
+        compare(argv[1] if len(argv) == 2 else None, load_workload()["questions"][0])
+        return 0
+    print("usage: python -m kvpool.bench.vllm run JOB.json OUT.json | compare [OUT.json]",
+          file=sys.stderr)
+    return 2
 
 
 if __name__ == "__main__":

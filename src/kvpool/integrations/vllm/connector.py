@@ -66,7 +66,7 @@ class KVPoolConnector(KVConnectorBase_V1):
         tc = self._kv_transfer_config
         extra = tc.kv_connector_extra_config or {}
         self.master = str(extra.get("master") or env("MASTER") or DEFAULT_MASTER)
-        store = GuardedStore(self.master, bool(extra.get("force_tcp", False)),
+        store = GuardedStore.shared(self.master, bool(extra.get("force_tcp", False)),
                              float(extra.get("timeout_s", 10.0)), logger,
                              retry_s=float(extra.get("retry_s", 30.0)))
         keys = key_space(vllm_config)
@@ -120,6 +120,9 @@ class KVPoolConnector(KVConnectorBase_V1):
 
     def build_connector_meta(self, scheduler_output) -> KVPoolMetadata:
         return self.scheduler.build_connector_meta(scheduler_output)
+
+    def update_connector_output(self, connector_output) -> None:
+        self.scheduler.update_connector_output(connector_output)
 
     def request_finished(self, request, block_ids):
         return self.scheduler.request_finished(request, block_ids)

@@ -97,7 +97,7 @@ class SchedulerSide:
 
     def _plan_save(self, meta: KVPoolMetadata, req_id: str, computed_after: int) -> None:
         request = self._requests.get(req_id)
-        if not self.save or request is None:
+        if not self.save or request is None or self.store.down:
             return
         ids = self._block_ids.get(req_id, [])
         start = self._saved.get(req_id, 0)
@@ -108,6 +108,17 @@ class SchedulerSide:
         meta.saves.append(BlockRun(req_id, salt, lora, start,
                                    list(request.block_hashes[start:end]), ids[start:end]))
         self._saved[req_id] = end
+
+    def update_connector_output(self, output) -> None:
+        """Blocks that failed to load are recomputed by vLLM: save them again from the
+        first failed block of each affected request."""
+        bad = getattr(output, "invalid_block_ids", None)
+        if not bad:
+            return
+        for req_id, ids in self._block_ids.items():
+            first = next((i for i, b in enumerate(ids) if b in bad), None)
+            if first is not None and self._saved.get(req_id, 0) > first:
+                self._saved[req_id] = first
 
     def request_finished(self, request, block_ids) -> tuple[bool, None]:
         """Forget the request. Its blocks may be freed at once: saves copy each block

