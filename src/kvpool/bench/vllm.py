@@ -69,11 +69,8 @@ def run_job(job: dict) -> dict:
                         "num_cached_tokens": out.num_cached_tokens or 0,
                         "output_ids": list(out.outputs[0].token_ids),
                         "text": out.outputs[0].text, "ttft_s": ttft, "wall_s": wall})
-    metrics = {}
-    if job.get("connector", {}).get("kv_connector") != "ExampleConnector" and job.get("connector"):
-        from kvpool.integrations.vllm.store import snapshot
-
-        metrics = snapshot()
+    store = sys.modules.get("kvpool.integrations.vllm.store")  # loaded by KVPoolConnector
+    metrics = store.snapshot() if store else {}
     return {"startup_s": startup_s, "prompts": results, "metrics": metrics}
 
 

@@ -36,15 +36,22 @@ class PageRows:
     Row ``i`` is ``HEADER_SIZE`` header bytes then the payload: a C-contiguous tensor
     of ``page_shape`` in ``dtype`` (:meth:`payload`, all rows at once: shape
     ``[n, *page_shape]``). Writers gather into the payload and :meth:`seal` the headers;
-    readers fill whole rows (:meth:`rows`) and :meth:`check` them.
+    readers fill whole rows (:meth:`rows`) and :meth:`check` them. ``staging``: a
+    ``[>= n, row_bytes]`` uint8 tensor to use instead of a new buffer (a worker keeps
+    one, touched once, because faulting in ~100 MB of fresh pages per step costs more
+    than the copy itself).
     """
 
-    def __init__(self, n: int, page_shape: Sequence[int], dtype: torch.dtype):
+    def __init__(self, n: int, page_shape: Sequence[int], dtype: torch.dtype,
+                 staging: torch.Tensor | None = None):
         self.page_shape = tuple(page_shape)
         self.dtype = dtype
         self.payload_len = int(torch.Size(self.page_shape).numel()) * dtype.itemsize
         self.row_bytes = HEADER_SIZE + self.payload_len
-        self.buf = torch.empty((n, self.row_bytes), dtype=torch.uint8)
+        if staging is not None and staging.shape[0] >= n and staging.shape[1] == self.row_bytes:
+            self.buf = staging[:n]  # reuse: its pages are mapped already (no page faults)
+        else:
+            self.buf = torch.empty((n, self.row_bytes), dtype=torch.uint8)
 
     def __len__(self) -> int:
         return self.buf.shape[0]

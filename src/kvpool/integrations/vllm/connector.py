@@ -79,8 +79,10 @@ class KVPoolConnector(KVConnectorBase_V1):
         else:
             from vllm.distributed.parallel_state import get_pp_group, get_tp_group
 
+            # staging for one request of max_model_len tokens, touched once up front
+            rows = -(-vllm_config.model_config.max_model_len // keys.block_size)
             self.worker = WorkerSide(keys, store, get_tp_group().rank_in_group,
-                                     get_pp_group().rank_in_group, logger)
+                                     get_pp_group().rank_in_group, logger, staging_rows=rows)
             serve_metrics(int(extra.get("metrics_port", 0)))
         logger.info("kvpool: %s connector (%s) on master %s%s", role.name.lower(), tc.kv_role,
                     self.master, " over TCP" if extra.get("force_tcp") else "")

@@ -17,6 +17,7 @@ output reaches the user and vLLM may free its blocks at once.
 from __future__ import annotations
 
 import re
+import time
 
 import torch
 
@@ -30,6 +31,7 @@ from kvpool.integrations.vllm.store import (BLOCKS_LOADED, BLOCKS_SAVED, BYTES_L
                                             BYTES_SAVED, LOAD_ERRORS, SAVES_SKIPPED,
                                             GuardedStore)
 
+MAX_STAGING_BYTES = 512 << 20  # pre-touched staging, at most (grown on demand beyond)
 _LAYER_INDEX = re.compile(r"\.(\d+)\.")
 
 
@@ -44,8 +46,11 @@ def layer_order(names) -> list[str]:
 class WorkerSide:
     """The connector in one vLLM worker (one tensor/pipeline rank)."""
 
-    def __init__(self, keys: KeySpace, store: GuardedStore, tp_rank: int, pp_rank: int, log):
+    def __init__(self, keys: KeySpace, store: GuardedStore, tp_rank: int, pp_rank: int, log,
+                 staging_rows: int = 128):
         self.keys, self.store, self.log = keys, store, log
+        self.staging_rows = staging_rows
+        self._staging = torch.empty((0, 0), dtype=torch.uint8)
         self.tp_rank, self.pp_rank = tp_rank, pp_rank
         self.views: dict[str, torch.Tensor] = {}
         self.index: dict[str, int] = {}
@@ -69,9 +74,20 @@ class WorkerSide:
         self.index = {n: i for i, n in enumerate(names)}
         self.page_shape = (len(names), *self.views[names[0]].shape[1:])
         self.dtype = first.dtype
-        self.log.info("kvpool: %d layers of KV, layout %s %s %s, %d bytes per stored page",
-                      len(names), self.layout, tuple(first.shape), first.dtype,
-                      PageRows(0, self.page_shape, self.dtype).row_bytes)
+        row_bytes = PageRows(0, self.page_shape, self.dtype).row_bytes
+        self.staging_rows = max(1, min(self.staging_rows, MAX_STAGING_BYTES // row_bytes))
+        self._staging = torch.zeros((self.staging_rows, row_bytes), dtype=torch.uint8)
+        self.log.info("kvpool: %d layers of KV, layout %s %s %s, %d bytes per stored page, "
+                      "staging for %d pages", len(names), self.layout, tuple(first.shape),
+                      first.dtype, row_bytes, self.staging_rows)
+
+    def _rows_for(self, n: int) -> PageRows:
+        """Staging pages for ``n`` blocks: the worker's buffer, grown when a step needs more.
+        Loads (before the forward) and saves (after it) of one step use it in turn."""
+        rows = PageRows(n, self.page_shape, self.dtype, self._staging)
+        if rows.buf.data_ptr() != self._staging.data_ptr():
+            self._staging = rows.buf
+        return rows
 
     def _digest(self, run: BlockRun) -> bytes:
         return self.keys.digest(self.tp_rank, self.pp_rank, run.cache_salt, run.lora)
@@ -95,7 +111,10 @@ class WorkerSide:
         plan = self._plan(meta.loads)
         if not plan:
             return
-        rows = PageRows(len(plan), self.page_shape, self.dtype)
+        t0 = time.perf_counter()
+        # saves staged this step (a load after the forward) keep the staging buffer
+        rows = (self._rows_for(len(plan)) if self._rows is None
+                else PageRows(len(plan), self.page_shape, self.dtype))
         got = self.store.call("load", lambda c: c.batch_get_into([p[2] for p in plan], rows.rows()))
         if got is None:
             got = [-1] * len(plan)
@@ -112,12 +131,16 @@ class WorkerSide:
             self.log.warning("kvpool: %d of %d blocks failed to load (missing or failed their "
                              "page check); vLLM recomputes them", len(plan) - len(good), len(plan))
         if good:
-            payload = rows.payload()[good]
+            payload = rows.payload()
+            payload = payload if len(good) == len(plan) else payload[good]
             ids = [plan[i][0] for i in good]
             for name, view in self.views.items():
                 L.scatter_blocks(view, ids, payload[:, self.index[name]])
             BLOCKS_LOADED.inc(len(good))
             BYTES_LOADED.inc(len(good) * rows.row_bytes)
+        self.log.info("kvpool: loaded %d of %d blocks (%.1f MB) in %.0f ms", len(good),
+                      len(plan), len(good) * rows.row_bytes / 1e6,
+                      1e3 * (time.perf_counter() - t0))
 
     def _drop_bad_pages(self, plan, rows: PageRows, got: list[int]) -> None:
         """Remove stored pages that were read but failed their check, so that the
@@ -139,8 +162,7 @@ class WorkerSide:
             return
         if self._rows is None:
             self._saves = meta.saves
-            self._rows = PageRows(sum(len(r.block_ids) for r in self._saves),
-                                  self.page_shape, self.dtype)
+            self._rows = self._rows_for(sum(len(r.block_ids) for r in self._saves))
             self._layers_saved = set()
         payload = self._rows.payload()[:, self.index[layer_name]]
         ids = [b for run in self._saves for b in run.block_ids]
@@ -160,6 +182,7 @@ class WorkerSide:
                 self._incomplete_logged = True
             SAVES_SKIPPED.labels("incomplete").inc(len(plan))
             return
+        t0 = time.perf_counter()
         for i, (_, header, _) in enumerate(plan):
             rows.seal(i, header)
         keys = [p[2] for p in plan]
@@ -169,9 +192,12 @@ class WorkerSide:
         if codes is None:
             SAVES_SKIPPED.labels("unavailable").inc(len(keys))
             return
-        self._count_saves(codes, rows.row_bytes)
+        stored = self._count_saves(codes, rows.row_bytes)
+        self.log.debug("kvpool: saved %d of %d blocks in %.0f ms", stored, len(keys),
+                       1e3 * (time.perf_counter() - t0))
 
-    def _count_saves(self, codes, row_bytes: int) -> None:
+    def _count_saves(self, codes, row_bytes: int) -> int:
+        """Count a batch put's results; returns the blocks stored."""
         stored = sum(1 for c in codes if c == ErrorCode.OK)
         BLOCKS_SAVED.inc(stored)
         BYTES_SAVED.inc(stored * row_bytes)
@@ -185,6 +211,7 @@ class WorkerSide:
             SAVES_SKIPPED.labels(reason).inc(n)
         if "no_space" in failed:
             self._log_full(failed["no_space"], len(codes))
+        return stored
 
     def _log_full(self, n: int, total: int) -> None:
         if not self._full_logged:
