@@ -62,13 +62,20 @@ def serve_and_ask(tmp, name: str, model: str, master: str) -> dict:
             "model": model, "messages": prompt_messages(QUESTIONS[0]), "max_tokens": 8,
             "temperature": 0})
     finally:
-        os.killpg(proc.pid, signal.SIGTERM)
-        try:
-            proc.wait(timeout=60)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
+        stop_group(proc)
         log.close()
+
+
+def stop_group(proc: subprocess.Popen) -> None:
+    """SIGTERM the server's process group (API server and engine core), SIGKILL after 60 s."""
+    try:
+        os.killpg(proc.pid, signal.SIGTERM)
+        proc.wait(timeout=60)
+    except ProcessLookupError:
+        pass  # it had exited (its log says why)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
 
 
 def test_two_vllm_servers_share_kv_through_kvpool(tmp_path):
