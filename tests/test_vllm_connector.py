@@ -10,7 +10,8 @@ what they returned (tokens, vLLM's num_cached_tokens, the connector's counters, 
     producer   kv_producer: Q3, max_tokens=1              -> saves Q3's prompt
     consumer   kv_consumer, no local prefix cache, faults injected between lookup and
                load: Q3 (clean), Q1 (a block corrupted), Q1@a (a block removed)
-    down       kv_both against a master that is not there: the short chat
+    down       kv_both against a master that is not there: a short chat
+    full       kv_both on a store too small for one page: two short chats
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ pytestmark = pytest.mark.slow
 
 Q1, Q3 = QUESTIONS[0], QUESTIONS[2]
 SHORT = "Name three colours of the rainbow."
+SHORT2 = "Which planet is closest to the sun? Answer in one sentence, then explain why."
 
 
 @pytest.fixture(scope="module")
@@ -40,7 +42,8 @@ def runs(tmp_path_factory):
             out[name] = run_instance(tmp, name, {"model": model, "connector": conn,
                                                  "prompts": prompts, "vllm": vllm})
 
-        run("base", None, [{"question": Q1}, {"question": Q3}, {"text": SHORT}])
+        run("base", None, [{"question": Q1}, {"question": Q3}, {"text": SHORT},
+                           {"text": SHORT2}])
         run("first", connector(m), [{"question": Q1}, {"question": Q1, "cache_salt": "a"}])
         run("second", connector(m), [{"question": Q1}, {"question": Q1, "cache_salt": "b"},
                                      {"question": Q1, "cache_salt": "a"}])
@@ -51,6 +54,8 @@ def runs(tmp_path_factory):
             [{"question": Q3}, {"question": Q1}, {"question": Q1, "cache_salt": "a"}],
             enable_prefix_caching=False)
         run("down", connector(f"127.0.0.1:{free_port()}", retry_s=3600), [{"text": SHORT}])
+    with Cluster(segment_size="1MiB") as tiny:  # smaller than one stored page
+        run("full", connector(tiny.master_addr), [{"text": SHORT}, {"text": SHORT2}])
     return out
 
 
@@ -108,3 +113,12 @@ def test_vllm_serves_on_when_kvpool_is_down_and_says_so_once(runs):
     assert down["prompts"][0]["output_ids"] == runs["base"]["prompts"][2]["output_ids"]
     assert down["log"].count("vLLM computes every token itself") == 1
     assert down["metrics"]["kvpool_vllm_blocks_saved_total"] == 0
+
+
+def test_vllm_serves_on_when_the_store_is_full_and_says_so_once(runs):
+    full, base = runs["full"], runs["base"]["prompts"]
+    assert [p["output_ids"] for p in full["prompts"]] == [base[2]["output_ids"],
+                                                          base[3]["output_ids"]]
+    assert full["log"].count("kvpool: store full") == 1
+    assert full["metrics"]["kvpool_vllm_saves_skipped_total{reason=no_space}"] >= 2
+    assert full["metrics"]["kvpool_vllm_blocks_saved_total"] == 0

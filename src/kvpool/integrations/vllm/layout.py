@@ -17,23 +17,12 @@ This module imports no vLLM, so its conversions are tested on plain tensors.
 
 from __future__ import annotations
 
-import dataclasses
-
 import torch
 
 from kvpool.errors import InvalidParams
 
 CPU = "cpu_lbhnc"
 FLASH = "flash_2bnhd"
-
-
-@dataclasses.dataclass(frozen=True)
-class BlockGeometry:
-    """KV heads, block size and head dim of one layer's cache."""
-
-    kv_heads: int
-    block_size: int
-    head_dim: int
 
 
 def block_view(kv: torch.Tensor, layout: str, block_size: int) -> torch.Tensor:
