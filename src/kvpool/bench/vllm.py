@@ -74,20 +74,29 @@ def run_job(job: dict) -> dict:
     return {"startup_s": startup_s, "prompts": results, "metrics": metrics}
 
 
-def compare(out_path: str | None, question: str, max_tokens: int = 16) -> dict:
-    """The side-by-side figures of docs/bench.md, one fresh vLLM process per row:
-    a cold run without a connector; kvpool (first instance, then a second one over
-    shared memory and one over TCP); vLLM's bundled ExampleConnector (safetensors on
-    local disk), first and second instance. Runs in vLLM's environment."""
+def compare(out_path: str | None, question: str, max_tokens: int = 8, rounds: int = 2) -> dict:
+    """The side-by-side figures of docs/bench.md, one fresh vLLM process per run.
+
+    First instances fill kvpool and vLLM's bundled ExampleConnector (safetensors on
+    local disk); then ``rounds`` rounds, each running in turn: a cold run without a
+    connector, kvpool's second instance over shared memory, over TCP (``force_tcp``),
+    and ExampleConnector's second instance. Interleaving puts each row under the same
+    machine load; a row's figure is its median over rounds. Runs in vLLM's environment;
+    each run's vLLM log is kept next to ``out_path`` (``<out_path>.logs/``).
+    """
+    import statistics
     import subprocess
     import tempfile
+    from pathlib import Path
 
     from kvpool.engine.model_cli import model_folder
     from kvpool.launch import Cluster
 
     model = str(model_folder("smollm2"))
     prompts = [{"question": question, "max_tokens": max_tokens}]
-    rows = {}
+    logs = Path(f"{out_path or 'vllm-compare'}.logs")
+    logs.mkdir(parents=True, exist_ok=True)
+    runs: dict[str, list[dict]] = {}
     with tempfile.TemporaryDirectory() as tmp, Cluster(segment_size="1GiB") as cluster:
         def kvpool(**extra):
             return {"kv_connector": "KVPoolConnector", "kv_role": "kv_both",
@@ -95,29 +104,34 @@ def compare(out_path: str | None, question: str, max_tokens: int = 16) -> dict:
                     "kv_connector_extra_config": {"master": cluster.master_addr, **extra}}
         example = {"kv_connector": "ExampleConnector", "kv_role": "kv_both",
                    "kv_connector_extra_config": {"shared_storage_path": f"{tmp}/example"}}
-        plan = [("cold (no connector)", None), ("kvpool first instance", kvpool()),
-                ("kvpool second instance (shm)", kvpool()),
-                ("kvpool second instance (force_tcp)", kvpool(force_tcp=True)),
-                ("ExampleConnector first instance", example),
-                ("ExampleConnector second instance", example)]
+        rows = {"cold (no connector)": None, "kvpool second instance (shm)": kvpool(),
+                "kvpool second instance (force_tcp)": kvpool(force_tcp=True),
+                "ExampleConnector second instance": example}
+        plan = [("kvpool first instance", kvpool()), ("ExampleConnector first instance", example)]
+        plan += [item for _ in range(rounds) for item in rows.items()]
         for i, (name, conn) in enumerate(plan):
             job, out = f"{tmp}/job{i}.json", f"{tmp}/out{i}.json"
             with open(job, "w") as f:
                 json.dump({"model": model, "connector": conn, "prompts": prompts}, f)
-            subprocess.run([sys.executable, "-m", "kvpool.bench.vllm", "run", job, out],
-                           check=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+            with open(logs / f"{i:02d}.log", "w") as log:
+                subprocess.run([sys.executable, "-m", "kvpool.bench.vllm", "run", job, out],
+                               check=True, stdout=log, stderr=subprocess.STDOUT)
             with open(out) as f:
-                rows[name] = json.load(f)["prompts"][0]
-            r = rows[name]
+                r = json.load(f)["prompts"][0]
+            runs.setdefault(name, []).append(r)
             print(f"{name:38s} TTFT {r['ttft_s']:7.3f} s  total {r['wall_s']:7.3f} s  "
                   f"cached {r['num_cached_tokens']}/{r['prompt_tokens']}", flush=True)
-    cold = rows["cold (no connector)"]
-    summary = {name: {"ttft_s": r["ttft_s"], "wall_s": r["wall_s"],
-                      "num_cached_tokens": r["num_cached_tokens"],
-                      "prompt_tokens": r["prompt_tokens"],
-                      "ttft_ratio_vs_cold": cold["ttft_s"] / r["ttft_s"],
-                      "same_tokens_as_cold": r["output_ids"] == cold["output_ids"]}
-               for name, r in rows.items()}
+    cold_ids = runs["cold (no connector)"][0]["output_ids"]
+    cold_ttft = statistics.median(r["ttft_s"] for r in runs["cold (no connector)"])
+    summary = {}
+    for name, rs in runs.items():
+        ttft = statistics.median(r["ttft_s"] for r in rs)
+        summary[name] = {"ttft_s": ttft, "ttft_runs_s": [r["ttft_s"] for r in rs],
+                         "wall_s": statistics.median(r["wall_s"] for r in rs),
+                         "num_cached_tokens": rs[0]["num_cached_tokens"],
+                         "prompt_tokens": rs[0]["prompt_tokens"],
+                         "ttft_ratio_vs_cold": cold_ttft / ttft,
+                         "same_tokens_as_cold": all(r["output_ids"] == cold_ids for r in rs)}
     if out_path:
         with open(out_path, "w") as f:
             json.dump(summary, f, indent=1)

@@ -59,7 +59,7 @@ def key_space(vllm_config) -> KeySpace:
 class KVPoolConnector(KVConnectorBase_V1):
     """vLLM KV connector backed by a kvpool cluster (see the module docstring)."""
 
-    _cache_hit_source = CacheHitSource.P2P
+    _cache_hit_source = CacheHitSource.HOST  # pooled host memory (local or remote hosts)
 
     def __init__(self, vllm_config, role: KVConnectorRole, kv_cache_config=None):
         super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
