@@ -27,6 +27,7 @@ COMMANDS: dict[str, str] = {
     "generate": "kvpool.engine.cli",
     "plan": "kvpool.plan.cli",
     "bench": "kvpool.bench.cli",
+    "model": "kvpool.engine.model_cli",
 }
 
 

@@ -119,6 +119,17 @@ def payload_checksum(parts: Sequence) -> int:
     return h.intdigest()
 
 
+def seal_page(page, header: PageHeader) -> None:
+    """Write the header of a page whose payload already sits at ``page[HEADER_SIZE:]``.
+
+    For writers that gather a payload straight into a staging row (no second copy to
+    prepend the header). ``page``: a writable C-contiguous buffer of
+    ``HEADER_SIZE + header.payload_len`` bytes. Raises LengthMismatch otherwise.
+    """
+    view = memoryview(page).cast("B")
+    view[:HEADER_SIZE] = encode_header(header, [view[HEADER_SIZE:]])
+
+
 def decode_page(blob, expect: PageHeader) -> memoryview:
     """Check ``blob`` against ``expect`` and return a view of its payload.
 

@@ -1,0 +1,62 @@
+"""Store keys of vLLM blocks: vLLM's own block hashes inside a kvpool namespace.
+
+vLLM's block hashes (``request.block_hashes``, ``vllm/v1/core/kv_cache_utils.py``) chain
+the token ids, the LoRA adapter and the request's ``cache_salt`` from a seed; with the
+cryptographic algorithms (``sha256``, the default, and ``sha256_cbor``) the seed is
+``PYTHONHASHSEED`` or a fixed string, so two processes agree (``kvpool.cache.compat``
+recomputes them). kvpool binds each hash to a :class:`~kvpool.cache.namespace.Namespace`
+made of everything else that changes the bytes of a block: model and weights, KV dtype,
+block size, layout, tensor/pipeline rank and size, salt and LoRA (K13).
+"""
+
+from __future__ import annotations
+
+import functools
+from pathlib import Path
+
+from kvpool.cache.namespace import Namespace
+from kvpool.engine.models import folder_fingerprint
+from kvpool.integrations.common import engine_store_keys
+
+# Algorithms whose block hashes are reproducible across processes (vLLM's
+# _NON_CRYPTO_HASH_FUNCTIONS get a random seed unless PYTHONHASHSEED is set).
+REPRODUCIBLE_HASHES = ("sha256", "sha256_cbor")
+
+
+class KeySpace:
+    """Namespaces and store keys of one vLLM deployment (one per connector).
+
+    Args:
+        model: the model path or name vLLM serves.
+        dtype: KV dtype name ("float32", "bfloat16", "fp8", ...).
+        block_size: tokens per vLLM block.
+        device: vLLM's device type ("cpu", "cuda"), part of the layout name.
+        tp_size, pp_size: parallel sizes; hash_algo: vLLM's prefix_caching_hash_algo.
+    """
+
+    def __init__(self, model: str, dtype: str, block_size: int, device: str, tp_size: int = 1,
+                 pp_size: int = 1, hash_algo: str = "sha256", revision: str | None = None):
+        path = Path(model)
+        self.model = path.name if path.is_dir() else model
+        self.fingerprint = folder_fingerprint(path) if path.is_dir() else (revision or "")
+        self.dtype, self.block_size, self.device = dtype, block_size, device
+        self.tp_size, self.pp_size, self.hash_algo = tp_size, pp_size, hash_algo
+
+    @functools.lru_cache(maxsize=1024)
+    def digest(self, tp_rank: int, pp_rank: int, cache_salt: str, lora: str) -> bytes:
+        """The namespace digest of one rank, salt and LoRA adapter (32 bytes)."""
+        return Namespace(
+            model=self.model, weights_fingerprint=self.fingerprint, dtype=self.dtype,
+            page_size=self.block_size, kv_layout=f"layer_first/vllm-{self.device}",
+            tp_rank=tp_rank, tp_size=self.tp_size, pp_rank=pp_rank, pp_size=self.pp_size,
+            cache_salt=cache_salt, lora=lora, extra=("vllm-block-hash", self.hash_algo),
+        ).digest()
+
+    def ranks(self) -> list[tuple[int, int]]:
+        """Every (tp_rank, pp_rank) that stores its own object per block."""
+        return [(t, p) for p in range(self.pp_size) for t in range(self.tp_size)]
+
+    def store_keys(self, hashes, tp_rank: int, pp_rank: int, cache_salt: str,
+                   lora: str) -> list[str]:
+        """Store object names of vLLM block hashes for one rank."""
+        return engine_store_keys(self.digest(tp_rank, pp_rank, cache_salt, lora), hashes)

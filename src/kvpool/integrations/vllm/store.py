@@ -1,0 +1,154 @@
+"""The connector's view of kvpool: a Client that may be absent, and its metrics.
+
+vLLM must keep serving when kvpool's master is down or the store is full: every store
+call goes through :class:`GuardedStore`, which turns a failure into "no result" (the
+connector then reports no hit and saves nothing, so vLLM computes everything itself),
+logs the outage once, and tries to reconnect after ``retry_s``. Counters live in
+:data:`REGISTRY`, a Prometheus registry of this process (``metrics_port`` serves it).
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable
+from typing import TypeVar
+
+from prometheus_client import CollectorRegistry, Counter, start_http_server
+
+from kvpool.client import Client
+from kvpool.errors import KVPoolError
+
+T = TypeVar("T")
+
+REGISTRY = CollectorRegistry(auto_describe=True)
+LOOKUP_BLOCKS = Counter("kvpool_vllm_lookup_blocks", "blocks looked up in kvpool beyond "
+                        "vLLM's local hit, by result", ["result"], registry=REGISTRY)
+BLOCKS_LOADED = Counter("kvpool_vllm_blocks_loaded", "blocks loaded from kvpool into vLLM",
+                        registry=REGISTRY)
+BYTES_LOADED = Counter("kvpool_vllm_bytes_loaded", "bytes of stored pages loaded",
+                       registry=REGISTRY)
+BLOCKS_SAVED = Counter("kvpool_vllm_blocks_saved", "blocks saved from vLLM into kvpool",
+                       registry=REGISTRY)
+BYTES_SAVED = Counter("kvpool_vllm_bytes_saved", "bytes of stored pages saved",
+                      registry=REGISTRY)
+SAVES_SKIPPED = Counter("kvpool_vllm_saves_skipped", "blocks not saved, by reason "
+                        "(exists, no_space, unavailable, ...)", ["reason"], registry=REGISTRY)
+LOAD_ERRORS = Counter("kvpool_vllm_load_errors", "blocks that failed to load and were "
+                      "recomputed, by reason (missing, checksum, namespace, ...)", ["reason"],
+                      registry=REGISTRY)
+UNAVAILABLE = Counter("kvpool_vllm_store_unavailable", "store calls that failed because "
+                      "kvpool could not be reached", registry=REGISTRY)
+
+_served_ports: set[int] = set()
+_shared: dict[tuple[str, bool], "GuardedStore"] = {}
+_shared_lock = threading.Lock()
+
+
+def serve_metrics(port: int) -> None:
+    """Serve :data:`REGISTRY` over HTTP on ``port`` (once per process and port)."""
+    if port and port not in _served_ports:
+        start_http_server(port, registry=REGISTRY)
+        _served_ports.add(port)
+
+
+def snapshot() -> dict[str, float]:
+    """Every sample of :data:`REGISTRY` as ``{"name{label=value}": value}`` (for tests)."""
+    out = {}
+    for family in REGISTRY.collect():
+        for s in family.samples:
+            if s.name.endswith("_created"):
+                continue
+            labels = ",".join(f"{k}={v}" for k, v in sorted(s.labels.items()))
+            out[f"{s.name}{{{labels}}}" if labels else s.name] = s.value
+    return out
+
+
+class GuardedStore:
+    """A lazily connected :class:`~kvpool.client.Client` whose failures are not vLLM's.
+
+    Args:
+        master: "host:port" of kvpool's master.
+        force_tcp, timeout_s: as for Client.
+        log: a logging.Logger (vLLM's), told once per outage and once on recovery.
+        retry_s: seconds between reconnection attempts while kvpool is unreachable.
+        clock: monotonic clock in seconds (injected by tests).
+    """
+
+    def __init__(self, master: str, force_tcp: bool, timeout_s: float, log, retry_s: float = 30.0,
+                 clock: Callable[[], float] = time.monotonic):
+        self.master, self.force_tcp, self.timeout_s = master, force_tcp, timeout_s
+        self.log, self.retry_s, self.clock = log, retry_s, clock
+        self._client: Client | None = None
+        self._down_since: float | None = None
+        self._next_try = 0.0
+        self._lock = threading.Lock()
+
+    @classmethod
+    def shared(cls, master: str, force_tcp: bool, timeout_s: float, log,
+               retry_s: float = 30.0) -> "GuardedStore":
+        """One store per (master, force_tcp) in a process, so that the scheduler and
+        worker connectors of an in-process engine share a client and say an outage once."""
+        key = (master, force_tcp)
+        with _shared_lock:
+            if key not in _shared:
+                _shared[key] = cls(master, force_tcp, timeout_s, log, retry_s)
+            return _shared[key]
+
+    @property
+    def down(self) -> bool:
+        """True while kvpool is known unreachable and no reconnection is due yet."""
+        return self._client is None and self._down_since is not None \
+            and self.clock() < self._next_try
+
+    def call(self, what: str, fn: Callable[[Client], T]) -> T | None:
+        """``fn(client)``, or None when kvpool cannot be reached now (logged once)."""
+        client = self._connect()
+        if client is None:
+            UNAVAILABLE.inc()
+            return None
+        try:
+            return fn(client)
+        except (KVPoolError, OSError) as exc:
+            self._fail(what, exc)
+            UNAVAILABLE.inc()
+            return None
+
+    def _connect(self) -> Client | None:
+        with self._lock:
+            if self._client is not None:
+                return self._client
+            if self.clock() < self._next_try:
+                return None
+            try:
+                self._client = Client(self.master, force_tcp=self.force_tcp,
+                                      timeout_s=self.timeout_s)
+            except (KVPoolError, OSError) as exc:
+                self._mark_down("connect", exc)
+                return None
+            if self._down_since is not None:
+                self.log.info("kvpool: master %s is reachable again; loading and saving KV "
+                              "blocks resumes", self.master)
+            self._down_since = None
+            return self._client
+
+    def _fail(self, what: str, exc: Exception) -> None:
+        with self._lock:
+            if self._client is not None:
+                self._client.close()
+                self._client = None
+            self._mark_down(what, exc)
+
+    def _mark_down(self, what: str, exc: Exception) -> None:
+        if self._down_since is None:
+            self._down_since = self.clock()
+            self.log.warning("kvpool: %s at master %s failed (%s); vLLM computes every token "
+                             "itself until kvpool is back (retrying every %.0f s)",
+                             what, self.master, exc, self.retry_s)
+        self._next_try = self.clock() + self.retry_s
+
+    def close(self) -> None:
+        with self._lock:
+            if self._client is not None:
+                self._client.close()
+                self._client = None

