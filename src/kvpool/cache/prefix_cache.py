@@ -128,7 +128,13 @@ class PrefixCache:
             self.metrics.inc("key_collisions")
         n_l3 = 0
         if self.l3_tier is not None and not collision and len(nodes) < len(keys):
-            n_l3 = self.l3_tier.present(keys[len(nodes):])
+            try:
+                n_l3 = self.l3_tier.present(keys[len(nodes):])
+            except BaseException:  # a bug below (not a miss): leave no page locked
+                with self._lock:
+                    if locked is not None:
+                        self.tree.unlock(locked)
+                raise
         m = Match(len(nodes) + n_l3, self.page_size, [], nodes,
                   keys[len(nodes):len(nodes) + n_l3], toks[len(nodes):len(nodes) + n_l3], locked)
         # a collective across ranks: called without the lock, the match's pages stay locked
