@@ -13,6 +13,7 @@ import torch
 from kvpool.cache.host_pool import HostPool
 from kvpool.cache.metrics import CacheMetrics
 from kvpool.cache.pool import PagePool
+from kvpool.cache.prefetch import PrefetchHandle
 from kvpool.cache.tree import Node, RadixTree, Tier
 
 
@@ -74,6 +75,30 @@ class Placement:
         finally:
             self.tree.unlock(tail)
         return nodes
+
+    def extend_held(self, held: Node | None, keys: list[bytes], toks: list[bytes],
+                    pages: torch.Tensor, tier: Tier) -> list[Node]:
+        """:meth:`extend` below ``held`` (a node its caller holds locked; None: the root)
+        with pages just read from L3, and move that lock to the chain's new tail.
+        Returns the chain's nodes; the caller holds ``nodes[-1]`` from now on when there
+        are any (and still ``held`` when there are none)."""
+        nodes = self.extend(held or self.tree.root, keys, toks, pages, tier, backed_up=True)
+        if nodes:
+            self.tree.lock(nodes[-1])
+            if held is not None:
+                self.tree.unlock(held)
+        return nodes
+
+    def land(self, h: PrefetchHandle, lo: int, pages: torch.Tensor) -> int:
+        """Put prefetched pages ``h.keys[lo:lo + len(pages)]`` into the tree below
+        ``h.tail`` (in L2, or L1 without L2); ``h`` then holds the new tail. Returns the
+        pages the tree took."""
+        tier = Tier.L2 if self.l2 is not None else Tier.L1
+        hi = lo + pages.shape[0]
+        added = self.extend_held(h.tail, h.keys[lo:hi], h.tokens[lo:hi], pages, tier)
+        h.tail = added[-1] if added else h.tail
+        h.landed += len(added)
+        return len(added)
 
     def _place(self, tier: Tier, n: int) -> list[tuple[Tier, int]]:
         """Up to ``n`` (tier, slot) places for new pages, in chain order: ``tier`` first;

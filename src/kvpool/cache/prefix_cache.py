@@ -161,10 +161,8 @@ class PrefixCache:
 
         ``out``: optional destination ``[m.num_pages, *page_shape]`` of this cache's dtype,
         with any strides (e.g. a permuted view of the engine's own KV layout), filled
-        instead of a new tensor; the result is then ``out[:m.num_pages]``. Each page is
-        copied once into it: L1 pages straight from the pool, L3 pages from where the
-        store's bytes landed (and checked).
-        The first load of a match counts its L3 part: ``hit_tokens_l3`` for the pages
+        instead of a new tensor (each page copied once into it); the result is then
+        ``out[:m.num_pages]``. The first load of a match counts its L3 part: ``hit_tokens_l3`` for the pages
         that landed and passed their check, ``lost_tokens_l3`` for those L3 announced at
         :meth:`match` that did not (K21).
         Raises InvalidParams for a released match or an ``out`` of another shape or dtype.
@@ -290,22 +288,10 @@ class PrefixCache:
             self._release_prefetch(h)
 
     def _land_prefetch(self, h: PrefetchHandle, lo: int, pages: torch.Tensor) -> int | None:
-        """Put prefetched pages ``h.keys[lo:lo + len(pages)]`` into the tree (L2, or L1
-        without L2) below ``h.tail``; None when ``h`` was cancelled meanwhile (scheduled:
-        its locks may be gone already). Runs on the prefetch thread."""
-        tier = Tier.L2 if self.l2 is not None else Tier.L1
-        hi = lo + pages.shape[0]
+        """Land a prefetched batch (the L3 tier's callback, on its prefetch thread); None
+        when ``h`` was cancelled meanwhile (scheduled: its locks may be gone already)."""
         with self._lock:
-            if h.cancelled():
-                return None
-            added = self.placement.extend(h.tail, h.keys[lo:hi], h.tokens[lo:hi], pages,
-                                          tier, backed_up=True)
-            if added:
-                self.tree.lock(added[-1])
-                self.tree.unlock(h.tail)
-                h.tail = added[-1]
-            h.landed += len(added)
-        return len(added)
+            return None if h.cancelled() else self.placement.land(h, lo, pages)
 
     def _release_prefetch(self, h: PrefetchHandle) -> None:
         if h.tail is not None:
@@ -338,16 +324,12 @@ class PrefixCache:
             return
         if pages < len(m.nodes):
             m.nodes = m.nodes[:pages]
-            self._move_lock(m, m.nodes[-1] if m.nodes else None)
-        m.truncate(pages)
-
-    def _move_lock(self, m: Match, node: Node | None) -> None:
-        """Make ``node`` the one ``m`` holds locked (lock first: the path stays held)."""
-        if node is not None:
-            self.tree.lock(node)
-        if m.locked is not None:
+            new_lock = m.nodes[-1] if m.nodes else None
+            if new_lock is not None:
+                self.tree.lock(new_lock)  # first: the shared path stays held
             self.tree.unlock(m.locked)
-        m.locked = node
+            m.locked = new_lock
+        m.truncate(pages)
 
     def _adopt(self, m: Match, pages: torch.Tensor) -> None:
         """Put pages just read from L3 into the tree: they join ``m.nodes`` (so a second
@@ -356,11 +338,11 @@ class PrefixCache:
             return
         n = pages.shape[0]
         with self._lock:
-            added = self.placement.extend(m.locked or self.tree.root, m.l3_keys[:n],
-                                          m.l3_tokens[:n], pages, Tier.L1, backed_up=True)
+            added = self.placement.extend_held(m.locked, m.l3_keys[:n], m.l3_tokens[:n], pages,
+                                               Tier.L1)
             if not added:
                 return
-            self._move_lock(m, added[-1])
+            m.locked = added[-1]
             m.nodes = m.nodes + added
             m.l3_keys, m.l3_tokens = m.l3_keys[len(added):], m.l3_tokens[len(added):]
 
