@@ -104,7 +104,7 @@ class DiskBackend:
         path = self._file(key)
         view = memoryview(buf).cast("B")
         try:
-            with open(path, "rb") as f:
+            with open(path, "rb", buffering=0) as f:  # one read(2) into the row
                 size = os.fstat(f.fileno()).st_size
                 if size > view.nbytes:
                     return int(ErrorCode.BUFFER_OVERFLOW)
