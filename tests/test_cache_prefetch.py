@@ -38,10 +38,10 @@ class GatedDisk(DiskBackend):
             assert self.exists_gate.wait(30)
         return super().exists(keys)
 
-    def get(self, keys):
+    def get_into(self, keys, bufs):
         if self._from_prefetch():
             assert self.reads.acquire(timeout=30)
-        return super().get(keys)
+        return super().get_into(keys, bufs)
 
 
 @pytest.fixture

@@ -224,3 +224,68 @@ def test_loading_a_match_twice_gives_the_same_pages_and_a_sound_tree(disk):
     assert m.tiers == ["L3"] * 3 and cache.tree.num_nodes == 3
     assert sorted(n.index for n in cache.tree.nodes()) == [0, 1, 2]
     assert all(n.lock_ref == 0 for n in cache.tree.nodes())
+
+
+class FailingDisk(DiskBackend):
+    """A real disk backend whose calls raise ``error`` once ``failing`` is set."""
+
+    def __init__(self, path, error):
+        super().__init__(path, max_bytes=1 << 20)
+        self.error, self.failing = error, False
+
+    def _maybe_fail(self):
+        if self.failing:
+            raise self.error
+
+    def exists(self, keys):
+        self._maybe_fail()
+        return super().exists(keys)
+
+    def get_into(self, keys, bufs):
+        self._maybe_fail()
+        return super().get_into(keys, bufs)
+
+    def put(self, keys, blobs):
+        self._maybe_fail()
+        return super().put(keys, blobs)
+
+
+def test_an_l3_medium_failure_is_a_miss_and_counted(tmp_path):
+    tokens = list(range(12))
+    disk = FailingDisk(tmp_path, OSError(5, "I/O error"))
+    make(l3=disk).insert(tokens, kv(3))
+    disk.failing = True
+    reader = make(l3=disk)
+    assert lookup(reader, tokens)[:2] == (0, [])  # exists failed: nothing announced
+    disk.failing = False
+    m = reader.match(tokens)
+    disk.failing = True  # present at match, unreadable at load
+    assert m.num_pages == 3 and reader.load(m).shape[0] == 0 and m.num_pages == 0
+    reader.release(m)
+    assert reader.insert(list(range(16)), kv(4)) == 4  # the backup fails, the insert stands
+    assert reader.metrics["l3_errors"] == 3 and reader.metrics["lost_tokens_l3"] == 3 * PAGE
+
+
+def test_invalid_params_from_an_l3_backend_is_raised_not_a_miss(tmp_path):
+    """A programming error (a malformed key or buffer list) must surface, not read as
+    "L3 does not have it"."""
+    tokens = list(range(12))
+    disk = FailingDisk(tmp_path, InvalidParams("malformed call"))
+    make(l3=disk).insert(tokens, kv(3))
+    reader = make(l3=disk)
+    reader.insert(tokens[:4], kv(1))  # page 0 in the tree: the match locks it first
+    disk.failing = True
+    with pytest.raises(InvalidParams):
+        reader.match(tokens)
+    assert not any(n.lock_ref for n in reader.tree.nodes())
+    disk.failing = False
+    m = reader.match(tokens)
+    disk.failing = True
+    with pytest.raises(InvalidParams):
+        reader.load(m)
+    reader.release(m)
+    with pytest.raises(InvalidParams):
+        reader.insert(list(range(16)), kv(4))  # synchronous backup: raised from insert
+    assert reader.metrics["l3_errors"] == 0
+    disk.failing = False
+    assert lookup(reader, list(range(16)))[0] == 4  # the tree and its locks stayed sound

@@ -231,7 +231,7 @@ class CacheMachine(RuleBasedStateMachine):
 
         def take_and_give_back():
             with self.cache._lock:
-                slots = [s for s in (self.cache._alloc(tier) for _ in range(n)) if s is not None]
+                slots = [s for s in (self.cache.placement.alloc(tier) for _ in range(n)) if s is not None]
                 for slot in slots:
                     pool.free(slot)
 

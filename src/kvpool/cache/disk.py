@@ -4,7 +4,7 @@ Files are written to a temporary name in the same directory and renamed into pla
 (``os.replace`` is atomic on POSIX), so a reader never sees half a page and a crash
 leaves at most a temporary file, removed at the next start. The directory survives
 restarts: at start the backend lists it and rebuilds its LRU order from file mtimes;
-``get`` refreshes the mtime. Over ``max_bytes``, least recently used files are deleted.
+a read refreshes the mtime. Over ``max_bytes``, least recently used files are deleted.
 The LRU bookkeeping is per process: one process should own a directory at a time
 (another one's files still read correctly, they are only not counted).
 """
@@ -19,13 +19,16 @@ from collections import OrderedDict
 from collections.abc import Sequence
 from pathlib import Path
 
-from kvpool.errors import InvalidParams
+from kvpool.errors import ErrorCode, InvalidParams
 
 _TMP_PREFIX = ".tmp-"
 
 
 class DiskBackend:
-    """Pages as files under ``path``.
+    """Pages as files under ``path`` (an :class:`~kvpool.cache.l3.L3Backend`).
+
+    Raises OSError when the directory cannot be read or written as a whole (the cache
+    counts it as an L3 error); a file that vanished is OBJECT_NOT_FOUND, not an error.
 
     Args:
         path: directory (created if missing).
@@ -50,7 +53,14 @@ class DiskBackend:
     def put(self, keys: Sequence[str], blobs: Sequence[bytes]) -> list[bool]:
         return [self._put_one(k, b) for k, b in zip(keys, blobs, strict=True)]
 
+    def get_into(self, keys: Sequence[str], bufs: Sequence) -> list[int]:
+        """Read each file into its writable buffer; per key the bytes read, or
+        OBJECT_NOT_FOUND / BUFFER_OVERFLOW (file larger than the buffer)."""
+        return [self._read_into(k, b) for k, b in zip(keys, bufs, strict=True)]
+
     def get(self, keys: Sequence[str]) -> list[bytes | None]:
+        """Whole files as bytes, None when absent (for tools and tests; the cache reads
+        through :meth:`get_into`)."""
         return [self._get_one(k) for k in keys]
 
     def _file(self, key: str) -> Path:
@@ -89,6 +99,22 @@ class DiskBackend:
             return None
         self._used(path, len(data))
         return data
+
+    def _read_into(self, key: str, buf) -> int:
+        path = self._file(key)
+        view = memoryview(buf).cast("B")
+        try:
+            with open(path, "rb", buffering=0) as f:  # one read(2) into the row
+                size = os.fstat(f.fileno()).st_size
+                if size > view.nbytes:
+                    return int(ErrorCode.BUFFER_OVERFLOW)
+                n = f.readinto(view[:size])
+            os.utime(path)
+        except FileNotFoundError:
+            self._forget(path)
+            return int(ErrorCode.OBJECT_NOT_FOUND)
+        self._used(path, size)
+        return n
 
     def _used(self, path: Path, size: int) -> None:
         """Count ``path`` (once) and make it the most recently used."""

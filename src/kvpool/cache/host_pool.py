@@ -20,13 +20,13 @@ from multiprocessing import resource_tracker, shared_memory
 
 import torch
 
-from kvpool.cache.pool import FreeSlots
+from kvpool.cache.pool import FreeSlots, SlotPool
 from kvpool.errors import InvalidParams
 
 LAYOUTS = ("layer_first", "page_first", "page_first_direct")
 
 
-class HostPool:
+class HostPool(SlotPool):
     """``num_pages`` KV pages in shared memory.
 
     Args:
@@ -66,22 +66,11 @@ class HostPool:
                 self._shm.close()
                 raise InvalidParams(f"shared memory {name!r} is smaller than this pool")
         self.kv = torch.frombuffer(self._shm.buf, dtype=torch.uint8, count=nbytes).view(dtype).view(dims)
-        self._slots = FreeSlots(num_pages if create else 0)
+        self._slots = FreeSlots(num_pages if create else 0)  # only the owner hands out slots
 
     @property
     def name(self) -> str:
         return self._shm.name
-
-    @property
-    def num_free(self) -> int:
-        return len(self._slots)
-
-    def alloc(self) -> int | None:
-        """A free slot, or None when full (slots are handed out by the owner only)."""
-        return self._slots.alloc()
-
-    def free(self, slot: int) -> None:
-        self._slots.free(slot)
 
     def page(self, slot: int) -> torch.Tensor:
         """A view of page ``slot`` in the engine layout ``[L, 2, H, P, D]`` (strided)."""

@@ -18,7 +18,8 @@ Names (all monotonically increasing integers):
     page_rejects, page_rejects_<why> L3 pages refused on load (checksum, namespace, ...)
     l3_vanished                      L3 reads cut at a page present at match() (or in a
                                      prefetch plan) but gone when read; once per read
-    l3_errors                        L3 calls that failed as a whole (treated as misses)
+    l3_errors                        L3 calls that failed as a whole (l3.BACKEND_ERRORS:
+                                     treated as misses; other errors propagate)
     key_collisions                   same page key, different token ids (never a hit)
     l1_full, l2_full                 placements cut short (insert, prefetch landing, copy
                                      to L2): no page of the tier could go

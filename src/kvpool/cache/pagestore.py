@@ -15,18 +15,19 @@ from collections.abc import Sequence
 import numpy as np
 import torch
 
-from kvpool.cache.codec import PageFormatError, PageHeader, decode_page, encode_page
+from kvpool.cache.codec import HEADER_SIZE, PageFormatError, PageHeader, decode_page, encode_page
 from kvpool.cache.keys import store_key
-from kvpool.cache.l3 import L3Backend, present_prefix, read_objects_into
-from kvpool.errors import InvalidParams
+from kvpool.cache.l3 import L3Backend
+from kvpool.errors import ErrorCode, InvalidParams
 
 OBJECT_LAYOUTS = {"page": ("",), "kv": ("k", "v")}
 
 
 @dataclasses.dataclass
 class ReadResult:
-    """Outcome of :meth:`PageStore.read`: ``good`` leading pages were copied; ``reason``
-    says why the next one was not ("vanished", or a PageFormatError reason), or None."""
+    """Outcome of :meth:`PageStore.read_into`: ``good`` leading pages landed and passed
+    their check (``nbytes`` payload bytes); ``reason`` says why the next one did not
+    ("vanished", "length", or a PageFormatError reason), or None."""
 
     good: int
     reason: str | None = None
@@ -37,7 +38,7 @@ class PageStore:
     """Read and write whole pages of one namespace through an L3 backend.
 
     Args:
-        backend: the L3 backend (exists/put/get by store key).
+        backend: the L3 backend (exists/get_into/put by store key).
         ns_digest: the namespace digest (32 bytes) every header must carry.
         page_size: tokens per page.
         page_shape: shape of one page tensor; with ``object_layout="kv"`` dim 1 must be 2.
@@ -66,7 +67,8 @@ class PageStore:
         """How many leading pages of ``keys`` have every object in L3 now."""
         flags = self.backend.exists([k for key in keys for k in self.object_keys(key)])
         n = len(self.parts)
-        return present_prefix([all(flags[i * n:(i + 1) * n]) for i in range(len(keys))])
+        whole = [all(flags[i * n:(i + 1) * n]) for i in range(len(keys))]
+        return whole.index(False) if False in whole else len(whole)
 
     def missing(self, keys: Sequence[bytes]) -> list[bool]:
         """Per page: True when some object of it is absent from L3."""
@@ -90,51 +92,49 @@ class PageStore:
         ok = [all(stored[i * n:(i + 1) * n]) for i in range(len(keys))]
         return ok, sum(len(b) for b, s in zip(blobs, stored) if s)
 
-    def read(self, keys: Sequence[bytes], first_index: int, out: torch.Tensor) -> ReadResult:
-        """Read pages ``keys`` (page numbers from ``first_index``) into ``out[j]``.
-
-        Stops at the first page with an object missing or failing its header check.
-        """
-        blobs = self.backend.get([k for key in keys for k in self.object_keys(key)])
-        payloads, reason = self._check(["vanished" if b is None else b for b in blobs],
-                                       keys, first_index)
-        n = len(self.parts)
-        good = len(payloads) // n
-        for j in range(good):
-            self._join(payloads[j * n:(j + 1) * n], out[j])
-        return ReadResult(good, reason, good * n * self.part_bytes)
+    def staging(self, n: int) -> np.ndarray:
+        """New staging rows for :meth:`read_into` of ``n`` pages: uint8
+        ``[n, objects per page, HEADER_SIZE + part_bytes]``."""
+        return np.empty((n, len(self.parts), HEADER_SIZE + self.part_bytes), dtype=np.uint8)
 
     def read_into(self, keys: Sequence[bytes], first_index: int, raw: np.ndarray) -> ReadResult:
-        """Read pages ``keys`` straight into the rows ``raw[j]`` and check them there.
+        """Read pages ``keys`` (page numbers from ``first_index``) straight into the rows
+        of ``raw`` and check them there.
 
-        For a backend with ``get_into`` and ``object_layout="page"`` only. ``raw``: writable
-        uint8 ``[len(keys), HEADER_SIZE + part_bytes]``; after the call row j holds page j
-        as stored, header then payload (no copy of the payload is made). Stops at the
-        first page missing or failing its header check ("length": larger than its row).
-        Raises InvalidParams for the "kv" layout.
+        ``raw``: writable uint8 ``[>= len(keys), objects per page, HEADER_SIZE +
+        part_bytes]`` (:meth:`staging`); afterwards ``raw[j, p]`` holds object ``p`` of
+        page ``j`` as stored, header then payload (no copy of the payload is made; read
+        the pages with :meth:`pages`). Stops at the first page with an object missing
+        ("vanished"), larger than its row ("length") or failing its header check.
         """
-        if len(self.parts) != 1:
-            raise InvalidParams("read_into needs object_layout 'page' (one object per page)")
-        objects = read_objects_into(self.backend, [store_key(key) for key in keys], raw)
-        payloads, reason = self._check(objects, keys, first_index)
-        return ReadResult(len(payloads), reason, len(payloads) * self.part_bytes)
-
-    def _check(self, objects: Sequence, keys: Sequence[bytes], first_index: int
-               ) -> tuple[list[memoryview], str | None]:
-        """Check objects (in :meth:`object_keys` order per page; each stored bytes, or a
-        reason string it was not read) against the headers they must carry. Returns (the
-        payload views of the leading objects that passed, why the next did not or None)."""
-        payloads, n = [], len(self.parts)
-        for i, obj in enumerate(objects):
-            if isinstance(obj, str):
-                return payloads, obj
+        n = len(self.parts)
+        rows = [raw[j, p] for j in range(len(keys)) for p in range(n)]
+        sizes = self.backend.get_into([k for key in keys for k in self.object_keys(key)], rows)
+        for i, size in enumerate(sizes):
             j, part = divmod(i, n)
+            if size < 0:
+                return self._result(j, "length" if size == ErrorCode.BUFFER_OVERFLOW
+                                    else "vanished")
             try:
-                payloads.append(decode_page(obj, self._header(keys[j], self.parts[part],
-                                                              first_index + j)))
+                decode_page(memoryview(rows[i])[:size],
+                            self._header(keys[j], self.parts[part], first_index + j))
             except PageFormatError as exc:
-                return payloads, exc.reason
-        return payloads, None
+                return self._result(j, exc.reason)
+        return self._result(len(keys), None)
+
+    def pages(self, raw: np.ndarray, n: int, page_shape: Sequence[int], dtype: torch.dtype
+              ) -> torch.Tensor:
+        """The first ``n`` pages of staging rows ``raw`` as a tensor ``[n, *page_shape]``
+        of ``dtype``: a strided view of the payloads, no copy. With the "kv" layout the
+        K and V objects are the two halves of dim 1 of the page shape."""
+        payload = torch.from_numpy(raw[:n])[:, :, HEADER_SIZE:].view(dtype)
+        if len(self.parts) == 1:
+            return payload[:, 0].view(n, *page_shape)
+        halves = payload.view(n, len(self.parts), page_shape[0], *page_shape[2:])
+        return halves.transpose(1, 2)
+
+    def _result(self, good: int, reason: str | None) -> ReadResult:
+        return ReadResult(good, reason, good * len(self.parts) * self.part_bytes)
 
     def _header(self, key: bytes, part: str, index: int) -> PageHeader:
         """The header object ``part`` of page ``key`` (page number ``index``) carries."""
@@ -146,15 +146,6 @@ class PageStore:
             return [_as_bytes(page)]
         return [_as_bytes(page.select(1, i)) for i in range(len(self.parts))]
 
-    def _join(self, payloads: list[memoryview], dst: torch.Tensor) -> None:
-        if len(payloads) == 1:
-            _copy_into(payloads[0], dst)
-            return
-        for i, payload in enumerate(payloads):
-            half = torch.empty_like(dst.select(1, i), device="cpu")
-            _copy_into(payload, half)
-            dst.select(1, i).copy_(half)
-
 
 def _object_digest(key: bytes, part: str) -> bytes:
     """What an object's header binds it to: the page key, or SHA-256(key || "/" || part)."""
@@ -164,13 +155,3 @@ def _object_digest(key: bytes, part: str) -> bytes:
 def _as_bytes(page: torch.Tensor) -> np.ndarray:
     """The raw bytes of a tensor (any dtype or device) as a contiguous uint8 array."""
     return page.detach().contiguous().reshape(-1).view(torch.uint8).cpu().numpy()
-
-
-def _copy_into(payload: memoryview, dst: torch.Tensor) -> None:
-    """Copy raw bytes into the contiguous tensor ``dst`` (same byte count)."""
-    src = np.frombuffer(payload, dtype=np.uint8)
-    flat = dst.reshape(-1).view(torch.uint8)
-    if flat.device.type == "cpu":
-        np.copyto(flat.numpy(), src)
-    else:
-        flat.copy_(torch.from_numpy(src.copy()))

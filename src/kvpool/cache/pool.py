@@ -38,7 +38,25 @@ class FreeSlots:
         self._free.append(slot)
 
 
-class PagePool:
+class SlotPool:
+    """Slot bookkeeping of a page pool (L1 and L2): subclasses set ``self._slots``."""
+
+    _slots: FreeSlots
+
+    @property
+    def num_free(self) -> int:
+        return len(self._slots)
+
+    def alloc(self) -> int | None:
+        """One free slot, or None when the pool is full (the caller evicts first)."""
+        return self._slots.alloc()
+
+    def free(self, slot: int) -> None:
+        """Return ``slot`` to the free list."""
+        self._slots.free(slot)
+
+
+class PagePool(SlotPool):
     """``num_pages`` pages of ``page_shape`` in one tensor.
 
     Args:
@@ -64,15 +82,3 @@ class PagePool:
     @property
     def num_pages(self) -> int:
         return self.data.shape[0]
-
-    @property
-    def num_free(self) -> int:
-        return len(self._slots)
-
-    def alloc(self) -> int | None:
-        """One free slot, or None when the pool is full (the caller evicts first)."""
-        return self._slots.alloc()
-
-    def free(self, slot: int) -> None:
-        """Return ``slot`` to the free list."""
-        self._slots.free(slot)

@@ -10,6 +10,7 @@ from __future__ import annotations
 import threading
 import time
 
+from kvpool.cache.policies import PrefetchConfig
 from kvpool.cache.tree import Node
 
 OUTCOMES = ("pending", "complete", "skipped", "cancelled", "failed")
@@ -61,6 +62,18 @@ class PrefetchHandle:
     def wait(self, timeout: float | None = None) -> bool:
         """Wait until the prefetch stopped; True if it did within ``timeout`` seconds."""
         return self._finished.wait(timeout)
+
+    def stop(self, config: PrefetchConfig, page_size: int) -> None:
+        """Stop as ``self.policy`` says when the request is scheduled (``config`` gives
+        the timeout budget; ``page_size`` tokens per page)."""
+        if self.policy == "wait_complete":
+            self.wait()
+        elif self.policy == "timeout":
+            tokens = (self.planned if self.planned is not None else len(self.keys)) * page_size
+            self.wait(max(0.0, self.started + config.timeout_s(tokens) - time.monotonic()))
+        # No wait after cancel: a batch still in flight is dropped when it arrives
+        # (the prefetch thread checks under the lock), so scheduling never blocks on it.
+        self.cancel()
 
     # -- used by the cache and its prefetch thread ------------------------------------
     def claim(self) -> bool:

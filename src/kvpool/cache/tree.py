@@ -17,15 +17,30 @@ entry is used only if it is still current and the node is still evictable.
 
 from __future__ import annotations
 
+import enum
 import heapq
 import itertools
 from collections.abc import Collection, Iterator, Sequence
 
-TIERS = ("L1", "L2")
+
+class Tier(enum.StrEnum):
+    """Where a page is held: L1 (device pool), L2 (host shared memory), L3 (store/disk).
+
+    A StrEnum: ``Tier.L1 == "L1"``, and it formats as "L1", so metric labels, JSON and
+    ``Match.tiers`` compare equal to the plain names callers already use.
+    """
+
+    L1 = "L1"
+    L2 = "L2"
+    L3 = "L3"
+
+
+TIERS = (Tier.L1, Tier.L2)  # the tiers a tree node can hold a slot in
+NO_SLOT = -1                # Node.l1 / Node.l2 when the page is not held in that tier
 
 
 class Node:
-    """One cached page. ``l1``/``l2`` are pool slots (-1 when absent)."""
+    """One cached page. ``l1``/``l2`` are pool slots (NO_SLOT when absent)."""
 
     __slots__ = ("key", "tokens", "parent", "index", "children", "l1", "l2", "lock_ref",
                  "last_access", "hits", "backed_up", "backup_pending", "alive")
@@ -36,8 +51,8 @@ class Node:
         self.parent = parent
         self.index = parent.index + 1 if parent is not None else -1  # page number
         self.children: dict[bytes, Node] = {}
-        self.l1 = -1
-        self.l2 = -1
+        self.l1 = NO_SLOT
+        self.l2 = NO_SLOT
         self.lock_ref = 0
         self.last_access = 0
         self.hits = 0            # times this page was matched (write_through_selective)
@@ -45,11 +60,11 @@ class Node:
         self.backup_pending = False  # queued for the L3 writer
         self.alive = True
 
-    def slot(self, tier: str) -> int:
-        return self.l1 if tier == "L1" else self.l2
+    def slot(self, tier: Tier) -> int:
+        return self.l1 if tier == Tier.L1 else self.l2
 
-    def holds(self, tier: str) -> bool:
-        return self.slot(tier) >= 0
+    def holds(self, tier: Tier) -> bool:
+        return self.slot(tier) != NO_SLOT
 
     def __repr__(self) -> str:
         return f"Node({self.key.hex()[:8]}, l1={self.l1}, l2={self.l2}, lock={self.lock_ref})"
@@ -69,7 +84,7 @@ class RadixTree:
         self.num_nodes = 0
         self._clock = itertools.count(1)
         self._seq = itertools.count()
-        self._heaps: dict[str, list] = {t: [] for t in TIERS}
+        self._heaps: dict[Tier, list] = {t: [] for t in TIERS}
 
     def match(self, keys: Sequence[bytes], tokens: Sequence[bytes],
               start: Node | None = None) -> tuple[list[Node], bool]:
@@ -89,7 +104,7 @@ class RadixTree:
             node = child
         return nodes, False
 
-    def add(self, parent: Node, key: bytes, tokens: bytes, tier: str, slot: int) -> Node:
+    def add(self, parent: Node, key: bytes, tokens: bytes, tier: Tier, slot: int) -> Node:
         """Add the child page ``key`` under ``parent`` holding ``slot`` of ``tier``."""
         assert key not in parent.children, "page already in the tree"
         assert parent is self.root or parent.alive
@@ -101,18 +116,18 @@ class RadixTree:
         self._changed(parent)
         return node
 
-    def set_slot(self, node: Node, tier: str, slot: int) -> None:
+    def set_slot(self, node: Node, tier: Tier, slot: int) -> None:
         """Record that ``node``'s KV now also lives in ``slot`` of ``tier``."""
         assert not node.holds(tier), f"{node} already holds {tier}"
         self._set(node, tier, slot)
         self._changed(node)
 
-    def drop(self, node: Node, tier: str) -> int:
+    def drop(self, node: Node, tier: Tier) -> int:
         """Forget ``node``'s copy in ``tier`` and return its slot; a node left with no
         copy is removed from the tree (it must then have no children)."""
         slot = node.slot(tier)
         assert slot >= 0 and node.lock_ref == 0, f"cannot drop {tier} of {node}"
-        self._set(node, tier, -1)
+        self._set(node, tier, NO_SLOT)
         if node.l1 < 0 and node.l2 < 0:
             assert not node.children, "a node without KV cannot keep children"
             del node.parent.children[node.key]
@@ -142,13 +157,13 @@ class RadixTree:
                 self._changed(node)
             node = node.parent
 
-    def evictable(self, node: Node, tier: str) -> bool:
+    def evictable(self, node: Node, tier: Tier) -> bool:
         """Whether ``tier``'s copy of ``node`` may go: it is held, unlocked, no child
         holds that tier, and the node keeps another copy or has no children."""
         if not node.alive or node.lock_ref:
             return False
         # Hot path (every touch and every eviction): plain fields, no helper calls.
-        if tier == "L1":
+        if tier == Tier.L1:
             if node.l1 < 0:
                 return False
             for child in node.children.values():
@@ -162,7 +177,7 @@ class RadixTree:
                 return False
         return node.l1 >= 0 or not node.children
 
-    def pop_lru(self, tier: str, skip: Collection[Node] = ()) -> Node | None:
+    def pop_lru(self, tier: Tier, skip: Collection[Node] = ()) -> Node | None:
         """The least recently used node evictable from ``tier`` and not in ``skip``, or
         None when there is none. Entries of ``skip`` nodes are dropped: give them back
         with :meth:`requeue` once they may be tried again."""
@@ -186,8 +201,8 @@ class RadixTree:
             yield node
             stack.extend(node.children.values())
 
-    def _set(self, node: Node, tier: str, slot: int) -> None:
-        if tier == "L1":
+    def _set(self, node: Node, tier: Tier, slot: int) -> None:
+        if tier == Tier.L1:
             node.l1 = slot
         else:
             node.l2 = slot
@@ -203,7 +218,7 @@ class RadixTree:
                 if len(heap) > 4 * self.num_nodes + 1024:
                     self._rebuild(tier)
 
-    def _rebuild(self, tier: str) -> None:
+    def _rebuild(self, tier: Tier) -> None:
         """Drop stale heap entries (bounded memory under many touches)."""
         heap = [(n.last_access, next(self._seq), n) for n in self.nodes()
                 if self.evictable(n, tier)]
