@@ -49,6 +49,21 @@ def _advance(views: list[memoryview], n: int) -> list[memoryview]:
     return rest
 
 
+def _pump(pending: list[memoryview], move, deadline: float | None, what: str) -> None:
+    """Call ``move(pending)`` (one system call; returns the bytes it moved) until every
+    view is done; EAGAIN/EINTR move nothing, then the deadline is checked."""
+    while pending:
+        try:
+            n = move(pending)
+        except OSError as exc:  # ConnectionError too: its errno is never one of _AGAIN
+            if exc.errno not in _AGAIN:
+                raise
+            n = 0
+        pending = _advance(pending, n)
+        if pending and not n:
+            _check(deadline, what)
+
+
 def send_views(sock: socket.socket, views: list, deadline: float | None = None) -> None:
     """Send every byte of ``views`` (bytes or byte memoryviews) in order.
 
@@ -56,16 +71,7 @@ def send_views(sock: socket.socket, views: list, deadline: float | None = None) 
     ConnectionError, OSError; the stream is then unusable (part may have gone).
     """
     pending = [v if isinstance(v, memoryview) else memoryview(v) for v in views if len(v)]
-    while pending:
-        try:
-            n = sock.sendmsg(pending[:IOV_MAX])
-        except OSError as exc:
-            if exc.errno not in _AGAIN:
-                raise
-            n = 0
-        pending = _advance(pending, n)
-        if pending and not n:
-            _check(deadline, "send")
+    _pump(pending, lambda p: sock.sendmsg(p[:IOV_MAX]), deadline, "send")
 
 
 def recv_views(sock: socket.socket, views: list[memoryview], deadline: float | None = None) -> None:
@@ -74,22 +80,16 @@ def recv_views(sock: socket.socket, views: list[memoryview], deadline: float | N
     Raises ConnectionError on EOF (the peer closed or died), TimeoutError past
     ``deadline``; the views' content is then undefined.
     """
-    pending = [v for v in views if len(v)]
-    while pending:
-        try:
-            if len(pending) == 1:
-                n = sock.recv_into(pending[0], len(pending[0]), _WAITALL)
-            else:
-                n = sock.recvmsg_into(pending[:IOV_MAX], 0, _WAITALL)[0]
-            if n == 0:
-                raise ConnectionError("peer closed the connection mid-transfer")
-        except OSError as exc:
-            if exc.errno not in _AGAIN:
-                raise
-            n = 0
-        pending = _advance(pending, n)
-        if pending and not n:
-            _check(deadline, "receive")
+    def receive(pending: list[memoryview]) -> int:
+        if len(pending) == 1:
+            n = sock.recv_into(pending[0], len(pending[0]), _WAITALL)
+        else:
+            n = sock.recvmsg_into(pending[:IOV_MAX], 0, _WAITALL)[0]
+        if n == 0:
+            raise ConnectionError("peer closed the connection mid-transfer")
+        return n
+
+    _pump([v for v in views if len(v)], receive, deadline, "receive")
 
 
 def recv_bytes(sock: socket.socket, length: int, deadline: float | None = None) -> bytes:

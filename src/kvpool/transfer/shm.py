@@ -45,7 +45,36 @@ def _copy(requests: list[TransferRequest], segment: memoryview, before_write=Non
             remote[:] = r.local[r.local_offset : r.local_offset + r.length]
 
 
-class LocalTransport(Transport):
+class _MemoryTransport(Transport):
+    """A same-host transport: each segment is a byte view found by its shm name."""
+
+    def _find(self, shm_name: str) -> tuple[memoryview, object] | None:
+        """(view of the segment, ``before_write`` of :func:`_copy` or None), or None."""
+        raise NotImplementedError
+
+    def _missing(self, segment: SegmentInfo) -> str:
+        """Why ``segment`` has no view (for :meth:`Cancel.note`)."""
+        raise NotImplementedError
+
+    def run(self, requests: list[TransferRequest], deadline: float, cancel: Cancel) -> list[bool]:
+        found = self._find(requests[0].segment.shm_name)
+        if found is None:  # unmounted or unmapped meanwhile
+            cancel.note(self._missing(requests[0].segment))
+            return [False] * len(requests)
+        _copy(requests, *found)
+        return [True] * len(requests)
+
+    def read_bytes(self, segment: SegmentInfo, offset: int, length: int, deadline: float,
+                   cancel: Cancel | None = None) -> bytes | None:
+        found = self._find(segment.shm_name)
+        if found is None:
+            if cancel is not None:
+                cancel.note(self._missing(segment))
+            return None
+        return bytes(found[0][offset : offset + length])
+
+
+class LocalTransport(_MemoryTransport):
     """Same process: one memcpy through the hosting SegmentHost's own mapping."""
 
     name, rank = "local", 0
@@ -53,23 +82,15 @@ class LocalTransport(Transport):
     def can_reach(self, segment: SegmentInfo) -> bool:
         return segment.shm_name in _IN_PROCESS
 
-    def run(self, requests: list[TransferRequest], deadline: float, cancel: Cancel) -> list[bool]:
-        view = _IN_PROCESS.get(requests[0].segment.shm_name)
-        if view is None:  # unmounted meanwhile
-            cancel.note(f"local segment {requests[0].segment.name} is no longer hosted here")
-            return [False] * len(requests)
-        _copy(requests, view)
-        return [True] * len(requests)
+    def _find(self, shm_name: str) -> tuple[memoryview, None] | None:
+        view = _IN_PROCESS.get(shm_name)
+        return None if view is None else (view, None)
 
-    def read_bytes(self, segment: SegmentInfo, offset: int, length: int, deadline: float,
-                   cancel: Cancel | None = None) -> bytes | None:
-        view = _IN_PROCESS.get(segment.shm_name)
-        if view is None and cancel is not None:
-            cancel.note(f"local segment {segment.name} is no longer hosted here")
-        return None if view is None else bytes(view[offset : offset + length])
+    def _missing(self, segment: SegmentInfo) -> str:
+        return f"local segment {segment.name} is no longer hosted here"
 
 
-class ShmTransport(Transport):
+class ShmTransport(_MemoryTransport):
     """Copies between local buffers and mapped same-host segments; thread-safe."""
 
     name, rank = "shm", 1
@@ -104,20 +125,12 @@ class ShmTransport(Transport):
     def can_reach(self, segment: SegmentInfo) -> bool:
         return segment.host_id == local_host_id() and self.view(segment.shm_name) is not None
 
-    def run(self, requests: list[TransferRequest], deadline: float, cancel: Cancel) -> list[bool]:
-        entry = self._mapping(requests[0].segment.shm_name)
-        if entry is None:
-            cancel.note(f"shm {requests[0].segment.shm_name} cannot be mapped (its node is gone?)")
-            return [False] * len(requests)
-        _copy(requests, entry.view, entry.populate)
-        return [True] * len(requests)
+    def _find(self, shm_name: str) -> tuple[memoryview, object] | None:
+        entry = self._mapping(shm_name)
+        return None if entry is None else (entry.view, entry.populate)
 
-    def read_bytes(self, segment: SegmentInfo, offset: int, length: int, deadline: float,
-                   cancel: Cancel | None = None) -> bytes | None:
-        view = self.view(segment.shm_name)
-        if view is None and cancel is not None:
-            cancel.note(f"shm {segment.shm_name} cannot be mapped (its node is gone?)")
-        return None if view is None else bytes(view[offset : offset + length])
+    def _missing(self, segment: SegmentInfo) -> str:
+        return f"shm {segment.shm_name} cannot be mapped (its node is gone?)"
 
     def write(self, desc: ReplicaDesc, src: memoryview) -> None:
         """Copy ``src`` (``desc.length`` bytes) into the replica's buffer."""
