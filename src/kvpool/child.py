@@ -105,6 +105,23 @@ def wait_or_kill(proc: subprocess.Popen, timeout_s: float) -> int:
         return proc.wait()
 
 
+def stop_ladder(proc: subprocess.Popen, timeout_s: float = 5.0, *, close_stdin: bool = False,
+                kill: bool = False) -> int:
+    """Stop ``proc``: close its stdin and wait (``close_stdin``: a child that exits at
+    the end of its input), then SIGTERM (SIGKILL when ``kill``) and wait, then SIGKILL;
+    each wait at most ``timeout_s`` seconds. Returns the exit status."""
+    if proc.poll() is not None:
+        return proc.returncode
+    if close_stdin and proc.stdin is not None:
+        try:
+            proc.stdin.close()
+            return proc.wait(timeout_s)
+        except (OSError, subprocess.TimeoutExpired):
+            pass
+    proc.send_signal(signal.SIGKILL if kill else signal.SIGTERM)
+    return wait_or_kill(proc, timeout_s)
+
+
 # ------------------------------------------------------------------------------ messages
 
 
@@ -285,24 +302,11 @@ class ChildProcess:
 
     def stop(self, timeout_s: float = 5.0, *, kill: bool = False,
              close_stdin: bool = False) -> int | None:
-        """The stop ladder: close stdin and wait (``close_stdin``: a channel child exits at
-        the end of its input), then SIGTERM (SIGKILL when ``kill``) and wait, then SIGKILL;
-        each wait at most ``timeout_s`` seconds. Returns the exit status."""
+        """:func:`stop_ladder` of the child (marked as stopped by us when it was still
+        running). Returns the exit status."""
         if self.proc.poll() is None:
             self.stopped = True
-            if close_stdin and self._close_stdin_and_wait(timeout_s):
-                return self.proc.returncode
-            self.proc.send_signal(signal.SIGKILL if kill else signal.SIGTERM)
-            wait_or_kill(self.proc, timeout_s)
-        return self.proc.returncode
-
-    def _close_stdin_and_wait(self, timeout_s: float) -> bool:
-        try:
-            self.proc.stdin.close()
-            self.proc.wait(timeout_s)
-            return True
-        except (OSError, subprocess.TimeoutExpired):
-            return False
+        return stop_ladder(self.proc, timeout_s, close_stdin=close_stdin, kill=kill)
 
     # ------------------------------------------------------------------ channel
 
