@@ -7,6 +7,7 @@ editable install may point at another checkout), so the child gets this checkout
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
@@ -48,11 +49,36 @@ def run_kvpool(*args: str, env: dict | None = None, timeout_s: float = 60,
     return subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
 
 
-def poll_until(check, timeout_s: float = 20.0, every_s: float = 0.01) -> bool:
-    """Call ``check()`` until it is true or ``timeout_s`` passes; its last value."""
+def poll_until(check, timeout_s: float = 20.0, every_s: float = 0.01):
+    """Call ``check()`` every ``every_s`` s until it is truthy or ``timeout_s`` passes;
+    returns its last value (falsy when the time ran out)."""
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
-        if check():
-            return True
+        value = check()
+        if value:
+            return value
         time.sleep(every_s)
-    return bool(check())
+    return check()
+
+
+def wait_for(check, timeout_s: float = 10.0, what: str = "condition", every_s: float = 0.02):
+    """:func:`poll_until` that fails the test ("timed out waiting for WHAT") when
+    ``check()`` stays falsy for ``timeout_s`` s; returns its truthy value."""
+    value = poll_until(check, timeout_s, every_s)
+    if not value:
+        pytest.fail(f"timed out waiting for {what}")
+    return value
+
+
+def wait_ready_file(proc: subprocess.Popen, ready: Path, timeout_s: float = 60.0,
+                    what: str = "serve") -> dict:
+    """Wait for ``proc`` to write its ``--ready-file`` ``ready``; returns the file's JSON.
+
+    Fails the test ("WHAT did not come up") when ``proc`` exits first or ``timeout_s``
+    s pass; ``proc`` is then killed.
+    """
+    poll_until(lambda: ready.exists() or proc.poll() is not None, timeout_s, 0.05)
+    if not ready.exists() or proc.poll() is not None:
+        proc.kill()
+        pytest.fail(f"{what} did not come up (status {proc.poll()})")
+    return json.loads(ready.read_text())

@@ -6,7 +6,6 @@ import json
 import socket
 import subprocess
 import sys
-import time
 import urllib.error
 import urllib.request
 
@@ -16,6 +15,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from kvpool.client import Client
 from kvpool.errors import ObjectHasLease
 from kvpool.launch import Cluster
+from proc_helpers import poll_until
 
 MIB = 1 << 20
 SEGMENT = 16 * MIB
@@ -34,9 +34,7 @@ def kv(admin_cluster):
     """A client on an empty cluster: no objects, no buffers held by leases."""
     with Client(admin_cluster.master_addr) as c:
         c.remove_all(force=True)
-        deadline = time.monotonic() + 10 * LEASE_MS / 1000
-        while c.stats().zombie_buffers and time.monotonic() < deadline:
-            time.sleep(0.05)
+        poll_until(lambda: not c.stats().zombie_buffers, 10 * LEASE_MS / 1000, 0.05)
         assert c.stats().used_bytes == 0
         yield c
         c.remove_all(force=True)
@@ -134,12 +132,11 @@ def test_master_metrics_count_evictions(admin_cluster, kv):
     chunk = b"e" * MIB
     for i in range(24):  # 24 MiB into a 16 MiB segment: puts past full evict older objects
         kv.put(f"ev/{i}", chunk)
-    deadline = time.monotonic() + 10
-    while time.monotonic() < deadline:
-        after = metrics(master_http(admin_cluster))
-        if value(after, "kvpool_master_evictions_total") > before:
-            break
-        time.sleep(0.05)
+    def evicted():
+        now = metrics(master_http(admin_cluster))
+        return now if value(now, "kvpool_master_evictions_total") > before else None
+
+    after = poll_until(evicted, 10, 0.05) or metrics(master_http(admin_cluster))
     assert value(after, "kvpool_master_evictions_total") > before
     assert value(after, "kvpool_master_evicted_bytes_total") >= MIB
     assert value(after, "kvpool_master_events_total", event="evicted_objects") == value(

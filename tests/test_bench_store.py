@@ -8,7 +8,6 @@ never timings.
 from __future__ import annotations
 
 import json
-import time
 
 import pytest
 
@@ -17,6 +16,7 @@ from kvpool.bench.store_plan import Column, Row
 from kvpool.bench.store_report import Figures, Summary, format_table, verdicts
 from kvpool.bench.worker import Worker
 from kvpool.cli import main
+from proc_helpers import poll_until
 
 TINY = ["bench", "store", "--sizes", "4KiB,64KiB", "--batches", "4", "--repeats", "1",
         "--budget", "0.01", "--working-set", "256KiB", "--segment-size", "64MiB",
@@ -213,8 +213,6 @@ def test_a_worker_whose_controller_vanishes_stops_its_cluster(tmp_path):
     assert pids and all(_alive(p) for p in pids)
     w.proc.stdin.close()  # what the worker sees when the controller is killed
     w.proc.wait(timeout=30)
-    deadline = time.monotonic() + 15
-    while any(_alive(p) for p in pids) and time.monotonic() < deadline:
-        time.sleep(0.05)
+    poll_until(lambda: not any(_alive(p) for p in pids), 15, 0.05)
     assert not any(_alive(p) for p in pids)
     w.proc.stdout.close()

@@ -1,13 +1,13 @@
 """Prefetch L3 -> L2: completion (K12), policies, and what landed is kept and locked."""
 
 import threading
-import time
 
 import pytest
 import torch
 
 from kvpool.cache import DiskBackend, Namespace, PrefixCache
 from kvpool.cache.policies import PrefetchConfig
+from proc_helpers import poll_until
 
 PAGE = 4
 SHAPE = (2, 2, 1, PAGE, 3)
@@ -77,9 +77,7 @@ def test_k12_not_done_before_the_plan_nor_before_every_planned_page(caches, disk
     assert h.wait_plan(30) and h.planned == 6
     assert not h.done()  # planned, but nothing landed
     disk.reads.release()  # the first of three batches
-    deadline = time.monotonic() + 30
-    while h.landed < 2 and time.monotonic() < deadline:
-        time.sleep(0.01)
+    poll_until(lambda: h.landed >= 2, 30)
     assert h.landed == 2 and not h.done()  # some planned pages landed, not all
     disk.reads.release()
     disk.reads.release()

@@ -7,7 +7,6 @@ nothing is left behind.
 
 from __future__ import annotations
 
-import json
 import os
 import queue
 import signal
@@ -19,7 +18,7 @@ from pathlib import Path
 import pytest
 
 from kvpool.launch import Cluster, LaunchError
-from proc_helpers import KVPOOL, kvpool_env, poll_until
+from proc_helpers import KVPOOL, kvpool_env, poll_until, wait_ready_file
 
 pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="/proc, process groups")
 
@@ -56,8 +55,7 @@ def _ctrl_c(proc: subprocess.Popen) -> tuple[int, str, str]:
 
 def test_serve_ready_file_has_the_admin_address_and_ctrl_c_leaves_no_temp_folder(tmp_path):
     serve, ready, tmp = _serve(tmp_path, "--http-port", "0")
-    assert poll_until(lambda: ready.exists() or serve.poll() is not None, 60), "serve did not come up"
-    info = json.loads(ready.read_text())
+    info = wait_ready_file(serve, ready)
     code, out, err = _ctrl_c(serve)
     assert code == 0, err
     host, port = info["http_addr"].rsplit(":", 1)  # as `kvpool master --ready-file` writes it
@@ -69,7 +67,7 @@ def test_serve_ready_file_has_the_admin_address_and_ctrl_c_leaves_no_temp_folder
 def test_serve_log_dir_keeps_the_logs_where_asked(tmp_path):
     logs = tmp_path / "logs"
     serve, ready, tmp = _serve(tmp_path, "--log-dir", str(logs))
-    assert poll_until(lambda: ready.exists() or serve.poll() is not None, 60), "serve did not come up"
+    wait_ready_file(serve, ready)
     code, _, err = _ctrl_c(serve)
     assert code == 0, err
     assert "listening on" in (logs / "master.log").read_text()

@@ -14,8 +14,9 @@ from pathlib import Path
 
 import pytest
 
-from kvpool.launch import Cluster, child_preexec
-from proc_helpers import poll_until
+from kvpool.child import child_preexec
+from kvpool.launch import Cluster
+from proc_helpers import kvpool_env, poll_until, wait_ready_file
 
 pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="PR_SET_PDEATHSIG is Linux")
 
@@ -58,10 +59,7 @@ def _start_serve(tmp_path: Path) -> tuple[subprocess.Popen, Path]:
          "--ready-file", str(ready)],
         stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, stdin=subprocess.DEVNULL,
         start_new_session=True)
-    if not _poll(lambda: ready.exists() or proc.poll() is not None, 60):
-        proc.kill()
-        pytest.fail("kvpool serve did not come up")
-    assert proc.poll() is None, "kvpool serve exited during startup"
+    wait_ready_file(proc, ready, 60, "kvpool serve")
     return proc, ready
 
 
@@ -96,11 +94,11 @@ def test_child_preexec_is_a_callable_on_linux():
     out = subprocess.run(
         [sys.executable, "-c",
          "import subprocess, sys\n"
-         "from kvpool.launch import child_preexec\n"
+         "from kvpool.child import child_preexec\n"
          "p = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(60)'],"
          " preexec_fn=child_preexec())\n"
          "print(p.pid, flush=True)\n"],
-        capture_output=True, text=True, timeout=60, check=True)
+        capture_output=True, text=True, timeout=60, check=True, env=kvpool_env())
     grandchild = int(out.stdout.split()[0])
     assert _poll(lambda: not _alive(grandchild)), "child outlived its parent"
 

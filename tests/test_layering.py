@@ -125,3 +125,9 @@ def test_imports_point_down():
            for prefix, banned in FORBIDDEN.items() if _within(importer, prefix)
            for target in sorted(targets) if any(_within(target, b) for b in banned)]
     assert bad == []
+
+
+def test_the_child_process_toolkit_stays_at_the_bottom():
+    # launch, engine.procs and bench.worker all build on it; the demo's parent stays light
+    assert import_graph()["kvpool.child"] <= {"kvpool.errors", "kvpool.config"}
+    assert "kvpool.child" in import_graph()["kvpool.engine.procs"]

@@ -4,24 +4,15 @@ clock in test_master_clock.py."""
 
 from __future__ import annotations
 
-import time
 
 import pytest
 
 from kvpool.client import Client
 from kvpool.errors import NoSpace
+from proc_helpers import wait_for
 
 MiB = 1 << 20
 NO_WATERMARK = ["--eviction-high-watermark-ratio", "1.0"]
-
-
-def wait_for(predicate, timeout_s: float = 10.0, what: str = "condition"):
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if predicate():
-            return
-        time.sleep(0.02)
-    pytest.fail(f"timed out waiting for {what}")
 
 
 @pytest.mark.cluster(segment_size="64MiB", extra_master_args=NO_WATERMARK)

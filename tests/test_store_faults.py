@@ -7,7 +7,6 @@ import signal
 import socket
 import subprocess
 import sys
-import time
 
 import msgspec
 import pytest
@@ -18,6 +17,7 @@ from kvpool.config import parse_addr
 from kvpool.errors import ErrorCode, ObjectExists, ObjectNotFound
 from kvpool.launch import Cluster
 from kvpool.rpc import RpcChannel
+from proc_helpers import wait_for
 
 DEAD_WRITER = """
 import sys
@@ -41,15 +41,6 @@ c.query("held")  # takes a read lease, then the process is killed
 print("leased", flush=True)
 sys.stdin.read()
 """
-
-
-def wait_for(predicate, timeout_s: float = 10.0, what: str = "condition"):
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if predicate():
-            return
-        time.sleep(0.02)
-    pytest.fail(f"timed out waiting for {what}")
 
 
 def start_script(script: str, *args: str) -> tuple[subprocess.Popen, str]:

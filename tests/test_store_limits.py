@@ -10,7 +10,6 @@ import socket
 import subprocess
 import sys
 import threading
-import time
 from pathlib import Path
 
 import msgspec
@@ -24,6 +23,7 @@ from kvpool.errors import ErrorCode, NoSpace, RpcFailed
 from kvpool.mooncake import ReplicateConfig
 from kvpool.mooncake.store import MooncakeDistributedStore
 from kvpool.rpc import RpcChannel
+from proc_helpers import wait_ready_file
 
 MIB = 1 << 20
 
@@ -123,10 +123,7 @@ def test_serve_names_the_child_that_died(tmp_path):
     serve = subprocess.Popen([sys.executable, "-m", "kvpool", "serve", "--port", "0", "--segment-size", "16MiB",
                               "--ready-file", str(ready)], stdout=subprocess.PIPE, text=True)
     try:
-        deadline = time.monotonic() + 60
-        while not ready.exists():
-            assert serve.poll() is None and time.monotonic() < deadline, "serve did not come up"
-            time.sleep(0.05)
+        wait_ready_file(serve, ready)
         node = next(pid for pid in _children(serve.pid)
                     if b"node" in Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0"))
         os.kill(node, signal.SIGKILL)

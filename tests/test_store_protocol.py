@@ -16,6 +16,7 @@ from kvpool.config import Option, add_options, resolve
 from kvpool.errors import ErrorCode, UserError
 from kvpool.master.allocator import OffsetAllocator
 from kvpool.rpc import RpcChannel
+from proc_helpers import wait_ready_file
 
 BIG = [2**31 - 1, 2**31, 2**32 - 1, 2**32, 2**32 + 1, 2**40 + 7, P.MAX_SEGMENT_BYTES]  # sizes past 32 bits, up to the limit
 
@@ -132,7 +133,6 @@ def test_bad_flag_value_is_a_clear_error_without_traceback():
 def test_serve_runs_master_and_node_until_ctrl_c(tmp_path):
     import os
     import signal
-    import time
 
     from kvpool.client import Client
 
@@ -140,11 +140,7 @@ def test_serve_runs_master_and_node_until_ctrl_c(tmp_path):
     proc = subprocess.Popen([sys.executable, "-m", "kvpool", "serve", "--port", "0", "--segment-size",
                              "16MiB", "--ready-file", str(ready)], stdout=subprocess.PIPE, text=True)
     try:
-        deadline = time.monotonic() + 60
-        while not ready.exists():
-            assert proc.poll() is None and time.monotonic() < deadline, "serve did not come up"
-            time.sleep(0.05)
-        info = json.loads(ready.read_text())
+        info = wait_ready_file(proc, ready)
         with Client(info["addr"]) as c:
             c.put("served", b"ok")
             assert c.get("served") == b"ok"

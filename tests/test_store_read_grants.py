@@ -6,13 +6,13 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
-import time
 
 import numpy as np
 import pytest
 
 from kvpool.client import Client
 from kvpool.errors import ErrorCode, LeaseExpired, NoSpace, ObjectHasLease
+from proc_helpers import wait_for
 
 MIB = 1 << 20
 
@@ -47,15 +47,6 @@ print(json.dumps({"reads": reads, "torn": torn, "backwards": backwards, "errors"
 def version(v: int) -> np.ndarray:
     """1 MiB whose every 8-byte word is ``v``: a torn read mixes two versions."""
     return np.full(MIB // 8, v, dtype="<u8")
-
-
-def wait_for(predicate, timeout_s: float = 10.0, what: str = "condition"):
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if predicate():
-            return
-        time.sleep(0.02)
-    pytest.fail(f"timed out waiting for {what}")
 
 
 @pytest.mark.cluster(segment_size="64MiB", lease_ttl_ms=10_000)

@@ -16,6 +16,7 @@ import os
 import signal
 import time
 
+import proc_helpers
 import pytest
 
 from kvpool import protocol as P
@@ -32,15 +33,13 @@ SIZE = 4096
 
 
 def wait_for(predicate, timeout_s: float = 20.0, what: str = "condition"):
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
+    """proc_helpers.wait_for, where a KVPoolError (the master still coming up) is a no."""
+    def check():
         try:
-            if predicate():
-                return
+            return predicate()
         except KVPoolError:
-            pass  # the master is still coming up
-        time.sleep(0.02)
-    pytest.fail(f"timed out waiting for {what}")
+            return False
+    return proc_helpers.wait_for(check, timeout_s, what)
 
 
 @contextlib.contextmanager

@@ -13,23 +13,13 @@ from kvpool.client import Client
 from kvpool.launch import Cluster
 from kvpool.errors import ErrorCode, InvalidParams, LeaseExpired, ObjectNotFound, RpcFailed
 from kvpool.rpc import RpcChannel
+from proc_helpers import wait_for
 
 
 @pytest.fixture
 def cluster_short_lease():
     with Cluster(segment_size="64MiB", lease_ttl_ms=2000) as c:
         yield c
-
-
-def wait_for(predicate, timeout_s: float = 10.0, what: str = "condition"):
-    """Poll ``predicate`` until true; fail the test after ``timeout_s``."""
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        value = predicate()
-        if value:
-            return value
-        time.sleep(0.02)
-    pytest.fail(f"timed out waiting for {what}")
 
 
 def test_k02_batch_put_duplicates_one_result_each_and_no_leak(client):

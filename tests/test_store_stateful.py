@@ -28,6 +28,7 @@ from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, ru
 from kvpool.client import Client
 from kvpool.errors import KVPoolError, LeaseExpired, NoSpace, ObjectExists, ObjectHasLease, ObjectNotFound
 from kvpool.launch import Cluster
+from proc_helpers import wait_for
 
 MiB = 1 << 20
 SEGMENT_BYTES = 16 * MiB
@@ -265,15 +266,6 @@ class StoreMachine(RuleBasedStateMachine):
         possibly = sum(e.value is not None for e in self.model.values())
         assert surely <= stats.object_count <= possibly, (stats.object_count, surely, possibly)
         assert stats.used_bytes <= stats.total_bytes
-
-
-def wait_for(predicate, timeout_s: float, what: str) -> None:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if predicate():
-            return
-        time.sleep(0.02)
-    pytest.fail(f"timed out waiting for {what}")
 
 
 def test_store_matches_model_under_random_operations(store):

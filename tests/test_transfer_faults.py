@@ -21,15 +21,9 @@ from kvpool.transfer import local_host_id
 from kvpool.transfer.engine import TransferEngine
 from kvpool.transfer.request import Op, TransferRequest, TransferStatus
 from kvpool.transfer.tcp import TcpTransport
+from proc_helpers import wait_for
 
 BIG = 192 << 20
-
-
-def _wait_for(cond, timeout=10.0):
-    deadline = time.monotonic() + timeout
-    while not cond():
-        assert time.monotonic() < deadline, "condition not reached in time"
-        time.sleep(0.001)
 
 
 @pytest.mark.cluster(segment_size="256MiB")
@@ -43,7 +37,7 @@ def test_node_killed_mid_tcp_transfer_fails_within_timeout_and_reports_no_succes
         t0 = time.monotonic()
         handle = engine.submit([TransferRequest(Op.READ, memoryview(dst), 0, segment, 0, BIG)], timeout_s=15)
         # the first bytes of some slice have landed: the transfer is under way
-        _wait_for(lambda: dst[:: 1 << 20].any() or handle.done())
+        wait_for(lambda: dst[:: 1 << 20].any() or handle.done(), every_s=0.001)
         cluster.stop_node(0, kill=True)
         statuses = handle.wait()
         assert time.monotonic() - t0 < 15
@@ -69,7 +63,7 @@ def test_client_get_from_a_killed_node_raises_instead_of_returning_partial_bytes
         t = threading.Thread(target=reader)
         t0 = time.monotonic()
         t.start()
-        _wait_for(lambda: dst[:: 1 << 20].any() or outcome)
+        wait_for(lambda: dst[:: 1 << 20].any() or outcome, every_s=0.001)
         cluster.stop_node(0, kill=True)
         t.join(15)
         assert not t.is_alive() and time.monotonic() - t0 < 15

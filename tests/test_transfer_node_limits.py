@@ -12,7 +12,6 @@ from __future__ import annotations
 import os
 import resource
 import socket
-import time
 
 import numpy as np
 import pytest
@@ -23,13 +22,7 @@ from kvpool.errors import TransferFailed
 from kvpool.transfer.engine import TransferEngine
 from kvpool.transfer.request import Op, TransferRequest, TransferStatus
 from kvpool.transfer.tcp import TcpTransport
-
-
-def _wait_for(cond, timeout_s: float = 10.0, what: str = "condition") -> None:
-    deadline = time.monotonic() + timeout_s
-    while not cond():
-        assert time.monotonic() < deadline, f"{what} not reached in time"
-        time.sleep(0.005)
+from proc_helpers import wait_for
 
 
 def _open_fds(pid: int) -> int:
@@ -46,7 +39,7 @@ def test_node_keeps_accepting_after_running_out_of_file_descriptors(cluster):
     try:
         # more connections than the node has descriptors left: its accepts fail (EMFILE)
         extra = [socket.create_connection(parse_addr(addr), timeout=5) for _ in range(12)]
-        _wait_for(lambda: _open_fds(pid) >= limit, what="the node running out of descriptors")
+        wait_for(lambda: _open_fds(pid) >= limit, what="the node running out of descriptors", every_s=0.005)
     finally:
         for s in extra:
             s.close()

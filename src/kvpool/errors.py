@@ -73,67 +73,37 @@ class UserError(KVPoolError):
     code = ErrorCode.INVALID_PARAMS
 
 
-class InvalidParams(KVPoolError):
-    code = ErrorCode.INVALID_PARAMS
+_BY_CODE: dict[ErrorCode, type[KVPoolError]] = {}
 
 
-class NoSpace(KVPoolError):
-    code = ErrorCode.NO_AVAILABLE_HANDLE
+def _wire_error(name: str, code: ErrorCode, doc: str) -> type[KVPoolError]:
+    """The KVPoolError subclass ``name`` for ``code``, and the one :func:`raise_for` raises
+    when a peer replies with ``code``."""
+    cls = type(name, (KVPoolError,), {"code": code, "__doc__": doc, "__module__": __name__})
+    _BY_CODE[code] = cls
+    return cls
 
 
-class ObjectNotFound(KVPoolError):
-    code = ErrorCode.OBJECT_NOT_FOUND
-
-
-class ObjectExists(KVPoolError):
-    code = ErrorCode.OBJECT_ALREADY_EXISTS
-
-
-class ObjectHasLease(KVPoolError):
-    code = ErrorCode.OBJECT_HAS_LEASE
-
-
-class LeaseExpired(KVPoolError):
-    code = ErrorCode.LEASE_EXPIRED
-
-
-class BufferOverflow(KVPoolError):
-    """A destination buffer is smaller than the value."""
-
-    code = ErrorCode.BUFFER_OVERFLOW
-
-
-class ObjectNotReady(KVPoolError):
-    """Another put of the key is still in flight (REPLICA_IS_NOT_READY)."""
-
-    code = ErrorCode.REPLICA_IS_NOT_READY
-
-
-class TransferFailed(KVPoolError):
-    code = ErrorCode.TRANSFER_FAIL
-
-
-class RpcFailed(KVPoolError):
-    """The master or a node could not be reached or answered garbage."""
-
-    code = ErrorCode.RPC_FAIL
-
-
-_BY_CODE = {
-    cls.code: cls
-    for cls in (
-        InvalidParams,
-        NoSpace,
-        ObjectNotFound,
-        ObjectExists,
-        ObjectHasLease,
-        LeaseExpired,
-        TransferFailed,
-        RpcFailed,
-        BufferOverflow,
-        ObjectNotReady,
-    )
-}
+InvalidParams = _wire_error("InvalidParams", ErrorCode.INVALID_PARAMS,
+                            "Bad arguments: a key, size or option that can never succeed.")
+NoSpace = _wire_error("NoSpace", ErrorCode.NO_AVAILABLE_HANDLE,
+                      "No segment has room for the value (NO_AVAILABLE_HANDLE).")
+ObjectNotFound = _wire_error("ObjectNotFound", ErrorCode.OBJECT_NOT_FOUND,
+                             "The key is not stored.")
+ObjectExists = _wire_error("ObjectExists", ErrorCode.OBJECT_ALREADY_EXISTS,
+                           "The key is already stored (a put without overwrite).")
+ObjectHasLease = _wire_error("ObjectHasLease", ErrorCode.OBJECT_HAS_LEASE,
+                             "The object is held by a read lease (remove without force).")
+LeaseExpired = _wire_error("LeaseExpired", ErrorCode.LEASE_EXPIRED,
+                           "A read took longer than its lease: its bytes may be reused.")
+TransferFailed = _wire_error("TransferFailed", ErrorCode.TRANSFER_FAIL,
+                             "Moving the bytes to or from a node failed.")
+RpcFailed = _wire_error("RpcFailed", ErrorCode.RPC_FAIL,
+                        "The master or a node could not be reached or answered garbage.")
+BufferOverflow = _wire_error("BufferOverflow", ErrorCode.BUFFER_OVERFLOW,
+                             "A destination buffer is smaller than the value.")
+ObjectNotReady = _wire_error("ObjectNotReady", ErrorCode.REPLICA_IS_NOT_READY,
+                             "Another put of the key is still in flight (REPLICA_IS_NOT_READY).")
 
 
 def code_of(code: int, unknown: ErrorCode = ErrorCode.INTERNAL_ERROR) -> ErrorCode:

@@ -5,98 +5,42 @@ Each child is ``python -m kvpool master|node ... --ready-file F``; the launcher 
 child's log tail if the child exits or the deadline passes. On exit every child is
 terminated (nodes first, so they unmount and unlink their shared memory), waited for,
 and killed if it does not go. On Linux each child also gets SIGTERM when its parent dies
-(``PR_SET_PDEATHSIG``, see :func:`child_preexec`), so a launcher killed with SIGKILL
-leaves no master or node behind holding ports and /dev/shm segments.
+(``PR_SET_PDEATHSIG``, see :func:`kvpool.child.child_preexec`), so a launcher killed with SIGKILL
+leaves no master or node behind holding ports and /dev/shm segments (the process
+toolkit is :mod:`kvpool.child`).
 """
 
 from __future__ import annotations
 
-import ctypes
 import json
-import os
 import shutil
-import signal
-import subprocess
-import sys
 import tempfile
 import time
 from pathlib import Path
 
+from kvpool.child import ChildProcess, kvpool_cmd
 from kvpool.config import parse_size
 from kvpool.errors import KVPoolError
-
-_SRC = str(Path(__file__).resolve().parent.parent)  # so children import this kvpool
-_PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
-
-
-def _load_prctl():
-    # Resolved in the parent: after fork a child may only call async-signal-safe code,
-    # so no dlopen there.
-    if not sys.platform.startswith("linux"):
-        return None
-    try:
-        return ctypes.CDLL(None, use_errno=True).prctl
-    except (OSError, AttributeError):
-        return None
-
-
-_PRCTL = _load_prctl()
-
-
-def child_preexec(sig: int = signal.SIGTERM):
-    """A ``preexec_fn`` for :class:`subprocess.Popen` that makes the child die with us.
-
-    The child asks the kernel for ``sig`` (default SIGTERM, so a node still unmounts and
-    unlinks its shared memory) when its parent goes away, by
-    ``prctl(PR_SET_PDEATHSIG, sig)`` (Linux prctl(2)); if the parent is already gone when
-    the child gets there, the child signals itself. Caveat from prctl(2): the signal
-    fires when the *thread* that forked the child exits, not the whole process, so start
-    long-lived children from the main thread (or a thread that lives as long as they).
-
-    Returns: the function to pass as ``preexec_fn``, or None where prctl is unavailable
-    (not Linux): there the children must be stopped explicitly.
-    """
-    if _PRCTL is None:
-        return None
-    parent = os.getpid()
-
-    def preexec() -> None:
-        _PRCTL(_PR_SET_PDEATHSIG, int(sig), 0, 0, 0)
-        if os.getppid() != parent:  # the parent died before prctl took effect
-            os.kill(os.getpid(), sig)
-
-    return preexec
 
 
 class LaunchError(KVPoolError):
     """A child process did not come up (its log tail is in the message)."""
 
 
-def _signal_name(number: int) -> str:
-    try:
-        return signal.Signals(number).name
-    except ValueError:
-        return f"signal {number}"
+class Child(ChildProcess):
+    """One started ``kvpool master|node`` process, its ready-file info and its log file.
 
+    It runs in its own process group (a Ctrl-C at the terminal reaches the launcher only,
+    which stops its children in order: a child interrupted mid-start would read as failed).
+    """
 
-class Child:
-    """One started process, its ready-file info and its log file."""
+    error = LaunchError
 
     def __init__(self, kind: str, args: list[str], workdir: Path, log_dir: Path, tag: str):
         self.kind = kind
         self.ready_file = workdir / f"{tag}.ready.json"
-        self.log_path = log_dir / f"{tag}.log"
-        env = dict(os.environ)
-        env["PYTHONPATH"] = _SRC + os.pathsep + env.get("PYTHONPATH", "")
-        cmd = [sys.executable, "-m", "kvpool", kind, *args, "--ready-file", str(self.ready_file)]
-        # its own process group: a Ctrl-C at the terminal reaches the launcher only, which
-        # stops its children in order (a child interrupted mid-start would read as failed)
-        with open(self.log_path, "ab") as log:
-            self.proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env,
-                                         stdin=subprocess.DEVNULL, preexec_fn=child_preexec(),
-                                         process_group=0)
-        self.info: dict = {}
-        self.stopped = False  # stopped by the launcher (its exit status is no failure)
+        cmd = kvpool_cmd(kind, *args, "--ready-file", str(self.ready_file))
+        super().__init__(kind, cmd, log_dir / f"{tag}.log", group=True)
 
     def wait_ready(self, timeout_s: float) -> dict:
         """Poll the ready file; returns its JSON (at once when already read). Raises
@@ -115,46 +59,6 @@ class Child:
             time.sleep(0.01)
         raise LaunchError(f"{self.kind} not ready after {timeout_s} s "
                           f"(log: {self.log_path}):\n{self.log_tail()}")
-
-    def log_tail(self, n: int = 20) -> str:
-        try:
-            return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-n:])
-        except OSError:
-            return ""
-
-    def exit_message(self) -> str:
-        """Which child exited and how, and where its log is (for launchers to print):
-        e.g. ``"node (pid 4242) exited with status 1; log: /tmp/.../node1.log"``."""
-        code = self.proc.poll()
-        how = ("is still running" if code is None else
-               f"was killed by {_signal_name(-code)}" if code < 0 else
-               f"exited with status {code}")
-        return f"{self.kind} (pid {self.proc.pid}) {how}; log: {self.log_path}"
-
-    @property
-    def failed(self) -> bool:
-        """True when the child exited on its own (not stopped by us) with a non-zero status."""
-        return not self.stopped and self.proc.poll() not in (None, 0)
-
-    def stop(self, kill: bool = False, timeout_s: float = 5.0) -> int | None:
-        """SIGTERM (or SIGKILL when ``kill``), wait, then SIGKILL. Returns the exit status."""
-        if self.proc.poll() is None:
-            self.stopped = True
-            self.proc.send_signal(signal.SIGKILL if kill else signal.SIGTERM)
-            wait_or_kill(self.proc, timeout_s)
-        return self.proc.returncode
-
-
-def wait_or_kill(proc: subprocess.Popen, timeout_s: float) -> int:
-    """Wait up to ``timeout_s`` seconds for ``proc`` to exit, then SIGKILL it and reap it.
-
-    Returns the exit status (negative signal number when killed).
-    """
-    try:
-        return proc.wait(timeout_s)
-    except subprocess.TimeoutExpired:
-        proc.kill()
-        return proc.wait()
 
 
 class Cluster:

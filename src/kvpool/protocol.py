@@ -33,6 +33,9 @@ unencodable.
 
 Data-plane payloads (value bytes) follow their header frame raw, never inside msgpack,
 so a node reads them straight into its segment with ``recv_into``.
+
+The module stays one file over 400 lines on purpose: it is the wire contract, and one
+place to read (and version) every message is worth more than a split by plane.
 """
 
 from __future__ import annotations

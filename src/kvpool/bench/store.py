@@ -90,7 +90,7 @@ def measure(workers: list[Worker], columns: list[Column], rows: list[Row], args,
                     progress.update(1)
         for w in workers:
             if not w.absent:
-                w.ask({"cmd": "drop", "size": size})
+                w.ask("drop", size=size)
     return results
 
 
@@ -177,7 +177,7 @@ def run(args) -> int:
                                     rows, args.repeats),
                   disable=args.no_progress, unit="cell", file=sys.stderr) as bar:
             results = measure(workers, columns, rows, args, bar)
-        stats = {w.column: (w.ask({"cmd": "stats"}) or {}).get("stats", {}) for w in workers}
+        stats = {w.column: w.ask("stats") or {} for w in workers}
     finally:
         for w in workers:
             w.stop()

@@ -7,22 +7,22 @@ interleaved in the same seconds of the same run (the machine is shared and noisy
 of measurements taken side by side stay fair). A worker that cannot start or that
 crashes costs its column, never the run.
 
-Commands (controller -> worker): ``open`` (target "module:Class", cfg), ``cell`` (a
-:class:`~kvpool.bench.harness.CellSpec`), ``drop`` (size), ``stats``, ``close``; every
-reply is ``{"ok": bool, ...}`` (``reason`` when not ok).
+Requests (:class:`kvpool.child.Request`, controller -> worker): ``open`` (args: target
+"module:Class", cfg; result: the target's info), ``cell`` (args: spec, a
+:class:`~kvpool.bench.harness.CellSpec`; result: a CellResult), ``drop`` (args: size),
+``stats``; each is answered by a Reply or an Error with the reason. The end of the
+worker's stdin closes the target and ends the worker.
 """
 
 from __future__ import annotations
 
 import importlib
-import json
-import os
-import select
-import subprocess
+import signal
 import sys
 from dataclasses import asdict, dataclass, field
 
 from kvpool.bench.harness import Bench, CellResult, CellSpec, Target, Unavailable
+from kvpool.child import ChildError, ChildProcess, Error, Request, WorkerChannel
 
 
 def _load_target(path: str) -> Target:
@@ -31,51 +31,46 @@ def _load_target(path: str) -> Target:
 
 
 def worker_main() -> None:
-    """Entry of a worker process: JSON commands on stdin, JSON replies on the original stdout.
+    """Entry of a worker process: Requests on stdin, Replies on the original stdout.
 
-    Native libraries (Mooncake's glog) may print on stdout, so fd 1 is pointed at stderr
-    and replies go to a private duplicate of the original stdout. Whatever the target
-    started (servers, clusters, namespaces) is stopped on "close", on a failed "open" and
-    when stdin ends (the controller died).
+    Native libraries (Mooncake's glog) may print on stdout; the channel keeps them off
+    it. Whatever the target started (servers, clusters, namespaces) is stopped when
+    stdin ends (closed by the controller, or the controller died), on SIGTERM (sent by
+    the stop ladder, or by the kernel when the controller dies) and on a failed "open".
     """
-    reply_fd = os.dup(1)
-    os.dup2(2, 1)
-    out = os.fdopen(reply_fd, "w", buffering=1)
+    signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
+    channel = WorkerChannel()
     state: dict = {}
     try:
-        for line in sys.stdin:
-            msg = json.loads(line)
-            if msg["cmd"] == "close":
-                break
-            out.write(json.dumps(_serve(msg, state)) + "\n")
+        channel.serve(lambda request: _serve(request, state), (Exception,), _describe)
     finally:
         if "target" in state:
             state.pop("target").close()
-    out.write(json.dumps({"ok": True}) + "\n")
 
 
-def _serve(msg: dict, state: dict) -> dict:
-    """Answer one command; ``state`` holds the target and its :class:`Bench` once open."""
-    cmd = msg["cmd"]
-    try:
-        if cmd == "open":
-            state["target"] = _load_target(msg["target"])
-            info = state["target"].open(msg.get("cfg", {}))
-            state["bench"] = Bench(state["target"])
-            return {"ok": True, "info": info}
-        bench: Bench = state["bench"]
-        if cmd == "cell":
-            return {"ok": True, "result": asdict(bench.run(CellSpec(**msg["spec"])))}
-        if cmd == "drop":
-            bench.drop(msg["size"])
-            return {"ok": True}
-        if cmd == "stats":
-            return {"ok": True, "stats": bench.target.stats()}
-        return {"ok": False, "reason": f"unknown command {cmd!r}"}
-    except Unavailable as exc:
-        return {"ok": False, "reason": str(exc)}
-    except Exception as exc:  # reported to the controller, which records it
-        return {"ok": False, "reason": f"{type(exc).__name__}: {exc}"[:500]}
+def _describe(exc: BaseException) -> str:
+    if isinstance(exc, Unavailable):
+        return str(exc)
+    return f"{type(exc).__name__}: {exc}"[:500]  # reported to the controller, which records it
+
+
+def _serve(request: Request, state: dict) -> dict:
+    """Answer one request; ``state`` holds the target and its :class:`Bench` once open."""
+    args = request.args
+    if request.op == "open":
+        state["target"] = _load_target(args["target"])
+        info = state["target"].open(args.get("cfg", {}))
+        state["bench"] = Bench(state["target"])
+        return info
+    bench: Bench = state["bench"]
+    if request.op == "cell":
+        return asdict(bench.run(CellSpec(**args["spec"])))
+    if request.op == "drop":
+        bench.drop(args["size"])
+        return {}
+    if request.op == "stats":
+        return bench.target.stats()
+    raise ValueError(f"unknown request {request.op!r}")
 
 
 # --------------------------------------------------------------------------- controller side
@@ -98,79 +93,66 @@ class Worker:
     timeout_s: float = 180.0
     absent: str | None = None
     info: dict = field(default_factory=dict)
-    proc: subprocess.Popen | None = None
+    child: ChildProcess | None = None
+
+    @property
+    def proc(self):
+        """The worker's :class:`subprocess.Popen` (None before start and after stop)."""
+        return self.child.proc if self.child else None
 
     def start(self) -> bool:
         """Start the process and open the target; False (and ``absent`` set) on failure."""
         cmd = [*self.prefix, sys.executable, "-c",
                "from kvpool.bench.worker import worker_main; worker_main()"]
-        log = open(self.log_path, "ab") if self.log_path else subprocess.DEVNULL
         try:
-            self.proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                                         stderr=log, text=True, bufsize=1)
+            self.child = ChildProcess(f"worker {self.column}", cmd, self.log_path, channel=True)
         except OSError as exc:
             self.absent = f"cannot start worker: {exc}"
             return False
-        finally:
-            if log is not subprocess.DEVNULL:
-                log.close()
-        reply = self.ask({"cmd": "open", "target": self.target, "cfg": self.cfg})
+        reply = self._answer("open", {"target": self.target, "cfg": self.cfg})
         if reply is None:
             return False
-        if not reply.get("ok"):
-            self.absent = reply.get("reason", "failed to open")
+        if isinstance(reply, Error):
+            self.absent = reply.reason or "failed to open"
             self.stop()
             return False
-        self.info = reply.get("info", {})
+        self.info = reply.result
         return True
 
-    def ask(self, msg: dict) -> dict | None:
-        """Send one command and wait for its reply (with a deadline); None if the worker died."""
-        if self.absent or self.proc is None:
+    def _answer(self, op: str, args: dict):
+        """Send one request, wait for its Reply or Error (with a deadline); None (and
+        ``absent`` set) if the worker died or did not answer."""
+        if self.absent or self.child is None:
             return None
         try:
-            self.proc.stdin.write(json.dumps(msg) + "\n")
-            self.proc.stdin.flush()
-            ready, _, _ = select.select([self.proc.stdout], [], [], self.timeout_s)
-            line = self.proc.stdout.readline() if ready else ""
-        except (BrokenPipeError, OSError) as exc:
-            line, ready = "", [exc]
-        if not line:
-            why = "no reply within deadline" if not ready else "worker exited"
-            self.absent = f"{why} (rc={self.proc.poll()}); see log {self.log_path}"
+            return self.child.answer(self.child.send(op, args), self.timeout_s)
+        except ChildError:
+            code = self.child.proc.poll()
+            why = "worker exited" if code is not None else "no reply within deadline"
+            self.absent = f"{why} (rc={code}); see log {self.log_path}"
             self.stop()
             return None
-        return json.loads(line)
+
+    def ask(self, op: str, **args) -> dict | None:
+        """The result of request ``op``; None when it failed or the worker is gone."""
+        reply = self._answer(op, args)
+        return None if reply is None or isinstance(reply, Error) else reply.result
 
     def cell(self, spec: CellSpec) -> CellResult:
         """Measure one cell in this worker."""
-        reply = self.ask({"cmd": "cell", "spec": asdict(spec)})
+        reply = self._answer("cell", {"spec": asdict(spec)})
         if reply is None:
             return CellResult(error=self.absent)
-        if not reply.get("ok"):
-            return CellResult(error=reply.get("reason"))
-        return CellResult(**reply["result"])
+        if isinstance(reply, Error):
+            return CellResult(error=reply.reason)
+        return CellResult(**reply.result)
 
     def stop(self) -> None:
-        """Close the target politely, then terminate and kill the process."""
-        proc, self.proc = self.proc, None
-        if proc is None:
+        """Close the worker's stdin (it closes its target), then terminate and kill it."""
+        child, self.child = self.child, None
+        if child is None:
             return
-        if proc.poll() is None and proc.stdin and not proc.stdin.closed:
-            try:
-                proc.stdin.write(json.dumps({"cmd": "close"}) + "\n")
-                proc.stdin.flush()
-                proc.wait(timeout=20)
-            except (OSError, subprocess.TimeoutExpired):
-                pass
-        for action in (proc.terminate, proc.kill):
-            if proc.poll() is not None:
-                break
-            action()
-            try:
-                proc.wait(timeout=10)
-            except subprocess.TimeoutExpired:
-                continue
-        for stream in (proc.stdin, proc.stdout):
+        child.stop(20.0, close_stdin=True)
+        for stream in (child.proc.stdin, child.proc.stdout):
             if stream:
                 stream.close()

@@ -1,67 +1,37 @@
-"""Engine worker: one reference engine in its own process, driven by JSON lines.
+"""Engine worker: one reference engine in its own process, driven over a message channel.
 
 Started as ``kvpool generate --worker [--master ADDR] ...``. It loads the model, builds a
-PrefixCache (L1 in process; L3 = the kvpool store when ``--master`` is given), prints
-``{"event": "ready", "model": {...}}`` and then answers requests read from stdin, one
-JSON object per line:
+PrefixCache (L1 in process; L3 = the kvpool store when ``--master`` is given), sends
+Progress lines while it loads, then ``Ready(info={"model": {...}, "pid": N})``, and
+answers each ``generate`` Request (:class:`kvpool.child.Request`) read from stdin; its
+args are one of
 
-    {"id": 1, "messages": [{"role": "user", "content": "..."}], "max_new_tokens": 24}
-    {"id": 2, "prompt_ids": [1, 2, ...], "use_cache": false}
+    {"messages": [{"role": "user", "content": "..."}], "max_new_tokens": 24}
+    {"prompt_ids": [1, 2, ...], "use_cache": false}
 
-with one line each: ``{"id": 1, "result": {...}}`` (fields of
-:class:`~kvpool.engine.engine.GenerateResult`, the prompt ids, the decoded answer, the
-logits in base64 and the cache's metrics), or ``{"id": 1, "error": "..."}``. It exits
-at the end of stdin. Before replying it waits for the cache's L3 backups, so a page
-written by this request is visible to every other process once the reply arrives.
+with a Reply whose result has the fields of :class:`~kvpool.engine.engine.GenerateResult`,
+the prompt ids, the decoded answer, the logits in base64 and the cache's metrics; or an
+Error. It exits at the end of stdin. Before replying it waits for the cache's L3
+backups, so a page written by this request is visible to every other process once the
+reply arrives.
 """
 
 from __future__ import annotations
 
-import json
 import os
-import sys
-import threading
 
+from kvpool.child import Ready, WorkerChannel
 from kvpool.engine.procs import encode_logits
 from kvpool.errors import KVPoolError
 
 
-class _Channel:
-    """JSON lines on the process's real stdout.
-
-    File descriptor 1 is pointed at stderr after the channel takes a copy of it, so a
-    stray print from a library can never corrupt the protocol.
-    """
-
-    def __init__(self):
-        self._out = os.fdopen(os.dup(1), "w", buffering=1)
-        os.dup2(2, 1)
-        sys.stdout = sys.stderr
-        self._lock = threading.Lock()  # progress lines come from other threads too
-
-    def send(self, **msg) -> None:
-        with self._lock:
-            self._out.write(json.dumps(msg) + "\n")
-            self._out.flush()
-
-
 def serve(args) -> int:
     """Run the worker loop until stdin ends. Returns the exit status (0)."""
-    channel = _Channel()
-    engine, summary = start_engine(args, lambda text: channel.send(event="progress", text=text))
-    channel.send(event="ready", model=summary, pid=os.getpid())
-    for line in sys.stdin:
-        if not line.strip():
-            continue
-        try:
-            request = json.loads(line)
-        except ValueError:
-            channel.send(id=None, error=f"not JSON: {line[:80]!r}")
-            continue
-        try:
-            channel.send(id=request.get("id"), result=handle(engine, request))
-        except (KVPoolError, ValueError, TypeError, KeyError) as exc:
-            channel.send(id=request.get("id"), error=f"{type(exc).__name__}: {exc}")
+    channel = WorkerChannel()
+    engine, summary = start_engine(args, channel.progress)
+    channel.send(Ready({"model": summary, "pid": os.getpid()}))
+    channel.serve(lambda request: handle(engine, request.args),
+                  (KVPoolError, ValueError, TypeError, KeyError))
     return 0
 
 

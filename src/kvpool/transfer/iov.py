@@ -57,6 +57,25 @@ def _stalled(deadline: float | None, stall_s: float | None, moved: int) -> float
     return deadline
 
 
+def _pump(pending: list[memoryview], move, deadline: float | None, stall_s: float | None,
+          what: str) -> None:
+    """Call ``move(pending)`` (one system call; returns the bytes it moved) until every
+    view is done; EAGAIN/EINTR move nothing, then the deadline is checked (with
+    ``stall_s``: ``stall_s`` from the last byte moved, see :func:`_stalled`)."""
+    deadline = _stalled(deadline, stall_s, -1)
+    while pending:
+        try:
+            n = move(pending)
+        except OSError as exc:  # ConnectionError too: its errno is never one of _AGAIN
+            if exc.errno not in _AGAIN:
+                raise
+            n = 0
+        pending = _advance(pending, n)
+        deadline = _stalled(deadline, stall_s, n)
+        if pending and not n:
+            _check(deadline, what)
+
+
 def send_views(sock: socket.socket, views: list, deadline: float | None = None,
                stall_s: float | None = None) -> None:
     """Send every byte of ``views`` (bytes or byte memoryviews) in order.
@@ -67,18 +86,7 @@ def send_views(sock: socket.socket, views: list, deadline: float | None = None,
     gone).
     """
     pending = [v if isinstance(v, memoryview) else memoryview(v) for v in views if len(v)]
-    deadline = _stalled(deadline, stall_s, -1)
-    while pending:
-        try:
-            n = sock.sendmsg(pending[:IOV_MAX])
-        except OSError as exc:
-            if exc.errno not in _AGAIN:
-                raise
-            n = 0
-        pending = _advance(pending, n)
-        deadline = _stalled(deadline, stall_s, n)
-        if pending and not n:
-            _check(deadline, "send")
+    _pump(pending, lambda p: sock.sendmsg(p[:IOV_MAX]), deadline, stall_s, "send")
 
 
 def recv_views(sock: socket.socket, views: list[memoryview], deadline: float | None = None,
@@ -90,24 +98,16 @@ def recv_views(sock: socket.socket, views: list[memoryview], deadline: float | N
     Raises ConnectionError on EOF (the peer closed or died), TimeoutError past the
     deadline; the views' content is then undefined.
     """
-    pending = [v for v in views if len(v)]
-    deadline = _stalled(deadline, stall_s, -1)
-    while pending:
-        try:
-            if len(pending) == 1:
-                n = sock.recv_into(pending[0], len(pending[0]), _WAITALL)
-            else:
-                n = sock.recvmsg_into(pending[:IOV_MAX], 0, _WAITALL)[0]
-            if n == 0:
-                raise ConnectionError("peer closed the connection mid-transfer")
-        except OSError as exc:
-            if exc.errno not in _AGAIN:
-                raise
-            n = 0
-        pending = _advance(pending, n)
-        deadline = _stalled(deadline, stall_s, n)
-        if pending and not n:
-            _check(deadline, "receive")
+    def receive(pending: list[memoryview]) -> int:
+        if len(pending) == 1:
+            n = sock.recv_into(pending[0], len(pending[0]), _WAITALL)
+        else:
+            n = sock.recvmsg_into(pending[:IOV_MAX], 0, _WAITALL)[0]
+        if n == 0:
+            raise ConnectionError("peer closed the connection mid-transfer")
+        return n
+
+    _pump([v for v in views if len(v)], receive, deadline, stall_s, "receive")
 
 
 def recv_bytes(sock: socket.socket, length: int, deadline: float | None = None) -> bytes:

@@ -80,7 +80,38 @@ def _copy(requests: list[TransferRequest], segment: memoryview, before_write=Non
             remote[:] = r.local[r.local_offset : r.local_offset + r.length]
 
 
-class LocalTransport(Transport):
+class _MemoryTransport(Transport):
+    """A same-host transport: each segment is a byte view found by its shm name, copied
+    under its epoch word (:func:`_run`)."""
+
+    def _find(self, segment: SegmentInfo) -> tuple[memoryview, EpochWord, object] | None:
+        """(view of the segment, its epoch word, ``before_write`` of :func:`_copy` or
+        None), or None."""
+        raise NotImplementedError
+
+    def _missing(self, segment: SegmentInfo) -> str:
+        """Why ``segment`` has no view (for :meth:`Cancel.note`)."""
+        raise NotImplementedError
+
+    def run(self, requests: list[TransferRequest], deadline: float, cancel: Cancel) -> list[bool]:
+        found = self._find(requests[0].segment)
+        if found is None:  # unmounted or unmapped meanwhile
+            cancel.note(self._missing(requests[0].segment))
+            return [False] * len(requests)
+        view, word, before_write = found
+        return _run(requests, view, word, deadline, cancel, before_write)
+
+    def read_bytes(self, segment: SegmentInfo, offset: int, length: int, deadline: float,
+                   cancel: Cancel | None = None) -> bytes | None:
+        found = self._find(segment)
+        if found is None:
+            if cancel is not None:
+                cancel.note(self._missing(segment))
+            return None
+        return _read_bytes(segment, found[0], found[1], offset, length, cancel)
+
+
+class LocalTransport(_MemoryTransport):
     """Same process: one memcpy through the hosting SegmentHost's own mapping."""
 
     name, rank = "local", 0
@@ -88,24 +119,15 @@ class LocalTransport(Transport):
     def can_reach(self, segment: SegmentInfo) -> bool:
         return segment.shm_name in _IN_PROCESS
 
-    def run(self, requests: list[TransferRequest], deadline: float, cancel: Cancel) -> list[bool]:
-        hosted = _IN_PROCESS.get(requests[0].segment.shm_name)
-        if hosted is None:  # unmounted meanwhile
-            cancel.note(f"local segment {requests[0].segment.name} is no longer hosted here")
-            return [False] * len(requests)
-        return _run(requests, *hosted, deadline, cancel)
-
-    def read_bytes(self, segment: SegmentInfo, offset: int, length: int, deadline: float,
-                   cancel: Cancel | None = None) -> bytes | None:
+    def _find(self, segment: SegmentInfo) -> tuple[memoryview, EpochWord, None] | None:
         hosted = _IN_PROCESS.get(segment.shm_name)
-        if hosted is None:
-            if cancel is not None:
-                cancel.note(f"local segment {segment.name} is no longer hosted here")
-            return None
-        return _read_bytes(segment, *hosted, offset, length, cancel)
+        return None if hosted is None else (*hosted, None)
+
+    def _missing(self, segment: SegmentInfo) -> str:
+        return f"local segment {segment.name} is no longer hosted here"
 
 
-class ShmTransport(Transport):
+class ShmTransport(_MemoryTransport):
     """Copies between local buffers and mapped same-host segments; thread-safe."""
 
     name, rank = "shm", 1
@@ -140,21 +162,12 @@ class ShmTransport(Transport):
     def can_reach(self, segment: SegmentInfo) -> bool:
         return segment.host_id == local_host_id() and self.view(segment.shm_name) is not None
 
-    def run(self, requests: list[TransferRequest], deadline: float, cancel: Cancel) -> list[bool]:
-        entry = self._mapping(requests[0].segment.shm_name)
-        if entry is None:
-            cancel.note(f"shm {requests[0].segment.shm_name} cannot be mapped (its node is gone?)")
-            return [False] * len(requests)
-        return _run(requests, entry.view, entry.word(requests[0].segment.size), deadline, cancel, entry.populate)
-
-    def read_bytes(self, segment: SegmentInfo, offset: int, length: int, deadline: float,
-                   cancel: Cancel | None = None) -> bytes | None:
+    def _find(self, segment: SegmentInfo) -> tuple[memoryview, EpochWord, object] | None:
         entry = self._mapping(segment.shm_name)
-        if entry is None:
-            if cancel is not None:
-                cancel.note(f"shm {segment.shm_name} cannot be mapped (its node is gone?)")
-            return None
-        return _read_bytes(segment, entry.view, entry.word(segment.size), offset, length, cancel)
+        return None if entry is None else (entry.view, entry.word(segment.size), entry.populate)
+
+    def _missing(self, segment: SegmentInfo) -> str:
+        return f"shm {segment.shm_name} cannot be mapped (its node is gone?)"
 
     def write(self, desc: ReplicaDesc, src: memoryview, timeout_s: float = 10.0) -> bool:
         """Copy ``src`` (``desc.length`` bytes) into the replica's buffer; False (nothing

@@ -22,6 +22,7 @@ import numpy as np
 from kvpool.bench.harness import (
     CellResult, CellSpec, Target, pool_count, result_from, timed_loop,
 )
+from kvpool.child import wait_or_kill
 
 _HEADER = struct.Struct("<QQQ")  # (messages, bytes each, source buffers); 0 messages ends
 _ASSUMED_GBPS = 3.0  # only to size a stream so that it lasts about ``budget_s``
@@ -121,8 +122,4 @@ class TcpStreamTarget(Target):
         except (OSError, AttributeError):
             pass
         if getattr(self, "proc", None):
-            try:
-                self.proc.wait(timeout=10)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
+            wait_or_kill(self.proc, 10)  # the sender exits after the empty header

@@ -29,6 +29,7 @@ from importlib import metadata
 import numpy as np
 
 from kvpool.bench.harness import Target, Unavailable, free_port, rss_bytes
+from kvpool.child import stop_ladder
 
 INSTALL_HINT = "pip install mooncake-transfer-engine-non-cuda; apt-get install -y libibverbs1"
 _START_DEADLINE_S = 30.0
@@ -177,15 +178,8 @@ class MooncakeTarget(Target):
         if store is not None:
             store.close()
         for proc in reversed(getattr(self, "children", [])):
-            if proc.stdin:  # the holder closes its store and exits on EOF
-                proc.stdin.close()
-            for action in (lambda: None, proc.terminate, proc.kill):
-                action()
-                try:
-                    proc.wait(timeout=5)
-                    break
-                except subprocess.TimeoutExpired:
-                    continue
+            # the holder closes its store and exits on EOF; the master is terminated
+            stop_ladder(proc, 5, close_stdin=True)
 
 
 def _check(rc: int, what: str) -> int:

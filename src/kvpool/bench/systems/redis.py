@@ -14,6 +14,7 @@ import time
 import numpy as np
 
 from kvpool.bench.harness import Target, Unavailable, free_port, rss_bytes
+from kvpool.child import stop_ladder
 
 INSTALL_HINT = "apt-get install -y redis-server; pip install redis"
 _START_DEADLINE_S = 15.0
@@ -80,10 +81,5 @@ class RedisTarget(Target):
 
     def close(self) -> None:
         proc = getattr(self, "proc", None)
-        if proc and proc.poll() is None:
-            proc.terminate()
-            try:
-                proc.wait(timeout=10)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
+        if proc:
+            stop_ladder(proc, 10)

@@ -1,0 +1,277 @@
+"""The get path of :class:`~kvpool.client.Client`: replica lists, leases, copies.
+
+A read asks the master for the replica list (GetReplicaList / BatchGetReplicaList),
+which grants a lease; the bytes are copied from the cheapest reachable replica (local,
+shm, tcp; the next one on failure) and the lease is checked after the copy, so a late
+copy never counts as a success.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Sequence
+
+from kvpool import protocol as P
+from kvpool.client.grants import ReadHandle
+from kvpool.client.keys import check_key
+from kvpool.errors import BufferOverflow, ErrorCode, InvalidParams, LeaseExpired, TransferFailed, code_name, code_of, raise_for
+from kvpool.transfer import as_byte_view
+from kvpool.transfer.buffers import RegisteredBuffer
+from kvpool.transfer.request import Cancel, Op, TransferRequest, TransferStatus, Transport
+
+
+class GetPath:
+    """The get methods of :class:`~kvpool.client.Client` (a mixin: it uses the client's
+    ``_call``, ``engine``, ``timeout_s`` and the read grants of
+    :class:`~kvpool.client.grants.ReadGrants`)."""
+
+    def query(self, key: str) -> ReadHandle:
+        """Ask where ``key``'s replicas are and take a read lease (no bytes move).
+
+        Returns a ReadHandle to pass to :meth:`read` / :meth:`read_into` before
+        ``handle.deadline``. Raises ObjectNotFound, InvalidParams.
+        """
+        check_key(key)
+        sent = time.monotonic()
+        reply = self._call(P.GetReplicaList(key))
+        raise_for(reply.code, f"{key!r}: {code_name(reply.code)}")
+        return ReadHandle(key, reply.size, reply.replicas, sent + reply.lease_ttl_ms / 1000, reply.grant_id)
+
+    def batch_query(self, keys: Sequence[str]) -> list[ReadHandle | ErrorCode]:
+        """:meth:`query` for many keys in one RPC: a ReadHandle or an ErrorCode per key."""
+        for key in keys:
+            check_key(key)
+        sent = time.monotonic()
+        replies = self._call(P.BatchGetReplicaList(list(keys))).results
+        return [
+            ReadHandle(k, r.size, r.replicas, sent + r.lease_ttl_ms / 1000, r.grant_id) if r.code == ErrorCode.OK
+            else code_of(r.code)
+            for k, r in zip(keys, replies)
+        ]
+
+    def get_size(self, key: str) -> int:
+        """Size of the value in bytes (grants a read lease). Raises ObjectNotFound."""
+        handle = self.query(key)
+        self.release([handle])
+        return handle.size
+
+    def read(self, handle: ReadHandle) -> bytes:
+        """The value behind ``handle``. Raises LeaseExpired (no bytes; also for a spent
+        handle), TransferFailed. The handle is spent afterwards (its grant returned).
+
+        A same-host replica is one memcpy out of the mapped segment.
+        """
+        if not self._begin([handle])[0]:
+            raise LeaseExpired(f"read handle of {handle.key!r} was already used: query again")
+        try:
+            out = self._read_bytes(handle)
+        finally:
+            self._finish([handle])
+        handle.check_lease()
+        return out
+
+    def read_into(self, handle: ReadHandle, buf) -> int:
+        """Copy the value behind ``handle`` into writable ``buf``; returns its size.
+
+        Raises BufferOverflow (the message gives the value's and the buffer's sizes),
+        LeaseExpired (buf content then undefined), TransferFailed.
+        """
+        n = self.batch_read_into([handle], [buf])[0]
+        if n == ErrorCode.BUFFER_OVERFLOW:
+            raise BufferOverflow(f"read of {handle.key!r}: the value is {handle.size} bytes, "
+                                 f"the buffer {len(_destination(buf))} bytes")
+        return self._check_read(n, handle)
+
+    def batch_read_into(self, handles: Sequence[ReadHandle], bufs: Sequence) -> list[int]:
+        """Copy each handle's value into its buffer: same-host replicas by memcpy, the
+        rest with one TCP request per node. Per item the size or a negative ErrorCode
+        (BUFFER_OVERFLOW, LEASE_EXPIRED, TRANSFER_FAIL); the lease is checked after the
+        copy, so a late copy is never reported as a success. Every handle is spent
+        afterwards (a spent one is LEASE_EXPIRED here, nothing copied)."""
+        if len(handles) != len(bufs):
+            raise InvalidParams("need as many buffers as handles")
+        dsts = [_destination(buf) for buf in bufs]
+        fresh = self._begin(handles)
+        try:
+            out, jobs = [], []
+            for i, (h, dst, ok) in enumerate(zip(handles, dsts, fresh)):
+                if not ok:
+                    out.append(int(ErrorCode.LEASE_EXPIRED))
+                elif len(dst) < h.size:
+                    out.append(int(ErrorCode.BUFFER_OVERFLOW))
+                else:
+                    out.append(h.size)
+                    jobs.append((i, h.replicas, [(0, dst[: h.size])]))
+            done = self._read_all(jobs)
+        finally:
+            self._finish([h for h, ok in zip(handles, fresh) if ok])
+        now = time.monotonic()
+        for i, _, _ in jobs:
+            if not done.get(i):
+                out[i] = int(ErrorCode.TRANSFER_FAIL)
+            elif now > handles[i].deadline:
+                out[i] = int(ErrorCode.LEASE_EXPIRED)
+            elif isinstance(bufs[i], RegisteredBuffer):
+                bufs[i].after_read(0, out[i])
+        return out
+
+    def batch_read_ranges(self, handles: Sequence[ReadHandle], ranges: Sequence[Sequence[tuple[int, object]]]) -> list[list[int]]:
+        """Copy only the requested byte ranges of each handle's value.
+
+        ``ranges[i]``: (offset in the value, writable destination) pairs for
+        ``handles[i]``; each reads len(destination) bytes. Only these bytes move (one
+        exchange per node for the whole batch). Returns, per handle, per range: bytes
+        copied, or a negative ErrorCode: INVALID_PARAMS (range outside the value, empty
+        or read-only destination: nothing moves for it), TRANSFER_FAIL, LEASE_EXPIRED
+        (the copy ended after the lease, or the handle was spent: its destination
+        content is undefined). Every handle is spent afterwards."""
+        if len(handles) != len(ranges):
+            raise InvalidParams("need one list of ranges per handle")
+        out: list[list[int]] = []
+        jobs = []
+        fresh = self._begin(handles)
+        try:
+            for i, (h, wanted, ok) in enumerate(zip(handles, ranges, fresh)):
+                codes, frags = _plan_fragments(h.size, wanted)
+                if not ok:
+                    codes = [c if c < 0 else int(ErrorCode.LEASE_EXPIRED) for c in codes]
+                out.append(codes)
+                if frags and ok:
+                    jobs.append((i, h.replicas, frags))
+            done = self._read_all(jobs)
+        finally:
+            self._finish([h for h, ok in zip(handles, fresh) if ok])
+        now = time.monotonic()
+        for i, _, _ in jobs:
+            failure = None if done.get(i) else ErrorCode.TRANSFER_FAIL
+            if failure is None and now > handles[i].deadline:
+                failure = ErrorCode.LEASE_EXPIRED
+            if failure is not None:
+                out[i] = [c if c < 0 else int(failure) for c in out[i]]
+        return out
+
+    def get(self, key: str) -> bytes:
+        """The value of ``key``. Raises ObjectNotFound, LeaseExpired, TransferFailed."""
+        return self.read(self.query(key))
+
+    def get_into(self, key: str, buf) -> int:
+        """Copy the value of ``key`` into the writable buffer ``buf``; returns its size.
+
+        Raises ObjectNotFound, BufferOverflow (buf too small), LeaseExpired (buf content
+        is then undefined), TransferFailed.
+        """
+        return self.read_into(self.query(key), buf)
+
+    def batch_get(self, keys: Sequence[str]) -> list[bytes | None]:
+        """Values of ``keys``; None for a miss (not found, lease expired, transfer failed).
+
+        One RPC for the replica lists; same-host values are one memcpy each, the rest
+        one TCP request per node."""
+        handles = self.batch_query(keys)
+        found = [i for i, h in enumerate(handles) if isinstance(h, ReadHandle)]
+        bufs = [bytearray(handles[i].size) for i in found]
+        out: list[bytes | None] = [None] * len(handles)
+        # bytearray then bytes: two copies, but one exchange per node for the whole batch
+        for i, n, buf in zip(found, self.batch_read_into([handles[i] for i in found], bufs), bufs):
+            out[i] = bytes(buf) if n >= 0 else None
+        return out
+
+    def batch_get_into(self, keys: Sequence[str], bufs: Sequence) -> list[int]:
+        """Copy each value into its buffer; per item the size, or a negative ErrorCode
+        (OBJECT_NOT_FOUND, BUFFER_OVERFLOW, LEASE_EXPIRED, TRANSFER_FAIL)."""
+        if len(keys) != len(bufs):
+            raise InvalidParams("batch_get_into needs as many buffers as keys")
+        handles = self.batch_query(keys)
+        idx = [i for i, h in enumerate(handles) if isinstance(h, ReadHandle)]
+        out = [int(h) if not isinstance(h, ReadHandle) else 0 for h in handles]
+        for i, n in zip(idx, self.batch_read_into([handles[i] for i in idx], [bufs[i] for i in idx])):
+            out[i] = n
+        return out
+
+    @staticmethod
+    def _check_read(n: int, handle: ReadHandle) -> int:
+        if n < 0:
+            raise_for(n, f"read of {handle.key!r}: {code_name(n)}")
+        return n
+
+    def _ranked(self, replicas: list[P.ReplicaDesc], routes: dict | None = None) -> list[tuple[P.ReplicaDesc, Transport]]:
+        """Reachable replicas with their transport, cheapest first (local, shm, tcp).
+        ``routes`` caches segment name -> transport across the items of one batch."""
+        routes = {} if routes is None else routes
+        out = []
+        for d in replicas:
+            name = d.segment.name
+            if name not in routes:
+                routes[name] = self.engine.route(d.segment)
+            if routes[name] is not None:
+                out.append((d, routes[name]))
+        if len(out) > 1:
+            out.sort(key=lambda dt: dt[1].rank)
+        return out
+
+    def _read_all(self, jobs: list[tuple[int, list[P.ReplicaDesc], list[tuple[int, memoryview]]]]) -> dict[int, bool]:
+        """Copy ranges of one replica of each item into destinations; {index: copied}.
+
+        A job is (item index, replicas, [(offset in the value, destination view)]): each
+        fragment reads len(destination) bytes. Each item reads its cheapest replica
+        first (all items of one node in one exchange); the items that failed try their
+        next replica, and so on. An item is copied only when all its fragments are.
+        """
+        routes: dict = {}
+        options = {i: self._ranked(replicas, routes) for i, replicas, _ in jobs}
+        frags = {i: fragments for i, _, fragments in jobs}
+        done = {i: False for i in frags}
+        pending, attempt = [i for i in frags if options[i]], 0
+        while pending:
+            owners, reqs = [], []
+            for i in pending:
+                d = options[i][attempt][0]
+                for src, dst in frags[i]:
+                    owners.append(i)
+                    reqs.append(TransferRequest(Op.READ, dst, 0, d.segment, d.offset + src, len(dst)))
+            ok = dict.fromkeys(pending, True)
+            for i, status in zip(owners, self.engine.transfer(reqs)):
+                ok[i] = ok[i] and status == TransferStatus.COMPLETED
+            done.update(ok)
+            attempt += 1
+            pending = [i for i in pending if not done[i] and attempt < len(options[i])]
+        return done
+
+    def _read_bytes(self, handle: "ReadHandle") -> bytes:
+        """The value behind ``handle`` as bytes, filled by one copy (memcpy out of the
+        mapping, or the kernel's socket copy); tries each replica. Raises TransferFailed."""
+        deadline = time.monotonic() + self.timeout_s
+        why = Cancel()  # collects each replica's failure
+        for desc, transport in self._ranked(handle.replicas):
+            value = transport.read_bytes(desc.segment, desc.offset, handle.size, deadline, why)
+            if value is not None:
+                return value
+        raise TransferFailed(f"get {handle.key!r}: no replica could be read ({'; '.join(why.reasons) or 'none reachable'})")
+
+
+def _plan_fragments(size: int, wanted) -> tuple[list[int], list[tuple[int, memoryview]]]:
+    """Per (offset in the value, destination) pair: its length, or INVALID_PARAMS for an
+    empty or read-only destination or a range outside the ``size``-byte value; and the
+    valid fragments to read."""
+    codes, frags = [], []
+    for src, buf in wanted:
+        try:
+            dst = _destination(buf)
+        except InvalidParams:
+            dst = None
+        if dst is None or not len(dst) or src < 0 or src + len(dst) > size:
+            codes.append(int(ErrorCode.INVALID_PARAMS))
+            continue
+        codes.append(len(dst))
+        frags.append((src, dst))
+    return codes, frags
+
+
+def _destination(buf) -> memoryview:
+    """Writable byte view to receive into (a RegisteredBuffer's host bytes).
+    Raises InvalidParams for read-only memory."""
+    if not isinstance(buf, RegisteredBuffer):
+        return as_byte_view(buf, writable=True)
+    if buf.view.readonly:
+        raise InvalidParams("registered buffer is read-only: it cannot receive a value")
+    return buf.view

@@ -1,0 +1,16 @@
+"""Keys of the store: what a valid key is (checked before anything is sent)."""
+
+from __future__ import annotations
+
+from kvpool.errors import InvalidParams
+from kvpool.protocol import MAX_KEY_BYTES
+
+
+def check_key(key: str) -> None:
+    """Raise InvalidParams unless ``key`` is a str of 1..MAX_KEY_BYTES (4096) UTF-8 bytes."""
+    try:
+        size = len(key.encode("utf-8")) if isinstance(key, str) else 0
+    except UnicodeEncodeError:  # lone surrogates cannot go on the wire
+        size = 0
+    if not 0 < size <= MAX_KEY_BYTES:
+        raise InvalidParams(f"key must be a str of 1..{MAX_KEY_BYTES} UTF-8 bytes, got {key!r:.80}")

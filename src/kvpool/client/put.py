@@ -1,0 +1,201 @@
+"""The put path of :class:`~kvpool.client.Client`: PutStart, the writes, PutEnd.
+
+A put asks the master for replica places (PutStart / BatchPutStart), writes every
+replica through the transfer engine, straight from the caller's buffers (a value made
+of several parts is a gather write), then commits (PutEnd) or revokes (PutRevoke).
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+import msgspec
+
+from kvpool import protocol as P
+from kvpool.client.keys import check_key
+from kvpool.errors import ErrorCode, InvalidParams, TransferFailed, code_name, code_of, raise_for
+from kvpool.transfer import as_byte_view
+from kvpool.transfer.buffers import RegisteredBuffer
+from kvpool.transfer.request import Op, TransferRequest, TransferStatus
+
+
+class PutPath:
+    """The put methods of :class:`~kvpool.client.Client` (a mixin: it uses the client's
+    ``_call``, ``engine`` and ``host_id``)."""
+
+    def put(self, key: str, value, replica_num: int = 1, *, soft_pin: bool | None = None,
+            soft_pin_ttl_ms: int | None = None, hard_pin: bool = False, preferred_segment: str = "") -> int:
+        """Store ``value`` (bytes-like or C-contiguous numpy array) under ``key``.
+
+        Args: replica_num: copies on distinct segments (best effort); soft_pin: True
+        soft-pins the object (evicted only after unpinned ones) for ``soft_pin_ttl_ms``
+        (None = the master's --soft-pin-ttl, at most its --max-soft-pin-ttl), False
+        clears a soft pin, None keeps an existing one (an upsert; a new object has
+        none) - Mooncake's SoftPinAction ENABLE / DISABLE / PRESERVE; hard_pin: never
+        evicted; preferred_segment: segment name to place the first replica on.
+
+        Returns the number of replicas stored (best effort: 1..replica_num).
+        Raises ObjectExists (K01: nothing is stored), NoSpace, InvalidParams (empty key
+        or value, a TTL without soft_pin=True or above the maximum), ObjectNotReady
+        (another put of key in flight), TransferFailed (with the transport's cause).
+        """
+        return self._put(key, value, _item(key, replica_num, False, soft_pin, soft_pin_ttl_ms, hard_pin,
+                                           preferred_segment))
+
+    def upsert(self, key: str, value, replica_num: int = 1, *, soft_pin: bool | None = None,
+               soft_pin_ttl_ms: int | None = None, hard_pin: bool = False, preferred_segment: str = "") -> int:
+        """Like :meth:`put` but replaces an existing value; readers see old or new whole.
+        By default (``soft_pin=None``) an existing soft pin is kept, as in Mooncake."""
+        return self._put(key, value, _item(key, replica_num, True, soft_pin, soft_pin_ttl_ms, hard_pin,
+                                           preferred_segment))
+
+    def put_from(self, key: str, buf, size: int, replica_num: int = 1, *, offset: int = 0, **kw) -> int:
+        """Put ``size`` bytes of ``buf`` starting at byte ``offset`` (zero-copy source:
+        a RegisteredBuffer, or any object :meth:`register_buffer` accepts). Returns the
+        replicas stored; raises InvalidParams when the range exceeds the buffer."""
+        return self.put(key, _source(buf, offset, size), replica_num, **kw)
+
+    def batch_put_from(self, keys: Sequence[str], bufs: Sequence, sizes: Sequence[int],
+                       replica_num: int = 1, **kw) -> list[ErrorCode]:
+        """:meth:`batch_put` of ``sizes[i]`` bytes at the start of ``bufs[i]`` (zero copy).
+        An item whose size exceeds its buffer is INVALID_PARAMS."""
+        if not len(keys) == len(bufs) == len(sizes):
+            raise InvalidParams("batch_put_from needs as many buffers and sizes as keys")
+        srcs = []
+        for buf, size in zip(bufs, sizes):
+            try:
+                srcs.append(_source(buf, 0, size))
+            except InvalidParams:
+                srcs.append(b"")  # refused below as INVALID_PARAMS, like an empty value
+        return self.batch_put(keys, srcs, replica_num, **kw)
+
+    def _put(self, key: str, value, item: P.PutItem) -> int:
+        check_key(key)
+        src = as_byte_view(value)
+        if len(src) == 0:
+            raise InvalidParams("empty value (Mooncake refuses it: INVALID_PARAMS)")
+        item.size = len(src)
+        reply = self._call(P.PutStart(item, self.host_id), idempotent=False)
+        detail = f": {reply.message}" if reply.message else ""
+        raise_for(reply.code, f"put {key!r}: {code_name(reply.code)}{detail}")
+        token = P.PutToken(key, reply.put_id)
+        written, why = self._write_all([(0, d, src) for d in reply.replicas])
+        if not written[0]:
+            self._call(P.PutRevoke(token))
+            raise TransferFailed(f"put {key!r}: writing a replica failed ({why})")
+        raise_for(self._call(P.PutEnd(token)).code, f"put {key!r}: PutEnd refused")
+        return len(reply.replicas)
+
+    def batch_put(self, keys: Sequence[str], values: Sequence, replica_num: int = 1, *,
+                  upsert: bool = False, soft_pin: bool | None = None, soft_pin_ttl_ms: int | None = None,
+                  hard_pin: bool = False, preferred_segment: str = "") -> list[ErrorCode]:
+        """Put many objects with one PutStart, one PutEnd (and one PutRevoke) RPC.
+        Options as in :meth:`put`, for every item.
+
+        Returns one ErrorCode per item: OK, OBJECT_ALREADY_EXISTS (also for the second of
+        a duplicated key, K02), NO_AVAILABLE_HANDLE, INVALID_PARAMS, TRANSFER_FAIL...
+        Raises InvalidParams for options that are wrong for every item.
+        """
+        if len(keys) != len(values):
+            raise InvalidParams("batch_put needs as many values as keys")
+        return self.batch_put_parts(keys, [(v,) for v in values], replica_num, upsert=upsert,
+                                    soft_pin=soft_pin, soft_pin_ttl_ms=soft_pin_ttl_ms,
+                                    hard_pin=hard_pin, preferred_segment=preferred_segment)
+
+    def batch_put_parts(self, keys: Sequence[str], parts: Sequence[Sequence], replica_num: int = 1, *,
+                        upsert: bool = False, soft_pin: bool | None = None, soft_pin_ttl_ms: int | None = None,
+                        hard_pin: bool = False, preferred_segment: str = "") -> list[ErrorCode]:
+        """:meth:`batch_put` where value ``i`` is the concatenation of the buffers
+        ``parts[i]`` (bytes-like, numpy, CPU tensors), each written straight from where
+        it lies (a gather write: e.g. a page header from a small buffer, then the page's
+        regions of a registered host pool; nothing is joined in memory). Returns and
+        raises as :meth:`batch_put`; an item whose parts are all empty is INVALID_PARAMS.
+        """
+        if len(keys) != len(parts):
+            raise InvalidParams("batch_put_parts needs one list of parts per key")
+        template = _item("", replica_num, upsert, soft_pin, soft_pin_ttl_ms, hard_pin, preferred_segment)
+        codes = [ErrorCode.OK] * len(keys)
+        srcs, sent = [], []
+        for i, (key, item_parts) in enumerate(zip(keys, parts)):
+            try:
+                check_key(key)
+                views = [v for v in (as_byte_view(p) for p in item_parts) if len(v)]
+                if not views:
+                    raise InvalidParams("empty value")
+            except InvalidParams:
+                codes[i] = ErrorCode.INVALID_PARAMS
+                continue
+            srcs.append(views)
+            sent.append(i)
+        if not sent:
+            return codes
+        items = [msgspec.structs.replace(template, key=keys[i], size=sum(map(len, views)))
+                 for i, views in zip(sent, srcs)]
+        results = self._call(P.BatchPutStart(items, self.host_id), idempotent=False).results
+        jobs, tokens = [], {}
+        for i, views, res in zip(sent, srcs, results):
+            codes[i] = code_of(res.code)
+            if res.code == ErrorCode.OK:
+                tokens[i] = P.PutToken(keys[i], res.put_id)
+                jobs.extend((i, piece, view) for d in res.replicas for piece, view in _pieces(d, views))
+        written, _ = self._write_all(jobs)
+        good = [i for i in tokens if written[i]]
+        bad = [i for i in tokens if not written[i]]
+        if bad:
+            self._call(P.BatchPutRevoke([tokens[i] for i in bad]))
+            for i in bad:
+                codes[i] = ErrorCode.TRANSFER_FAIL
+        if good:
+            ends = self._call(P.BatchPutEnd([tokens[i] for i in good])).codes
+            for i, code in zip(good, ends):
+                codes[i] = code_of(code)
+        return codes
+
+    def _write_all(self, jobs: list[tuple[int, P.ReplicaDesc, memoryview]]) -> tuple[dict[int, bool], str]:
+        """Write every (item index, replica, source) job. Returns ({index: all its
+        writes OK}, why the failed ones failed: status and the transports' reasons)."""
+        reqs = [TransferRequest(Op.WRITE, src, 0, d.segment, d.offset, d.length) for _, d, src in jobs]
+        ok: dict[int, bool] = {i: True for i, _, _ in jobs}
+        result = self.engine.transfer(reqs)
+        why = ""
+        for k, ((i, _, _), status) in enumerate(zip(jobs, result)):
+            ok[i] = ok[i] and status == TransferStatus.COMPLETED
+            if status != TransferStatus.COMPLETED and not why:
+                why = result.describe(k)
+        return ok, why
+
+
+def _item(key: str, replica_num: int, upsert: bool, soft_pin: bool | None, soft_pin_ttl_ms: int | None,
+          hard_pin: bool, preferred_segment: str) -> P.PutItem:
+    """The PutItem of one put (size filled in later). Raises InvalidParams for a TTL
+    given without ``soft_pin=True`` or a negative one (Mooncake refuses both)."""
+    if soft_pin_ttl_ms is not None and (soft_pin is not True or soft_pin_ttl_ms < 0):
+        raise InvalidParams("soft_pin_ttl_ms needs soft_pin=True and must be >= 0")
+    action = P.SOFT_PIN_PRESERVE if soft_pin is None else P.SOFT_PIN_ENABLE if soft_pin else P.SOFT_PIN_DISABLE
+    return P.PutItem(key, 0, replica_num, upsert, action, bool(hard_pin), preferred_segment,
+                     -1 if soft_pin_ttl_ms is None else int(soft_pin_ttl_ms))
+
+
+def _source(buf, offset: int, size: int) -> memoryview:
+    """``size`` bytes of ``buf`` at ``offset`` (a RegisteredBuffer is made current
+    first). Raises InvalidParams when the range is outside the buffer."""
+    if isinstance(buf, RegisteredBuffer):
+        view = buf.region(offset, size)
+        buf.before_write(offset, size)
+        return view
+    view = as_byte_view(buf)
+    if offset < 0 or size < 0 or offset + size > len(view):
+        raise InvalidParams(f"[{offset}, +{size}) exceeds the {len(view)}-byte buffer")
+    return view[offset : offset + size]
+
+
+def _pieces(replica: P.ReplicaDesc, views: list[memoryview]) -> list[tuple[P.ReplicaDesc, memoryview]]:
+    """The replica's byte range cut into one range per source view, in order (a gather
+    write of one value: each view lands right after the previous one)."""
+    if len(views) == 1:
+        return [(replica, views[0])]
+    out, offset = [], replica.offset
+    for view in views:
+        out.append((msgspec.structs.replace(replica, offset=offset, length=len(view)), view))
+        offset += len(view)
+    return out
