@@ -73,6 +73,23 @@ def child_preexec(sig: int = signal.SIGTERM):
     return preexec
 
 
+def in_this_process(handler: Callable) -> Callable:
+    """Wrap a signal handler so that it acts only in the process that installed it.
+
+    CPython runs a Python-level handler at its next safe point; a signal that arrives
+    while ``subprocess`` forks is run again in the child's after-fork hook, before
+    ``exec``, where raising (KeyboardInterrupt) prints "Exception ignored in
+    _after_fork" into the shared stderr. In that child the wrapper does nothing."""
+    owner = os.getpid()
+
+    def guarded(signum, frame):
+        if os.getpid() == owner:
+            return handler(signum, frame)
+        return None
+
+    return guarded
+
+
 def kvpool_env() -> dict[str, str]:
     """Our environment with this checkout's ``src`` first on PYTHONPATH."""
     env = dict(os.environ)

@@ -30,6 +30,7 @@ from pathlib import Path
 
 import numpy as np
 
+from kvpool.child import in_this_process
 from kvpool.config import check_at_least, check_output_path
 from kvpool.engine.cli import add_cache_arguments, check_cache_arguments
 from kvpool.engine.procs import EngineProcess, decode_logits
@@ -76,7 +77,7 @@ def run(args) -> int:
     plan = plan_requests(workload, args.questions)
     # SIGINT too: a shell starts background jobs with SIGINT ignored, and the demo must
     # still stop (and stop its children) when one is sent.
-    previous = {sig: signal.signal(sig, _interrupt) for sig in (signal.SIGTERM, signal.SIGINT)}
+    previous = {sig: signal.signal(sig, in_this_process(_interrupt)) for sig in (signal.SIGTERM, signal.SIGINT)}
     try:
         rows, info = _run(args, workload, plan, say)
     finally:

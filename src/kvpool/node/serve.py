@@ -11,6 +11,7 @@ from __future__ import annotations
 import signal
 import threading
 
+from kvpool.child import in_this_process
 from kvpool.config import Option, add_options, parse_host, resolve
 from kvpool.node.cli import check_fits, segment_size
 
@@ -71,7 +72,7 @@ def run(args) -> int:
 
     started = threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
-        signal.signal(sig, on_signal)
+        signal.signal(sig, in_this_process(on_signal))
     with Cluster(segment_size=size, lease_ttl_ms=values["default_kv_lease_ttl"],
                  master_port=values["port"], host=values["host"], log_dir=args.log_dir,
                  extra_master_args=() if values["http_port"] is None else ("--http-port", values["http_port"])) as cluster:
