@@ -10,9 +10,16 @@ VENV=.venv-lmcache
 [ -x "$VENV/bin/python" ] || $PY -m venv "$VENV"
 PIP="$VENV/bin/python -m pip"
 CONSTRAINTS=$(mktemp)
-trap 'rm -f "$CONSTRAINTS"' EXIT
 echo "torch==2.13.0" > "$CONSTRAINTS"
 $PIP install -q -c "$CONSTRAINTS" torch==2.13.0
 $PIP install -q -c "$CONSTRAINTS" lmcache==0.5.6
 $PIP install -q -c "$CONSTRAINTS" --no-deps -e .
-$PIP install -q -c "$CONSTRAINTS" msgspec xxhash pytest uvloop pyyaml prometheus-client aiohttp tqdm
+# kvpool's own runtime dependencies, read from pyproject.toml (numpy stays LMCache's)
+REQS=$(mktemp)
+trap 'rm -f "$CONSTRAINTS" "$REQS"' EXIT
+"$VENV/bin/python" - > "$REQS" <<'PY'
+import tomllib
+deps = tomllib.load(open("pyproject.toml", "rb"))["project"]["dependencies"]
+print("\n".join(d for d in deps if not d.startswith("numpy")))
+PY
+$PIP install -q -c "$CONSTRAINTS" -r "$REQS" pytest
