@@ -122,8 +122,10 @@ def test_second_ctrl_c_while_generate_winds_down_prints_no_traceback(tmp_path):
     while not seen or "loading model" not in seen[-1]:
         seen.append(lines.get(timeout=120))
         assert seen[-1], "generate ended before loading its model: " + "".join(seen)
-    proc.send_signal(signal.SIGINT)
-    assert proc.wait(timeout=60) == 130
+    # Ctrl-C until it takes: one that lands while torch loads the model can be lost
+    # (noted as a defect of its own); this test is about the Ctrl-Cs after it
+    rc = poll_until(lambda: proc.send_signal(signal.SIGINT) or proc.poll(), 60, 0.5)
+    assert rc == 130, f"exit {rc}: " + "".join(seen)
     while (line := lines.get(timeout=10)):
         seen.append(line)
     err = "".join(seen)
