@@ -10,6 +10,9 @@
 
 from __future__ import annotations
 
+import signal
+import threading
+
 import pytest
 
 from kvpool.client import Client
@@ -41,3 +44,13 @@ def client(module_cluster):
     with Client(module_cluster.master_addr) as c:
         yield c
         c.remove_all(force=True)
+
+
+@pytest.fixture(autouse=True)
+def _sigint_restored():
+    """Give every test Python's own SIGINT handler back: ``kvpool.cli.main`` ignores SIGINT
+    once it has reported an interrupt (the process is winding down), and an ignored
+    SIGINT is inherited by every child a later test starts."""
+    yield
+    if threading.current_thread() is threading.main_thread():
+        signal.signal(signal.SIGINT, signal.default_int_handler)

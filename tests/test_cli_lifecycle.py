@@ -108,7 +108,9 @@ def test_second_ctrl_c_while_generate_winds_down_prints_no_traceback(tmp_path):
     prompt = tmp_path / "prompt.txt"
     prompt.write_text("a long prompt " * 300)
     # the second Ctrl-C comes from an exit handler: while the process winds down
+    # SIGINT as an interactive shell hands it over, whatever this test process inherited
     code = ("import atexit, os, signal, sys\n"
+            "signal.signal(signal.SIGINT, signal.default_int_handler)\n"
             "atexit.register(os.kill, os.getpid(), signal.SIGINT)\n"
             "from kvpool.cli import main\n"
             f"sys.exit(main(['generate', '--model', 'tiny-random', '--prompt-file', {str(prompt)!r},"
