@@ -229,8 +229,10 @@ def test_k23_scans_over_every_object_let_other_requests_in():
             all_pings = pinger.answered_between(start, end)
         rpc.close()
         # one scan of 30k..60k objects is 30..60 slices; a scan that holds the loop lets in
-        # only the pings already on their way when it began (1..3 measured)
-        assert min(keys_pings, regex_pings, all_pings) >= 8, (keys_pings, regex_pings, all_pings)
+        # only the pings already on their way when it began (1..3 measured); the pinger
+        # shares this process's interpreter lock with the server, so on a loaded machine
+        # fewer of the slices' openings are taken (14..29 seen idle)
+        assert min(keys_pings, regex_pings, all_pings) >= 4, (keys_pings, regex_pings, all_pings)
         assert svc.object_count == 0
 
 
