@@ -232,7 +232,9 @@ def test_k23_scans_over_every_object_let_other_requests_in():
         # only the pings already on their way when it began (1..3 measured); the pinger
         # shares this process's interpreter lock with the server, so on a loaded machine
         # fewer of the slices' openings are taken (14..29 seen idle)
-        assert min(keys_pings, regex_pings, all_pings) >= 4, (keys_pings, regex_pings, all_pings)
+        # /keys only counts and keeps 5: on an idle machine it can end within one ping
+        # interval, so its window says nothing either way (seen: 1); the removals decide
+        assert keys_pings >= 1 and min(regex_pings, all_pings) >= 4, (keys_pings, regex_pings, all_pings)
         assert svc.object_count == 0
 
 
