@@ -126,3 +126,25 @@ def test_a_read_handle_reads_once(client):
     twice = client.query("once")  # the same handle twice in one batch is one read
     a, b = bytearray(300), bytearray(300)
     assert client.batch_read_into([twice, twice], [a, b]) == [300, 300] and a == b
+
+
+def test_value_views_show_same_host_values_and_hold_their_grants_until_closed(module_cluster):
+    with Client(module_cluster.master_addr) as shm, Client(module_cluster.master_addr,
+                                                            force_tcp=True) as tcp:
+        shm.put("view-a", b"a" * 5000)
+        shm.put("view-b", b"b" * 300)
+        handles = shm.batch_query(["view-a", "view-b"])
+        opened = shm.open_views(handles)
+        assert [bytes(v) for v in opened.views] == [b"a" * 5000, b"b" * 300]
+        assert shm.stats().open_grants == 2  # held while the views are open
+        assert opened.close() == [True, True]
+        assert opened.views == [None, None] and opened.close() == [False, False]
+        assert all(h.spent for h in handles)
+        assert wait_for(lambda: shm.stats().open_grants == 0, 10, "ReadDone")
+        # no mapping over TCP: no view, and the handle stays readable the usual way
+        handle = tcp.query("view-b")
+        opened = tcp.open_views([handle])
+        assert opened.views == [None] and opened.close() == [False]
+        buf = bytearray(300)
+        assert tcp.batch_read_into([handle], [buf]) == [300] and bytes(buf) == b"b" * 300
+        shm.batch_remove(["view-a", "view-b"], force=True)

@@ -78,6 +78,7 @@ READS = {
     "read_into": lambda c, h: _into(c.read_into, h),
     "batch_read_into": lambda c, h: _batch_into(c, h),
     "batch_read_ranges": lambda c, h: _ranges(c, h),
+    "open_views": lambda c, h: _views(c, h),
 }
 
 
@@ -101,6 +102,15 @@ def _ranges(client, handle) -> bytes:
     if n < 0:
         raise KVPoolError("ranged read failed", n)
     return bytes(16) + bytes(buf)  # compare from byte 16 on
+
+
+def _views(client, handle) -> bytes:
+    opened = client.open_views([handle])
+    view = opened.views[0]
+    got = None if view is None else bytes(view)
+    if not opened.close()[0] or got is None:  # tcp: no view at all
+        raise KVPoolError("the copy out of the view may not be kept")
+    return got
 
 
 @pytest.mark.parametrize("path", sorted(READS))

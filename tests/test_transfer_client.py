@@ -191,3 +191,21 @@ def test_threads_sharing_a_client_share_its_connection_pool_safely(cluster):
         for t in threads:
             t.join(60)
         assert not errors and not any(t.is_alive() for t in threads)
+
+
+def test_warming_maps_same_host_segments_and_allocates_no_holes(module_cluster, tmp_path):
+    from kvpool.transfer.shm import _data_ranges
+
+    with Client(module_cluster.master_addr) as shm, \
+            Client(module_cluster.master_addr, force_tcp=True) as tcp:
+        sizes = sum(s.size for s in shm.stats().segments)
+        assert shm.warm_local_segments() >= sizes  # prefaulted nodes: all allocated
+        assert tcp.warm_local_segments() == 0
+    sparse = tmp_path / "sparse"
+    with open(sparse, "wb") as f:
+        f.truncate(8 << 20)
+        f.seek(4 << 20)
+        f.write(b"x" * 4096)
+    ranges = _data_ranges(str(sparse), 8 << 20)
+    assert sum(e - s for s, e in ranges) < (1 << 20) and any(s <= 4 << 20 < e for s, e in ranges)
+    assert _data_ranges(str(tmp_path / "missing"), 4096) == []

@@ -149,6 +149,21 @@ def check_parts(header, parts: Sequence, expect: PageHeader) -> None:
 
     Raises the PageFormatError subclasses of :func:`decode_page`, in the same order.
     """
+    checksum = check_header(header, expect)
+    total = sum(memoryview(p).nbytes for p in parts)
+    if total != expect.payload_len:
+        raise TruncatedPage(f"payload is {total} bytes, header says {expect.payload_len}")
+    if payload_checksum(parts) != checksum:
+        raise ChecksumMismatch("payload checksum does not match its header")
+
+
+def check_header(header, expect: PageHeader) -> int:
+    """Check a stored header (its first ``HEADER_SIZE`` bytes) against ``expect``; returns
+    the payload checksum it records, for the caller to compare once the payload is read.
+
+    Raises TruncatedPage, BadMagic, VersionMismatch, NamespaceMismatch, PageKeyMismatch,
+    PageIndexMismatch, LengthMismatch (all PageFormatError), in this order.
+    """
     view = memoryview(header).cast("B")
     if view.nbytes < HEADER_SIZE:
         raise TruncatedPage(f"page of {view.nbytes} bytes is shorter than its header")
@@ -166,8 +181,4 @@ def check_parts(header, parts: Sequence, expect: PageHeader) -> None:
     if tokens != expect.token_count or length != expect.payload_len:
         raise LengthMismatch(f"page has {tokens} tokens / {length} bytes, expected "
                              f"{expect.token_count} / {expect.payload_len}")
-    total = sum(memoryview(p).nbytes for p in parts)
-    if total != length:
-        raise TruncatedPage(f"payload is {total} bytes, header says {length}")
-    if payload_checksum(parts) != checksum:
-        raise ChecksumMismatch("payload checksum does not match its header")
+    return checksum

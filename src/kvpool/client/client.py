@@ -188,6 +188,16 @@ class Client(ReadGrants, PutPath, GetPath):
         """Master statistics: object count, used/total bytes, segments, counters."""
         return self._call(P.GetStats())
 
+    def warm_local_segments(self) -> int:
+        """Map every mounted segment that lives on this host and fill the page tables of
+        its allocated pages, so that the first reads out of it pay no page faults (for
+        an engine about to serve; it takes ~65 ms per GiB, best on a thread). Returns
+        the bytes populated; 0 with ``force_tcp`` or no same-host segment."""
+        shm = next((t for t in self.engine.transports if isinstance(t, ShmTransport)), None)
+        if shm is None:
+            return 0
+        return sum(shm.warm(s.name) for s in self.stats().segments)
+
     # ------------------------------------------------------------ lifecycle
 
     def close(self) -> None:

@@ -150,6 +150,32 @@ class GetPath:
                 out[i] = [c if c < 0 else int(failure) for c in out[i]]
         return out
 
+    def open_views(self, handles: Sequence[ReadHandle]) -> "ValueViews":
+        """Zero-copy access to values in same-host segments: per handle, a byte view of
+        its value where a replica is mapped in this process (shm or in-process), else
+        None (read that handle with :meth:`batch_read_into`: it is left unspent).
+
+        For an engine that copies a value straight into its own memory in pieces (vLLM's
+        per-layer blocks) without a staging copy. The views stay valid and the grants
+        held until :meth:`ValueViews.close`, which says per handle whether the bytes
+        copied out of its view may be kept (mount epoch unchanged, lease not expired);
+        a view must not be used after it. The caller checks the bytes themselves (page
+        header and checksum): a view is of the store's memory, not a snapshot.
+        """
+        routes: dict = {}
+        found = []
+        for h in handles:
+            hit = None
+            for desc, transport in self._ranked(h.replicas, routes):
+                hit = transport.value_view(desc.segment, desc.offset, h.size)
+                if hit is not None:
+                    break
+            found.append(hit)
+        began = self._begin([h for h, hit in zip(handles, found) if hit is not None])
+        held = iter(began)
+        found = [hit if hit is not None and next(held) else None for hit in found]
+        return ValueViews(self, list(handles), found)
+
     def get(self, key: str) -> bytes:
         """The value of ``key``. Raises ObjectNotFound, LeaseExpired, TransferFailed."""
         return self.read(self.query(key))
@@ -275,3 +301,30 @@ def _destination(buf) -> memoryview:
     if buf.view.readonly:
         raise InvalidParams("registered buffer is read-only: it cannot receive a value")
     return buf.view
+
+
+class ValueViews:
+    """What :meth:`GetPath.open_views` hands out: ``views[i]`` is a memoryview of
+    ``handles[i]``'s value (``size`` bytes) or None. Close it once, when the copies out
+    of the views have ended."""
+
+    def __init__(self, client: GetPath, handles: list[ReadHandle], found: list):
+        self._client, self.handles = client, handles
+        self.views = [hit[0] if hit else None for hit in found]
+        self._checks = [hit[1] if hit else None for hit in found]
+        self._open = True
+
+    def close(self) -> list[bool]:
+        """Per handle: True if the bytes copied out of its view may be kept (it had a
+        view, the segment's mount epoch is still the grant's, the lease had not run
+        out). Returns the grants of the viewed handles to the master; idempotent after
+        the first call (then all False)."""
+        if not self._open:
+            return [False] * len(self.handles)
+        self._open = False
+        now = time.monotonic()
+        ok = [check is not None and check() and now <= h.deadline
+              for h, check in zip(self.handles, self._checks)]
+        self._client._finish([h for h, check in zip(self.handles, self._checks) if check])
+        self.views = [None] * len(self.handles)
+        return ok

@@ -157,5 +157,12 @@ class Transport:
         req = TransferRequest(Op.READ, memoryview(buf), 0, segment, offset, length)
         return bytes(buf) if self.run([req], deadline, cancel or Cancel())[0] else None
 
+    def value_view(self, segment: SegmentInfo, offset: int, length: int):
+        """A view of ``length`` bytes at ``offset`` of a segment mapped in this process,
+        and a callable telling whether bytes copied out of it under the grant's epoch
+        may still be kept (call it after copying); None when this transport moves bytes
+        over a wire instead (every transport but the same-host ones)."""
+        return None
+
     def close(self) -> None:
         pass

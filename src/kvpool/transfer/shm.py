@@ -111,6 +111,14 @@ class _MemoryTransport(Transport):
         return _read_bytes(segment, found[0], found[1], offset, length, cancel)
 
 
+    def value_view(self, segment: SegmentInfo, offset: int, length: int):
+        found = self._find(segment)
+        if found is None or offset < 0 or offset + length > segment.size:
+            return None
+        view, word, _ = found
+        return view[offset : offset + length], lambda: word.valid(segment.epoch)
+
+
 class LocalTransport(_MemoryTransport):
     """Same process: one memcpy through the hosting SegmentHost's own mapping."""
 
@@ -178,6 +186,23 @@ class ShmTransport(_MemoryTransport):
             if ok:
                 entry.view[desc.offset : desc.offset + desc.length] = src
         return ok
+
+    def warm(self, shm_name: str) -> int:
+        """Map segment ``shm_name`` if it is on this host and fill the page tables of
+        every range its node has allocated (found with SEEK_DATA / SEEK_HOLE, so no hole
+        is allocated by this); returns the bytes populated (0: not here).
+
+        A fresh process's first reads out of a segment otherwise pay its page faults:
+        ~10 ms per 100 MB here, on the critical path of the first load.
+        """
+        entry = self._mapping(shm_name)
+        if entry is None:
+            return 0
+        done = 0
+        for start, end in _data_ranges(os.path.join(SHM_DIR, shm_name), len(entry.mm)):
+            entry.populate(start, end - start)
+            done += end - start
+        return done
 
     def forget(self, shm_name: str) -> None:
         """Drop one mapping (e.g. its node is gone); views handed out keep it alive."""
@@ -252,6 +277,29 @@ class _Mapping:
             self.mm.close()
         except BufferError:
             pass  # a caller still holds a slice; the mapping goes when that does
+
+
+def _data_ranges(path: str, size: int) -> list[tuple[int, int]]:
+    """[start, end) byte ranges of ``path`` (its first ``size`` bytes) that hold
+    allocated pages; [] when the file cannot be opened or sought."""
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        return []
+    out, pos = [], 0
+    try:
+        while pos < size:
+            start = os.lseek(fd, pos, os.SEEK_DATA)
+            end = min(os.lseek(fd, start, os.SEEK_HOLE), size)
+            if start >= size:
+                break
+            out.append((start, end))
+            pos = end
+    except OSError:
+        pass  # ENXIO: no data after pos
+    finally:
+        os.close(fd)
+    return out
 
 
 def _open(shm_name: str) -> _Mapping | None:

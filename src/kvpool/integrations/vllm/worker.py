@@ -1,10 +1,11 @@
 """Worker side of the connector: moves blocks between vLLM's paged KV and kvpool.
 
-Load (``start_load_kv``, before the forward pass): every block planned this step, of
-every request, is read with one ``batch_get_into`` into staging rows, each row's page
-header is checked (namespace, page key, index, length, xxh3 checksum), and the good
-pages are copied into vLLM's blocks with one ``index_copy_`` per layer. A block that is
-missing or does not check is never copied; its id goes to
+Load (``start_load_kv``, before the forward pass): one grant query for every block
+planned this step, of every request. A page in a segment mapped in this process has its
+header checked and is copied straight from the segment into vLLM's blocks, its checksum
+checked meanwhile (:mod:`~kvpool.integrations.vllm.loader`); other pages are read into
+staging rows, checked (namespace, page key, index, length, xxh3 checksum) and copied
+with one ``index_copy_`` per layer. A block that is missing or does not check goes to
 ``get_block_ids_with_load_errors`` and vLLM recomputes from it (with
 ``kv_load_failure_policy: "recompute"``) or fails the request (``"fail"``).
 
@@ -17,15 +18,19 @@ output reaches the user and vLLM may free its blocks at once.
 from __future__ import annotations
 
 import re
+import threading
 import time
 
 import torch
 
+from kvpool.cache.codec import HEADER_SIZE, PageFormatError, check_header
 from kvpool.cache.keys import store_key
+from kvpool.client.grants import ReadHandle
 from kvpool.errors import ErrorCode
 from kvpool.integrations.common import PageRows, engine_page_key
 from kvpool.integrations.vllm import layout as L
 from kvpool.integrations.vllm.keys import KeySpace
+from kvpool.integrations.vllm.loader import ViewLoader, prefault
 from kvpool.integrations.vllm.meta import BlockRun, KVPoolMetadata
 from kvpool.integrations.vllm.store import (BLOCKS_LOADED, BLOCKS_SAVED, BYTES_LOADED,
                                             BYTES_SAVED, LOAD_ERRORS, SAVES_SKIPPED,
@@ -58,6 +63,8 @@ class WorkerSide:
         self.dtype = torch.float32
         self.layout = ""
         self._errors: set[int] = set()
+        self._bad_keys: list[str] = []  # read but unusable: removed when the load ends
+        self._loader = ViewLoader()
         self._saves: list[BlockRun] = []
         self._rows: PageRows | None = None
         self._layers_saved: set[str] = set()
@@ -77,9 +84,21 @@ class WorkerSide:
         row_bytes = PageRows(0, self.page_shape, self.dtype).row_bytes
         self.staging_rows = max(1, min(self.staging_rows, MAX_STAGING_BYTES // row_bytes))
         self._staging = torch.zeros((self.staging_rows, row_bytes), dtype=torch.uint8)
+        threading.Thread(target=self._warm, args=(list(kv_caches.values()),),
+                         name="kvpool-warm", daemon=True).start()
         self.log.info("kvpool: %d layers of KV, layout %s %s %s, %d bytes per stored page, "
                       "staging for %d pages", len(names), self.layout, tuple(first.shape),
                       first.dtype, row_bytes, self.staging_rows)
+
+    def _warm(self, caches: list[torch.Tensor]) -> None:
+        """Off the request path: fault in vLLM's cache pages and the same-host segments'
+        page tables, which a fresh process's first load would otherwise pay for."""
+        t0 = time.perf_counter()
+        cache_bytes = prefault(caches)
+        segment_bytes = self.store.call("warm", lambda c: c.warm_local_segments()) or 0
+        self.log.info("kvpool: warmed %.0f MB of KV cache and %.0f MB of same-host segments "
+                      "in %.0f ms", cache_bytes / 1e6, segment_bytes / 1e6,
+                      1e3 * (time.perf_counter() - t0))
 
     def _rows_for(self, n: int) -> PageRows:
         """Staging pages for ``n`` blocks: the worker's buffer, grown when a step needs more.
@@ -107,48 +126,109 @@ class WorkerSide:
     # ------------------------------------------------------------ load
 
     def start_load_kv(self, meta: KVPoolMetadata) -> None:
-        """Load this step's planned blocks (synchronously, before the forward)."""
+        """Load this step's planned blocks (before the forward): one grant query for all
+        of them; pages in a segment mapped here are copied straight from it
+        (:mod:`~kvpool.integrations.vllm.loader`), the rest read into staging pages,
+        checked and scattered."""
         plan = self._plan(meta.loads)
         if not plan:
             return
         t0 = time.perf_counter()
+        handles = self.store.call("load", lambda c: c.batch_query([p[2] for p in plan]))
+        handles = handles or [ErrorCode.OBJECT_NOT_FOUND] * len(plan)
+        held = [i for i, h in enumerate(handles) if isinstance(h, ReadHandle)]
+        for i in set(range(len(plan))) - set(held):
+            self._load_failed(plan[i], "missing")
+        opened = self.store.call("load", lambda c: c.open_views([handles[i] for i in held]))
+        items, staged = [], []
+        for pos, i in enumerate(held):
+            view = opened.views[pos] if opened else None
+            if view is None:
+                staged.append(i)
+                continue
+            why = self._check_view(view, plan[i][1])
+            if isinstance(why, str):
+                self._load_failed(plan[i], why, read=True)
+            else:
+                items.append((plan[i][0], pos, why))
+        loaded = self._load_viewed(plan, opened, items) if items else 0
+        if opened and not items:
+            opened.close()
+        if staged:
+            loaded += self._load_staged([plan[i] for i in staged], [handles[i] for i in staged])
+        self._end_load(len(plan), loaded, t0)
+
+    def _load_viewed(self, plan, opened, items) -> int:
+        """Copy the viewed, header-checked pages ``items`` into vLLM's blocks; returns
+        how many landed and passed their checks."""
+        planned = {p[0]: p for p in plan}
+        try:
+            bad = self._loader.load(self.views, self.index, opened, items, self.page_shape,
+                                    self.dtype)
+        except Exception as exc:  # noqa: BLE001 - a failed copy is a load error, not vLLM's
+            self.log.warning("kvpool: copying %d blocks out of shared memory failed (%s)",
+                             len(items), exc)
+            bad = {block: "error" for block, _, _ in items}
+        for block, why in bad.items():
+            self._load_failed(planned[block], why, read=True)
+        return len(items) - len(bad)
+
+    def _check_view(self, view: memoryview, header) -> int | str:
+        """The payload checksum a viewed page's header records, or why it is unusable."""
+        if len(view) != PageRows(0, self.page_shape, self.dtype).row_bytes:
+            return "length"
+        try:
+            return check_header(view[:HEADER_SIZE], header)
+        except PageFormatError as exc:
+            return exc.reason
+
+    def _load_failed(self, planned, why: str, read: bool = False) -> None:
+        """Count block ``planned`` (vLLM block, header, key) as a load error; a page that
+        was read but is unusable is removed afterwards, so the recomputed block can be
+        saved in its place (a missing one needs nothing)."""
+        LOAD_ERRORS.labels(why).inc()
+        self._errors.add(planned[0])
+        if read:
+            self._bad_keys.append(planned[2])
+
+    def _load_staged(self, plan, handles) -> int:
+        """Read ``plan``'s pages (granted by ``handles``) into staging pages, check them
+        and scatter the good ones into vLLM's blocks (TCP, or no same-host replica);
+        returns how many landed."""
         # saves staged this step (a load after the forward) keep the staging buffer
         rows = (self._rows_for(len(plan)) if self._rows is None
                 else PageRows(len(plan), self.page_shape, self.dtype))
-        got = self.store.call("load", lambda c: c.batch_get_into([p[2] for p in plan], rows.rows()))
-        if got is None:
-            got = [-1] * len(plan)
+        got = self.store.call("load", lambda c: c.batch_read_into(handles, rows.rows()))
+        got = got or [-1] * len(plan)
         good = []
-        for i, ((block, header, _), n) in enumerate(zip(plan, got)):
-            why = rows.check(i, header, n)
+        for i, (planned, n) in enumerate(zip(plan, got)):
+            why = rows.check(i, planned[1], n)
             if why:
-                LOAD_ERRORS.labels(why).inc()
-                self._errors.add(block)
+                self._load_failed(planned, why, read=n >= 0)
             else:
                 good.append(i)
-        if len(good) < len(plan):
-            self._drop_bad_pages(plan, rows, got)
-            self.log.warning("kvpool: %d of %d blocks failed to load (missing or failed their "
-                             "page check); vLLM recomputes them", len(plan) - len(good), len(plan))
         if good:
             payload = rows.payload()
             payload = payload if len(good) == len(plan) else payload[good]
             ids = [plan[i][0] for i in good]
             for name, view in self.views.items():
                 L.scatter_blocks(view, ids, payload[:, self.index[name]])
-            BLOCKS_LOADED.inc(len(good))
-            BYTES_LOADED.inc(len(good) * rows.row_bytes)
-        self.log.info("kvpool: loaded %d of %d blocks (%.1f MB) in %.0f ms", len(good),
-                      len(plan), len(good) * rows.row_bytes / 1e6,
-                      1e3 * (time.perf_counter() - t0))
+        return len(good)
 
-    def _drop_bad_pages(self, plan, rows: PageRows, got: list[int]) -> None:
-        """Remove stored pages that were read but failed their check, so that the
-        recomputed blocks can be saved in their place (a missing page needs nothing)."""
-        bad = [key for i, ((_, header, key), n) in enumerate(zip(plan, got))
-               if n >= 0 and rows.check(i, header, n)]
-        if bad:
-            self.store.call("remove", lambda c: c.batch_remove(bad, force=True))
+    def _end_load(self, total: int, loaded: int, t0: float) -> None:
+        """Count what landed, remove pages that were read but failed their check (so
+        the recomputed blocks can be saved in their place) and say so in vLLM's log."""
+        if self._bad_keys:
+            bad_keys, self._bad_keys = self._bad_keys, []
+            self.store.call("remove", lambda c: c.batch_remove(bad_keys, force=True))
+        row_bytes = PageRows(0, self.page_shape, self.dtype).row_bytes
+        BLOCKS_LOADED.inc(loaded)
+        BYTES_LOADED.inc(loaded * row_bytes)
+        if loaded < total:
+            self.log.warning("kvpool: %d of %d blocks failed to load (missing or failed their "
+                             "page check); vLLM recomputes them", total - loaded, total)
+        self.log.info("kvpool: loaded %d of %d blocks (%.1f MB) in %.0f ms", loaded, total,
+                      loaded * row_bytes / 1e6, 1e3 * (time.perf_counter() - t0))
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         errors, self._errors = self._errors, set()

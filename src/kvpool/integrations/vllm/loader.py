@@ -1,0 +1,101 @@
+"""Loads of stored pages straight from a same-host segment into vLLM's paged KV.
+
+A stored page holds one block of every layer (``[L, 2, H, B, D]`` after its header).
+When it sits in a segment mapped in this process, :class:`ViewLoader` copies each layer's
+part from the segment into vLLM's block with no staging copy, on a thread (``torch``
+copies release the interpreter lock), while the calling thread checks the pages'
+checksums over the same segment bytes (``xxhash`` holds the lock, so the two overlap
+only this way). Measured here (SmolLM2, 69 blocks of 1.47 MB, a fresh vLLM process):
+reading into staging, checking, then scattering took 40-64 ms; vLLM's bundled
+ExampleConnector loads the same blocks in 26 ms.
+
+The checksum is over the segment's bytes, which cannot change under the read lease
+(the master neither evicts nor reuses a leased object's bytes); a master restart that
+re-mounted the segment meanwhile shows as a changed mount epoch when the views close,
+and fails every page of that segment.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import mmap
+from concurrent.futures import ThreadPoolExecutor
+
+import torch
+
+from kvpool.cache.codec import HEADER_SIZE, payload_checksum
+
+
+MADV_POPULATE_WRITE = 23  # madvise(2), Linux >= 5.14: fault pages in writable, content kept
+
+
+def prefault(tensors) -> int:
+    """Fault in the pages of CPU ``tensors``' storages for writing, keeping their
+    content (MADV_POPULATE_WRITE); returns the bytes populated (0 where the kernel lacks
+    the advice or the tensors are not in host memory).
+
+    Why: a fresh engine's KV cache is untouched memory, and the first load into it paid
+    a page fault per 4 KiB: 102 MB of blocks took 36-43 ms to copy into a fresh cache,
+    12 ms into a touched one (measured here). Run at registration, on a thread, so that
+    no request waits for it; it makes the cache resident (what serving does anyway).
+    """
+    libc = ctypes.CDLL(None, use_errno=True)
+    page = mmap.PAGESIZE
+    done, seen = 0, set()
+    for t in tensors:
+        if t.device.type != "cpu":
+            continue
+        storage = t.untyped_storage()
+        start, nbytes = storage.data_ptr(), storage.nbytes()
+        if start in seen or not nbytes:
+            continue
+        seen.add(start)
+        first = start // page * page
+        length = -(-(start + nbytes - first) // page) * page
+        if libc.madvise(ctypes.c_void_p(first), ctypes.c_size_t(length), MADV_POPULATE_WRITE):
+            return done  # not supported (or not anonymous memory): leave it to faults
+        done += nbytes
+    return done
+
+
+class ViewLoader:
+    """Copies viewed pages into vLLM's block views (one per worker; one thread)."""
+
+    def __init__(self):
+        self._pool = ThreadPoolExecutor(1, thread_name_prefix="kvpool-load")
+
+    def load(self, views: dict[str, torch.Tensor], index: dict[str, int], opened,
+             items: list, page_shape: tuple[int, ...], dtype: torch.dtype) -> dict[int, str]:
+        """Copy and check the pages ``items`` name; returns {vLLM block id: reason} of
+        those that must not be used ("checksum", "stale"). Closes ``opened``.
+
+        Args:
+            views: layer name -> block view ``[num_blocks, 2, H, B, D]`` of vLLM's cache.
+            index: layer name -> position of that layer in a stored page.
+            opened: the client's :class:`~kvpool.client.get.ValueViews` of the pages.
+            items: (vLLM block id, position in ``opened``, payload checksum its header
+                records) per page whose view exists and whose header checked.
+            page_shape, dtype: shape ``[L, 2, H, B, D]`` and dtype of a page's payload.
+        """
+        try:
+            payloads = [opened.views[pos][HEADER_SIZE:] for _, pos, _ in items]
+            layers = [(view, index[name]) for name, view in views.items()]
+            jobs = [(block, payload, stored) for (block, _, stored), payload in zip(items, payloads)]
+            def one(job):
+                block, payload, stored = job
+                page = torch.frombuffer(payload, dtype=dtype).view(page_shape)
+                torch._foreach_copy_([view[block] for view, _ in layers], [page[l] for _, l in layers])
+                return payload_checksum([payload]) != stored
+            half = len(jobs) // 2
+            other = self._pool.submit(lambda: [one(j) for j in jobs[half:]])
+            failed = [one(j) for j in jobs[:half]] + other.result()
+            bad = {j[0]: "checksum" for j, f in zip(jobs, failed) if f}
+        finally:
+            kept = opened.close()
+        for block, pos, _ in items:
+            if not kept[pos]:
+                bad.setdefault(block, "stale")
+        return bad
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=True)
