@@ -161,12 +161,27 @@ def run_objects(args, log_dir: str) -> list[dict]:
 
 def run_pool(args, log_dir: str) -> list[dict]:
     """One fresh master per segment count in ``args.segments``; one row each."""
+    _enough_files(max(args.segments) + 256)
     rows = []
     for count in args.segments:
         _say(args, f"  simulated pool of {count} segments")
         rows.append(_pool_row(args, log_dir, count))
         _say(args, "  " + format_pool_row(rows[-1]))
     return rows
+
+
+def _enough_files(n: int) -> None:
+    """Raise this process's open-file limit (inherited by the master it starts) to ``n``
+    when the hard limit allows: each simulated node keeps a socket open on both sides.
+    Raises UserError when it cannot."""
+    import resource
+
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft >= n:
+        return
+    if hard != resource.RLIM_INFINITY and hard < n:
+        raise UserError(f"--segments needs {n} open files; the limit is {hard} (ulimit -n)")
+    resource.setrlimit(resource.RLIMIT_NOFILE, (n, hard))
 
 
 def _pool_row(args, log_dir: str, count: int) -> dict:
@@ -190,11 +205,13 @@ def _pool_row(args, log_dir: str, count: int) -> dict:
                 held += BATCH
                 hits += _probe(client, "get", keys, max(0, held - capacity), held, 1, get, rng)
                 _probe(client, "exist", keys, max(0, held - capacity), held, 1, exist, rng)
-            beats = Meter(master)
-            for owner in nodes.owners * max(1, 2000 // count):
-                with beats:
-                    nodes.count_heartbeat(client.channel, owner)
-                beats.ops += 1
+            beats, sock = Meter(master), nodes.connect()
+            try:
+                for _ in range(max(1, 2000 // count)):
+                    with beats:
+                        beats.ops += nodes.heartbeat_round(sock)
+            finally:
+                sock.close()
             stats = client.stats()
             rss = master.rss()
         finally:
