@@ -23,7 +23,7 @@ import math
 from typing import Iterator
 
 from kvpool.master.objects import Replica
-from kvpool.master.table import RUNS, ObjectMeta, ObjectTable
+from kvpool.master.table import HARD_PIN, NO_SEG, RUNS, ObjectMeta, ObjectTable
 from kvpool.protocol import PutItem
 
 SORTED_RUN = RUNS - 1  # the run that takes deadlines no other run can append
@@ -42,21 +42,23 @@ class EvictionQueue:
         """Record ``obj`` at its current ``lease_deadline`` (call after every change).
         O(1) unless its deadline is below every append run's last one."""
         t, s = self._t, obj.slot
-        if obj.hard_pin or not obj.visible:
-            t.unlink(s)  # never evicted; pushed again if unpinned
+        if t.flags[s] & HARD_PIN or (t.seg[s] == NO_SEG and s not in t.more):
+            t.unlink(s)  # hard-pinned or invisible: never evicted; pushed again if unpinned
             return
-        lease, d = t.lease, t.lease[s]
+        lease = t.lease
+        d = lease[s]
         if t.run[s] >= 0:
             p, n = t.prev[s], t.next[s]
             if (p < 0 or lease[p] <= d) and (n < 0 or d <= lease[n]):
                 return  # still in order where it is
             t.unlink(s)
-        best, best_tail = -1, -math.inf
-        for run in range(SORTED_RUN):
-            tail = t.tails[run]
-            last = lease[tail] if tail >= 0 else -math.inf
-            if last <= d and (best < 0 or last > best_tail):
-                best, best_tail = run, last
+        best, best_last = -1, -math.inf  # the append run whose last deadline is the largest <= d
+        for run, tail in enumerate(t.tails[:SORTED_RUN]):
+            if tail < 0:
+                if best < 0:
+                    best = run  # an empty run, unless another one fits
+            elif best_last < lease[tail] <= d:
+                best, best_last = run, lease[tail]
         if best >= 0:
             t.link_after(best, s, t.tails[best])
             return
