@@ -3,7 +3,7 @@
 A master holds millions of keys, so one key's record is not a Python object: it is one
 slot across typed arrays (:mod:`array`), found through one ``dict`` from key to slot.
 The common case (one COMPLETE replica, no put in flight, no read in flight) costs the
-dict entry, the key string, the slot number and 53 bytes of arrays; rarer state sits in
+dict entry, the key string, the slot number and 60 bytes of arrays; rarer state sits in
 side tables by slot: replica lists of other lengths (``more``), puts in flight
 (``pending``) and the read grants of the current version (``grants``, dropped when the
 last of them closes). Segment names are interned as 16-bit ids (at most
