@@ -14,13 +14,15 @@ import importlib
 from kvpool.config import check_at_least, check_output_path
 from kvpool.errors import UserError
 
-HELP = "benchmarks: store (data path vs Mooncake/Redis/limits), cache (prefix cache), fuzz (hostile inputs)"
+HELP = ("benchmarks: store (data path vs Mooncake/Redis/limits), cache (prefix cache), fuzz (hostile inputs), "
+        "master (metadata at scale)")
 
 SUBCOMMANDS = {  # name -> (module with HELP / add_arguments / run, one-line help)
     "store": ("kvpool.bench.store",
               "the store's data path against Mooncake, Redis and the machine's limits"),
     "cache": ("kvpool.bench.cache", "the tiered prefix cache: hit rates and TTFT"),
     "fuzz": ("kvpool.bench.fuzz", "hostile inputs against master, node and admin HTTP (hypothesis)"),
+    "master": ("kvpool.bench.master", "the master at 1e4..1e7 objects and with 10..1,000 simulated segments"),
 }
 
 
@@ -61,7 +63,8 @@ def run(args) -> int:
     if getattr(args, "_bench_missing", None):
         raise UserError(f"benchmark {args.bench!r} is not available ({args._bench_missing})")
     if not getattr(args, "_bench_run", None):
-        raise UserError("choose a benchmark: kvpool bench store | kvpool bench cache | kvpool bench fuzz "
+        raise UserError("choose a benchmark: kvpool bench store | kvpool bench cache | kvpool bench fuzz | "
+                        "kvpool bench master "
                         "(see kvpool bench --help)")
     check_arguments(args)
     return args._bench_run(args)

@@ -1,11 +1,16 @@
-"""Eviction order: objects by lease deadline (oldest first), as a heap with lazy deletion.
+"""Eviction order: objects by lease deadline (oldest first), in sorted linked runs.
 
 Mooncake evicts in lease-deadline order, an approximate LRU: every read extends the
-deadline, and a put counts as a use. Rather than sorting every object on each eviction
-(O(n log n), ~150 ms at 100k objects), each deadline change pushes a heap entry; entries
-whose object is gone or whose deadline has changed since are stale and skipped when
-popped. The heap is rebuilt when stale entries outnumber live objects, so memory stays
-O(objects). A pass costs O(k log n) for k popped entries.
+deadline, and a put counts as a use. The order is kept as a few doubly-linked runs over
+the object table's slots (:class:`~kvpool.master.table.ObjectTable`: two int32 links and
+a run byte per object, no object of its own), each sorted by deadline. Deadlines come in
+two rising streams: a put's (``now``) and a read's (``now`` + the one lease TTL), so a
+changed object is unlinked and appended, in O(1), to the run whose last deadline is the
+largest not above its own: puts and reads each keep a run. An object restored after a
+restart (deadline 0) starts a third; a deadline below every run's last one (rare: an
+object unpinned long after its last use) is inserted into the fourth run by a walk from
+its end. Eviction walks the runs' heads in merged order: O(1) per object it looks at,
+whatever the number of objects, and nothing is ever re-sorted or rebuilt.
 
 :class:`Eviction` holds the master's eviction handlers: making room for a put that does
 not fit (K10: only objects whose space could make it fit, nothing if none could) and the
@@ -14,65 +19,85 @@ passes above the high watermark.
 
 from __future__ import annotations
 
-import heapq
-import itertools
 import math
 from typing import Iterator
 
-from kvpool.master.objects import ObjectMeta, Replica
+from kvpool.master.objects import Replica
+from kvpool.master.table import HARD_PIN, NO_SEG, RUNS, ObjectMeta, ObjectTable
 from kvpool.protocol import PutItem
+
+SORTED_RUN = RUNS - 1  # the run that takes deadlines no other run can append
 
 
 class EvictionQueue:
     """Visible, not hard-pinned objects in lease-deadline order (see module docstring)."""
 
-    def __init__(self, objects: dict[str, ObjectMeta]):
-        self._objects = objects
-        self._heap: list[tuple[float, int, ObjectMeta]] = []
-        self._seq = itertools.count()  # tie-break: equal deadlines keep push order
+    def __init__(self, table: ObjectTable):
+        self._t = table
 
     def __len__(self) -> int:
-        return len(self._heap)
+        return self._t.linked
 
     def push(self, obj: ObjectMeta) -> None:
-        """Record ``obj`` at its current ``lease_deadline`` (call after every change)."""
-        if obj.hard_pin:
-            return  # never evicted; pushed again if unpinned
-        heapq.heappush(self._heap, (obj.lease_deadline, next(self._seq), obj))
-        if len(self._heap) > 2 * len(self._objects) + 1024:
-            self._rebuild()
-
-    def _current(self, deadline: float, obj: ObjectMeta) -> bool:
-        return (self._objects.get(obj.key) is obj and obj.visible and not obj.hard_pin
-                and obj.lease_deadline == deadline)
+        """Record ``obj`` at its current ``lease_deadline`` (call after every change).
+        O(1) unless its deadline is below every append run's last one."""
+        t, s = self._t, obj.slot
+        if t.flags[s] & HARD_PIN or (t.seg[s] == NO_SEG and s not in t.more):
+            t.unlink(s)  # hard-pinned or invisible: never evicted; pushed again if unpinned
+            return
+        lease = t.lease
+        d = lease[s]
+        if t.run[s] >= 0:
+            p, n = t.prev[s], t.next[s]
+            if (p < 0 or lease[p] <= d) and (n < 0 or d <= lease[n]):
+                return  # still in order where it is
+            t.unlink(s)
+        best, best_last = -1, -math.inf  # the append run whose last deadline is the largest <= d
+        for run, tail in enumerate(t.tails[:SORTED_RUN]):
+            if tail < 0:
+                if best < 0:
+                    best = run  # an empty run, unless another one fits
+            elif best_last < lease[tail] <= d:
+                best, best_last = run, lease[tail]
+        if best >= 0:
+            t.link_after(best, s, t.tails[best])
+            return
+        p = t.tails[SORTED_RUN]
+        while p >= 0 and lease[p] > d:
+            p = t.prev[p]
+        t.link_after(SORTED_RUN, s, p)
 
     def pop_due(self, now: float) -> Iterator[ObjectMeta]:
-        """Pop and yield current objects whose lease ended by ``now``, oldest first.
+        """Yield objects whose lease ended by ``now``, oldest first, each once.
 
-        Stops at the first leased entry (all later ones are leased too). Objects the
-        caller does not evict must be :meth:`push`-ed back.
+        Stops at the first leased one (all later ones are leased too). Objects stay in
+        the order until the caller evicts them; the caller may evict each yielded object
+        but must change no other while iterating.
         """
-        seen: set[int] = set()
-        while self._heap:
-            deadline, _, obj = self._heap[0]
-            if deadline > now and self._current(deadline, obj):
+        t = self._t
+        cursors = list(t.heads)
+        lease, nxt = t.lease, t.next
+        while True:
+            best, first = -1, math.inf
+            for run, c in enumerate(cursors):
+                if c >= 0 and lease[c] < first:
+                    best, first = run, lease[c]
+            if best < 0 or first > now:
                 return
-            heapq.heappop(self._heap)
-            if self._current(deadline, obj) and id(obj) not in seen:
-                seen.add(id(obj))
-                yield obj
-
-    def _rebuild(self) -> None:
-        self._heap = [(o.lease_deadline, next(self._seq), o) for o in self._objects.values()
-                      if o.visible and not o.hard_pin]
-        heapq.heapify(self._heap)
+            s = cursors[best]
+            cursors[best] = nxt[s]
+            yield ObjectMeta(t, s, t.keys[s])
 
 
-def _adds_room(obj: ObjectMeta, room: dict[str, int], need: int, rounded) -> bool:
-    """Count ``obj``'s buffers into ``room``; True if one of its segments now reaches ``need``."""
+def _adds_room(obj: ObjectMeta, room: dict[str, int], need: int, segments) -> bool:
+    """Count ``obj``'s buffers into ``room`` (free bytes per segment, filled in as
+    segments are first touched); True if one of its segments now reaches ``need``."""
     for r in obj.replicas:
-        room[r.segment] = room.get(r.segment, 0) + rounded(r.length)
-    return any(room.get(r.segment, 0) >= need for r in obj.replicas)
+        if r.segment not in room:
+            a = segments.segments[r.segment].allocator
+            room[r.segment] = a.capacity - a.used
+        room[r.segment] += segments.rounded(r.length)
+    return any(room[r.segment] >= need for r in obj.replicas)
 
 
 class Eviction:
@@ -94,19 +119,18 @@ class Eviction:
         space plus the free space reaches ``size``, stopping once an allocation would
         fit. Returns False, having evicted nothing, when no eviction can reach it."""
         need = self.segments.rounded(size)
-        segs = self.segments.segments
-        if not any(s.allocator.capacity >= need for s in segs.values()):
+        if self.segments.largest_capacity < need:
             return False
-        room = {n: s.allocator.capacity - s.allocator.used for n, s in segs.items()}
+        room: dict[str, int] = {}  # only segments holding a candidate can gain room
         candidates, soft, keep = [], [], []
         for obj in self._due_unpinned(self.clock(), keep, soft):
             candidates.append(obj)
-            if _adds_room(obj, room, need, self.segments.rounded):
+            if _adds_room(obj, room, need, self.segments):
                 break
         else:  # unpinned objects were not enough: soft-pinned ones, in order
             for i, obj in enumerate(soft):
                 candidates.append(obj)
-                if _adds_room(obj, room, need, self.segments.rounded):
+                if _adds_room(obj, room, need, self.segments):
                     keep.extend(soft[i + 1:])
                     break
             else:
@@ -136,16 +160,18 @@ class Eviction:
                       keep: list[ObjectMeta]) -> int:
         """Evict, in order, the candidates with a replica on a ``useful`` segment until
         one of those has a free extent of ``need`` bytes; the others go to ``keep``.
-        Returns how many were evicted."""
+        Returns how many were evicted. Only the evicted object's segments can have
+        gained a free extent, so only they are looked at."""
         segs = self.segments.segments
         evicted = 0
         for i, obj in enumerate(candidates):
-            if not any(r.segment in useful for r in obj.replicas):
+            mine = [r.segment for r in obj.replicas if r.segment in useful]
+            if not mine:
                 keep.append(obj)
                 continue
             self._evict(obj)
             evicted += 1
-            if any(segs[n].allocator.largest_free >= need for n in useful):
+            if any(segs[n].allocator.largest_free >= need for n in mine):
                 keep.extend(candidates[i + 1:])
                 break
         return evicted

@@ -26,11 +26,14 @@ class ReadGrants:
 
     ``free(replicas)`` returns buffers to their segments; ``rounded(length)`` is the
     aligned size an allocation of ``length`` bytes takes (for the byte count);
-    ``first_id``: the first grant id (random per master incarnation, never 0).
+    ``first_id``: the first grant id (random per master incarnation, never 0);
+    ``idle(grants)``: called when the last open grant of a version that is not retired
+    closes (the object table then drops its record of reads).
     """
 
-    def __init__(self, free: Free, rounded: Callable[[int], int], first_id: int = 1):
-        self._free, self._rounded = free, rounded
+    def __init__(self, free: Free, rounded: Callable[[int], int], first_id: int = 1,
+                 idle: Callable[[Grants], None] | None = None):
+        self._free, self._rounded, self._idle = free, rounded, idle
         # id -> (deadline, the version's Grants); in grant order, which is deadline
         # order (one TTL for all), so expiry pops the front
         self.open: OrderedDict[int, tuple[float, Grants]] = OrderedDict()
@@ -110,8 +113,11 @@ class ReadGrants:
 
     def _close(self, grants: Grants) -> None:
         grants.open -= 1
-        if grants.open == 0 and grants.zombie is not None:
-            self._release(grants.zombie)
+        if grants.open == 0:
+            if grants.zombie is not None:
+                self._release(grants.zombie)
+            elif self._idle is not None:
+                self._idle(grants)
 
     def _hold(self, zombie: Zombie) -> None:
         self.zombies[zombie] = None

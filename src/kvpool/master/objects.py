@@ -1,4 +1,7 @@
-"""Master-side records: segments, replicas, objects, in-flight puts.
+"""Master-side records: segments, replicas, read grants, zombies, in-flight puts.
+
+The objects themselves are slots of :class:`~kvpool.master.table.ObjectTable` (a struct
+of arrays); these records are what a slot points to when it needs more than its arrays.
 
 An object's lifecycle follows Mooncake Store's replica state machine:
 ``PutStart`` creates a :class:`PendingPut` whose replicas are PROCESSING (invisible);
@@ -14,7 +17,7 @@ expired, whichever comes first.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from kvpool.master.allocator import OffsetAllocator
 from kvpool.protocol import SegmentInfo
@@ -44,12 +47,14 @@ class Grants:
     """Read grants on one version of an object that are neither done nor expired.
 
     open: how many; latest: deadline of the last one granted (monotonic seconds), so no
-    grant on this version outlives it; zombie: set once the version is retired.
+    grant on this version outlives it; zombie: set once the version is retired; slot:
+    the object's slot in the ObjectTable while this is its current version's.
     """
 
     open: int = 0
     latest: float = 0.0
     zombie: "Zombie | None" = None
+    slot: int = -1
 
 
 @dataclass(slots=True, eq=False)
@@ -75,33 +80,3 @@ class PendingPut:
     soft_pin: int = 0  # protocol.SOFT_PIN_* action applied at PutEnd
     soft_pin_ttl_ms: int = 0  # for SOFT_PIN_ENABLE, resolved (0 clears the pin)
     hard_pin: bool = False
-
-
-@dataclass(slots=True)
-class ObjectMeta:
-    """One key. ``replicas`` are COMPLETE; empty means invisible (only a pending put).
-
-    lease_deadline: monotonic second until which a read lease holds (no removal, no
-    eviction); also the eviction order (approximate LRU, as in Mooncake).
-    soft_pin_deadline: monotonic second until which the soft pin holds (0 = none).
-    """
-
-    key: str
-    size: int = 0
-    replicas: list[Replica] = field(default_factory=list)
-    pending: PendingPut | None = None
-    lease_deadline: float = 0.0
-    hard_pin: bool = False
-    soft_pin_deadline: float = 0.0
-    grants: Grants = field(default_factory=Grants)  # reads of the current ``replicas``
-    version: int = 0  # commit version of ``replicas`` (protocol.IndexEntry.version)
-
-    @property
-    def visible(self) -> bool:
-        return bool(self.replicas)
-
-    def leased(self, now: float) -> bool:
-        return self.lease_deadline > now
-
-    def soft_pinned(self, now: float) -> bool:
-        return self.soft_pin_deadline > now

@@ -22,7 +22,8 @@ from __future__ import annotations
 import time
 
 from kvpool.master.allocator import OffsetAllocator
-from kvpool.master.objects import ObjectMeta, Replica, Segment
+from kvpool.master.objects import Replica, Segment
+from kvpool.master.table import ObjectMeta
 from kvpool.protocol import MAX_KEY_BYTES, IndexEntry, IndexUpdate
 
 
@@ -83,7 +84,7 @@ class Restore:
                 end = e.offset + alloc.rounded(e.size)
             else:
                 dropped.append(e.key)
-        seg.allocator = OffsetAllocator.with_used(alloc.capacity, alloc.alignment, kept)
+        self.segments.replace_allocator(seg, OffsetAllocator.with_used(alloc.capacity, alloc.alignment, kept))
         return dropped
 
     def _adopt(self, name: str, e: IndexEntry) -> bool:
@@ -101,7 +102,7 @@ class Restore:
             self._index_drop(obj)  # an older version was restored first: the newer wins
             self._retire(obj)
         if obj is None:
-            obj = self.objects[e.key] = ObjectMeta(e.key)
+            obj = self.objects.create(e.key)
         obj.size, obj.version = e.size, e.version
         self._set_replicas(obj, [replica])
         self.queue.push(obj)

@@ -1,19 +1,28 @@
 """The mounted segments, their owners' liveness, and replica placement.
 
 Placement strategies (Mooncake's allocation strategies):
-``random`` (default) tries segments in random order; ``free_ratio_first`` tries the
-emptiest segment first; ``local_first`` tries segments on the writer's host first.
-Replicas of one object always land on distinct segments.
+``random`` (default) picks segments at random among those that can take the value;
+``free_ratio_first`` tries the emptiest segment first; ``local_first`` tries segments on
+the writer's host first. Replicas of one object always land on distinct segments.
 
 Every mount gets a fresh mount epoch (:func:`new_epoch`), stamped on the stored
 ``SegmentInfo`` and so on every replica descriptor the master hands out: a grant
 names the mount it is valid for (see "Safety across master restarts" in docs/store.md).
+
+Per-operation cost does not grow with the number of segments: segments are indexed by
+their largest free extent (:class:`FreeIndex`), so the ones that can take ``n`` bytes are
+a suffix found by bisection and a random pick among them costs O(log segments); used and
+total bytes are kept as allocations change; owners are kept in heartbeat order, so
+finding silent ones looks only at those.
 """
 
 from __future__ import annotations
 
+import bisect
 import random
 import secrets
+from collections import OrderedDict
+from itertools import islice
 
 import msgspec
 
@@ -29,6 +38,46 @@ def new_epoch() -> int:
     return secrets.randbits(63) or 1
 
 
+class FreeIndex:
+    """Segment names sorted by a number (their largest free extent, or their used share),
+    as a sorted list of (value, name): O(log n) search, a short memmove per change."""
+
+    def __init__(self):
+        self.entries: list[tuple[float, str]] = []
+        self.at: dict[str, float] = {}
+
+    def set(self, name: str, value: float) -> None:
+        old = self.at.get(name)
+        if old == value:
+            return
+        if old is not None:
+            del self.entries[bisect.bisect_left(self.entries, (old, name))]
+        bisect.insort(self.entries, (value, name))
+        self.at[name] = value
+
+    def remove(self, name: str) -> None:
+        old = self.at.pop(name, None)
+        if old is not None:
+            del self.entries[bisect.bisect_left(self.entries, (old, name))]
+
+    def pick(self, least: int, k: int, exclude: set[str]) -> list[str]:
+        """Up to ``k`` names, at random, whose value is at least ``least``, none in
+        ``exclude``."""
+        start = bisect.bisect_left(self.entries, (least, ""))
+        n = len(self.entries) - start
+        picked = random.sample(range(start, start + n), min(n, k + len(exclude))) if k > 0 else []
+        return [name for name in (self.entries[i][1] for i in picked) if name not in exclude][:k]
+
+
+class _Heartbeats(OrderedDict):
+    """owner_id -> last heartbeat (monotonic seconds), oldest first: setting a key moves
+    it to the end, so the silent owners are a prefix."""
+
+    def __setitem__(self, owner: str, when: float) -> None:
+        super().__setitem__(owner, when)
+        self.move_to_end(owner)
+
+
 class SegmentTable:
     """Segments by name, owners' last heartbeat, and allocation across segments."""
 
@@ -38,7 +87,13 @@ class SegmentTable:
         self.strategy = strategy
         self.alignment = alignment
         self.segments: dict[str, Segment] = {}
-        self.last_seen: dict[str, float] = {}  # owner_id -> monotonic seconds
+        self.last_seen: dict[str, float] = _Heartbeats()  # owner_id -> monotonic seconds
+        self.used_bytes = 0  # allocated (aligned) bytes over all segments
+        self.total_bytes = 0
+        self.largest_capacity = 0
+        self._by_free = FreeIndex()  # largest free extent
+        self._by_ratio = FreeIndex()  # used share (free_ratio_first)
+        self._by_host: dict[str, FreeIndex] = {}  # host_id -> largest free extent (local_first)
 
     def mount(self, owner_id: str, info: SegmentInfo, now: float) -> Segment | None:
         """Add ``info`` under a new mount epoch; returns the segment (also when already
@@ -49,58 +104,97 @@ class SegmentTable:
             return seg if same else None
         stamped = msgspec.structs.replace(info, epoch=new_epoch())
         seg = self.segments[info.name] = Segment(stamped, owner_id, OffsetAllocator(info.size, self.alignment))
+        self.total_bytes += seg.allocator.capacity
+        self.largest_capacity = max(self.largest_capacity, seg.allocator.capacity)
+        self._listed(seg)
         self.last_seen[owner_id] = now
         return seg
 
     def unmount(self, name: str) -> Segment | None:
         """Drop segment ``name`` (its allocator with it); forget an owner left with none."""
         seg = self.segments.pop(name, None)
-        if seg is not None and not self.owned_by(seg.owner_id):
+        if seg is None:
+            return None
+        self.used_bytes -= seg.allocator.used
+        self.total_bytes -= seg.allocator.capacity
+        self.largest_capacity = max((s.allocator.capacity for s in self.segments.values()), default=0)
+        for index in (self._by_free, self._by_ratio, self._by_host.get(seg.info.host_id)):
+            if index is not None:
+                index.remove(name)
+        if not self.owned_by(seg.owner_id):
             self.last_seen.pop(seg.owner_id, None)
         return seg
+
+    def replace_allocator(self, seg: Segment, allocator: OffsetAllocator) -> None:
+        """Give ``seg`` a new allocator (a restored one), keeping the totals exact."""
+        self.used_bytes += allocator.used - seg.allocator.used
+        seg.allocator = allocator
+        self._listed(seg)
 
     def owned_by(self, owner_id: str) -> list[str]:
         return [n for n, s in self.segments.items() if s.owner_id == owner_id]
 
     def expired_owners(self, now: float, ttl_s: float) -> list[str]:
-        return [o for o, t in self.last_seen.items() if now - t > ttl_s]
-
-    def order(self, host_id: str, preferred: str) -> list[Segment]:
-        """Segments in the order the strategy tries them (``preferred`` name first)."""
-        segs = list(self.segments.values())
-        random.shuffle(segs)
-        if self.strategy == "free_ratio_first":
-            segs.sort(key=lambda s: s.allocator.used / max(1, s.allocator.capacity))
-        elif self.strategy == "local_first":
-            segs.sort(key=lambda s: s.info.host_id != host_id)
-        if preferred:
-            segs.sort(key=lambda s: s.info.name != preferred)
-        return segs
+        """Owners silent for over ``ttl_s``: a prefix of the heartbeat order."""
+        out = []
+        for owner, seen in self.last_seen.items():
+            if now - seen <= ttl_s:
+                break
+            out.append(owner)
+        return out
 
     def allocate(self, size: int, count: int, host_id: str = "", preferred: str = "") -> list[Replica]:
-        """Up to ``count`` buffers of ``size`` bytes on distinct segments (best effort)."""
+        """Up to ``count`` buffers of ``size`` bytes on distinct segments (best effort):
+        segment ``preferred`` first, then the strategy's: O(log segments) per replica
+        for ``random`` and ``local_first``."""
+        need = self.rounded(size)
         out: list[Replica] = []
-        for seg in self.order(host_id, preferred):
-            if len(out) == count:
-                break
-            offset = seg.allocator.allocate(size)
-            if offset is not None:
-                out.append(Replica(seg.info.name, offset, size))
+        first = self.segments.get(preferred) if preferred else None
+        if first is not None:
+            self._take(first, size, out)
+        for name in self._candidates(need, count - len(out), host_id, {r.segment for r in out}):
+            self._take(self.segments[name], size, out)
         return out
+
+    def _candidates(self, need: int, k: int, host_id: str, exclude: set[str]) -> list[str]:
+        """Names of up to ``k`` segments, not in ``exclude``, with a free extent of
+        ``need`` bytes, in the strategy's order."""
+        if k <= 0:
+            return []
+        if self.strategy == "free_ratio_first":  # walks from the emptiest: O(segments) at worst
+            fits = self._by_free.at
+            return list(islice((n for _, n in self._by_ratio.entries if n not in exclude and fits[n] >= need), k))
+        picked: list[str] = []
+        local = self._by_host.get(host_id) if self.strategy == "local_first" else None
+        if local is not None:
+            picked = local.pick(need, k, exclude)
+        return picked + self._by_free.pick(need, k - len(picked), exclude | set(picked))
+
+    def _take(self, seg: Segment, size: int, out: list[Replica]) -> None:
+        before = seg.allocator.used
+        offset = seg.allocator.allocate(size)
+        if offset is not None:
+            out.append(Replica(seg.info.name, offset, size))
+            self.used_bytes += seg.allocator.used - before
+            self._listed(seg)
 
     def free(self, replica: Replica) -> None:
         """Return ``replica``'s buffer; a no-op if its segment is gone (unmounted)."""
         seg = self.segments.get(replica.segment)
         if seg is not None:
+            before = seg.allocator.used
             seg.allocator.free(replica.offset, replica.length)
+            self.used_bytes += seg.allocator.used - before
+            self._listed(seg)
+
+    def _listed(self, seg: Segment) -> None:
+        """Re-index ``seg`` after its allocator changed."""
+        a, name = seg.allocator, seg.info.name
+        self._by_free.set(name, a.largest_free)
+        if self.strategy == "free_ratio_first":
+            self._by_ratio.set(name, a.used / max(1, a.capacity))
+        elif self.strategy == "local_first":
+            self._by_host.setdefault(seg.info.host_id, FreeIndex()).set(name, a.largest_free)
 
     def rounded(self, size: int) -> int:
         return max(self.alignment, -(-size // self.alignment) * self.alignment)
-
-    @property
-    def used_bytes(self) -> int:
-        return sum(s.allocator.used for s in self.segments.values())
-
-    @property
-    def total_bytes(self) -> int:
-        return sum(s.allocator.capacity for s in self.segments.values())

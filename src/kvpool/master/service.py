@@ -32,9 +32,10 @@ from kvpool.errors import ErrorCode
 from kvpool.master.config import MasterConfig
 from kvpool.master.eviction import Eviction, EvictionQueue
 from kvpool.master.leases import ReadGrants
-from kvpool.master.objects import Grants, ObjectMeta, PendingPut, Replica
+from kvpool.master.objects import Grants, PendingPut, Replica
 from kvpool.master.restore import IndexLog, Restore
 from kvpool.master.segments import SegmentTable, new_epoch
+from kvpool.master.table import ObjectMeta, ObjectTable
 from kvpool.protocol import (
     MAX_KEY_BYTES, MAX_SEGMENTS, SOFT_PIN_DISABLE, SOFT_PIN_ENABLE, SOFT_PIN_PRESERVE, BatchGetResp,
     BatchPutStartResp, CodesResp, CountResp, GetResp, IndexEntry, MountResp, PutItem, PutStartResp, PutToken,
@@ -62,10 +63,11 @@ class MasterService(Eviction, Restore):
         self.config = config or MasterConfig()
         self.clock = clock
         self.segments = SegmentTable(self.config.allocation_strategy)
-        self.objects: dict[str, ObjectMeta] = {}
+        self.objects = ObjectTable()  # key -> record (views of a struct of arrays)
         self.object_count = 0  # visible objects, kept as replicas come and go
         self.queue = EvictionQueue(self.objects)
-        self.grants = ReadGrants(self._free, self.segments.rounded, first_id=new_epoch())
+        self.grants = ReadGrants(self._free, self.segments.rounded, first_id=new_epoch(),
+                                 idle=self.objects.drop_grants)
         self.counters: Counter[str] = Counter()
         # random per start, so that no id of an earlier incarnation means anything here
         # (a stale PutEnd or ReadDone would otherwise commit or end another's put or grant)
@@ -146,13 +148,14 @@ class MasterService(Eviction, Restore):
         self.counters["segments_unmounted"] += 1
         log.info("unmounted segment %s", name)
         self.grants.drop_segment(name)
-        for obj in list(self.objects.values()):
+        for obj in self.objects.on_segment(name):
             self._set_replicas(obj, [r for r in obj.replicas if r.segment != name])
             if obj.pending and any(r.segment == name for r in obj.pending.replicas):
                 self._free(obj.pending.replicas)  # the write can no longer be whole
                 self._clear_pending(obj)
             if not obj.replicas and obj.pending is None:
                 self._forget(obj)
+        self.objects.forget_segment(name)
 
     # ------------------------------------------------------------ put
 
@@ -190,7 +193,7 @@ class MasterService(Eviction, Restore):
             self.counters["put_no_space"] += 1
             return PutStartResp(ErrorCode.NO_AVAILABLE_HANDLE, message=self._no_space_message(item.size, now))
         if obj is None:
-            obj = self.objects[item.key] = ObjectMeta(item.key)
+            obj = self.objects.create(item.key)
         put_id, self._next_put_id = self._next_put_id, self._next_put_id + 1
         obj.pending = PendingPut(put_id, item.size, replicas, now, item.soft_pin, soft_pin_ttl, item.hard_pin)
         self.in_flight.add(item.key)
