@@ -14,13 +14,15 @@ import importlib
 from kvpool.config import check_at_least, check_output_path
 from kvpool.errors import UserError
 
-HELP = "benchmarks: store (data path vs Mooncake/Redis/limits), cache (prefix cache), fuzz (hostile inputs)"
+HELP = ("benchmarks: store (data path vs Mooncake/Redis/limits), cache (prefix cache), fuzz (hostile inputs), "
+        "chaos (failures under load)")
 
 SUBCOMMANDS = {  # name -> (module with HELP / add_arguments / run, one-line help)
     "store": ("kvpool.bench.store",
               "the store's data path against Mooncake, Redis and the machine's limits"),
     "cache": ("kvpool.bench.cache", "the tiered prefix cache: hit rates and TTFT"),
     "fuzz": ("kvpool.bench.fuzz", "hostile inputs against master, node and admin HTTP (hypothesis)"),
+    "chaos": ("kvpool.bench.chaos", "kill -9 nodes, clients and the HA leader under verified load"),
 }
 
 

@@ -14,7 +14,9 @@ in its segment. When that stream ends (the master died, restarted, or dropped th
 segment) or a heartbeat says the master forgot us, the host fences the old mount epoch
 (:mod:`kvpool.transfer.epoch`: no grant of it moves bytes any more) and mounts again,
 reporting its index, until a master takes it: a new master incarnation rebuilds the
-objects from it (master/restore.py).
+objects from it (master/restore.py). With HA masters (a list or etcd as ``master_addr``)
+the channels follow the leader (:mod:`kvpool.rpc`), and a heartbeat that finds no
+leader also ends the stream, which may hang on a leader that stalled and was replaced.
 """
 
 from __future__ import annotations
@@ -185,6 +187,8 @@ class SegmentHost:
                     self._stream.shutdown()  # the stream thread mounts again
             except KVPoolError as exc:  # master down or restarting: keep trying
                 log.warning("heartbeat to %s failed: %s", self.master_addr, exc)
+                if self.master.masters.ha:  # the stream may hang on a stalled ex-leader:
+                    self._stream.shutdown()  # mount again, with whoever leads now
 
     def wait(self) -> None:
         """Block until :meth:`stop` is called (e.g. from a signal handler)."""
