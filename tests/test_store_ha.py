@@ -26,7 +26,7 @@ from kvpool.rpc import RpcChannel
 
 pytestmark = pytest.mark.skipif(etcd_binary() is None, reason="etcd not installed (apt-get install etcd-server)")
 TTL_S = 2  # etcd's smallest lease TTL with its default election timeout
-FAST = ["--client-ttl", "2"]
+FAST = ["--client-ttl", "4"]  # heartbeats every second: a stalled stream is noticed soon
 
 
 def value_of(key: str, size: int = 8192) -> bytes:
@@ -110,7 +110,7 @@ def test_paused_leader_refuses_when_resumed():
     """SIGSTOP the leader until the standby has taken over; requests waiting in its
     socket when it resumes are refused (no grant of a read or a write), and it stops."""
     with HAGroup(masters=2, num_nodes=1, lease_ttl_s=TTL_S, master_args=FAST) as group:
-        with Client(group.master_spec, timeout_s=10.0) as c:
+        with Client(group.master_spec, timeout_s=5.0) as c:
             c.put("kept", value_of("kept"))
             old = group.wait_leader()
             stale = RpcChannel(group.master_addrs[old], 5.0, b"")
@@ -120,7 +120,9 @@ def test_paused_leader_refuses_when_resumed():
             try:
                 proc_helpers.wait_for(lambda: group.leader_index() not in (None, old), 30,
                                       "the standby to take over")
-                c.put("after", value_of("after"))
+                # the node finds its stream stalled (heartbeats time out) and mounts with the new leader
+                proc_helpers.wait_for(lambda: readable(c, "kept"), 60, "the object on the new leader")
+                assert put_ok(c, "after")
                 stale._sock.sendall(P.encode_frame(P.GetReplicaList("kept")) + P.encode_frame(
                     P.PutStart(P.PutItem("stale", 4096, 1))))
             finally:
@@ -139,3 +141,9 @@ def test_paused_leader_refuses_when_resumed():
             assert group.masters[old].proc.wait(20) == 3
             assert c.get("kept") == value_of("kept") and c.get("after") == value_of("after")
             assert not c.is_exist("stale")
+
+
+def test_master_on_a_wildcard_address_must_advertise():
+    out = proc_helpers.run_kvpool("master", "--etcd", "127.0.0.1:1", "--host", "0.0.0.0", "--port", "0")
+    assert out.returncode != 0
+    assert "--advertise" in out.stderr and "Traceback" not in out.stderr

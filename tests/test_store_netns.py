@@ -56,7 +56,7 @@ def pool():
     with Hosts(tag, 4, net=20 + os.getpid() % 200) as hosts:
         children = []
         try:
-            master = Child("master", ["--host", hosts.addr(MASTER), "--port", "0", "--client-ttl", "2"],
+            master = Child("master", ["--host", hosts.addr(MASTER), "--port", "0", "--client-ttl", "3"],
                            work, work, "master", prefix=hosts.prefix(MASTER))
             children.append(master)
             addr = master.wait_ready(30)["addr"]

@@ -43,7 +43,7 @@ PROBE_S = 0.05
 LIVE_MAX = 200  # committed keys a client keeps before removing its oldest
 MAGIC = b"KVCH"
 _HEAD = struct.Struct("<4sHIQ")  # magic, key length, payload length, xxh3_64(key + payload)
-MASTER_ARGS = ["--client-ttl", "2", "--default-kv-lease-ttl", "1000", "--put-start-discard-timeout", "2",
+MASTER_ARGS = ["--client-ttl", "5", "--default-kv-lease-ttl", "1000", "--put-start-discard-timeout", "2",
                "--put-start-release-timeout", "3"]
 KINDS = ("leader", "node", "client")
 

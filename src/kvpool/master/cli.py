@@ -163,6 +163,9 @@ def run(args) -> int:
           if values["etcd"] else None)
     if ha and ha["advertise"]:
         ha["advertise"] = format_addr(*parse_addr(ha["advertise"]))
+    elif ha and values["host"] in ("0.0.0.0", "::"):
+        raise UserError(f"--etcd with --host {values['host']}: give --advertise host:port, the address "
+                        "clients and nodes reach this master at (it is published in etcd)")
     try:
         kept = run_event_loop(serve(service, values["host"], values["port"], args.ready_file,
                                     values["http_port"], values["frame_timeout"],
