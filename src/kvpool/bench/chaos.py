@@ -7,7 +7,7 @@ random; every value carries its key and a checksum (:func:`encode_value`), so a 
 that returns another key's bytes, or torn bytes, is caught. Clients report each commit
 (with the segments holding its replicas, from a query after the put) and each key they
 are about to remove (their live set is bounded) as JSON lines. A prober in this
-process pings, puts and gets a small key every :data:`PROBE_S` seconds.
+process puts, gets and removes a small key every :data:`PROBE_S` seconds.
 
 At random intervals (seeded) one of node / client / leader is killed with SIGKILL and
 started again (a node with a new, empty segment; the leader as a standby, after the
@@ -229,14 +229,14 @@ class Clients:
 
 
 class Prober:
-    """Pings, puts and gets one small key every :data:`PROBE_S` s; remembers when it
+    """Puts, gets and removes one small key every :data:`PROBE_S` s; remembers when it
     last succeeded."""
 
     def __init__(self, spec: str):
         from kvpool.client import Client
 
         self.client = Client(spec, timeout_s=2.0)
-        self.successes: list[float] = []
+        self.successes: list[tuple[float, float]] = []  # (start, end) of each probe that passed
         self.failures = 0
         self.wrong = 0
         self._stop = threading.Event()
@@ -250,6 +250,7 @@ class Prober:
         while not self._stop.wait(PROBE_S):
             n += 1
             key = f"probe/{n}"
+            started = time.monotonic()
             try:
                 self.client.put(key, encode_value(key, b"p" * 512))
                 ok = check_value(key, self.client.get(key))
@@ -258,12 +259,14 @@ class Prober:
                 self.failures += 1
                 continue
             if ok:
-                self.successes.append(time.monotonic())
+                self.successes.append((started, time.monotonic()))
             else:
                 self.wrong += 1
 
     def next_success_after(self, t: float) -> float | None:
-        return next((s for s in self.successes if s > t), None)
+        """When the first probe started after ``t`` passed (None: none yet); a probe
+        begun before ``t`` proves nothing about service after it."""
+        return next((end for start, end in self.successes if start > t), None)
 
     def stop(self) -> None:
         self._stop.set()
