@@ -17,13 +17,13 @@ import tempfile
 import time
 from pathlib import Path
 
+from kvpool import protocol as P
 from kvpool.child import child_preexec
 from kvpool.errors import ErrorCode, KVPoolError
 from kvpool.etcd import Etcd, EtcdError
 from kvpool.launch import Child, LaunchError
 from kvpool.masters import DEFAULT_KEY
 from kvpool.rpc import RpcChannel
-from kvpool import protocol as P
 
 
 def free_port(host: str = "127.0.0.1") -> int:
@@ -169,8 +169,12 @@ class HAGroup:
         return len(self.nodes) - 1
 
     def leader_addr(self) -> str | None:
-        """The address etcd names as leader, None while none leads."""
-        return self.etcd.client.get(DEFAULT_KEY)
+        """The address etcd names as leader, None while none leads (or etcd, busy,
+        did not answer in time)."""
+        try:
+            return self.etcd.client.get(DEFAULT_KEY)
+        except EtcdError:
+            return None
 
     def leader_index(self) -> int | None:
         """Which master leads and serves now (None: none)."""
