@@ -41,15 +41,17 @@ def etcd_binary() -> str | None:
 
 class EtcdServer:
     """A one-member etcd cluster on ``host`` (loopback), data in a temporary folder
-    removed on :meth:`stop`. ``url``: its client endpoint. Raises LaunchError when etcd
-    is not installed or does not answer within ``timeout_s``."""
+    removed on :meth:`stop`; ``prefix``: run it in a network namespace (``ip netns exec
+    NS``; this process must reach ``host``). ``url``: its client endpoint. Raises
+    LaunchError when etcd is not installed or does not answer within ``timeout_s``."""
 
     def __init__(self, host: str = "127.0.0.1", timeout_s: float = 20.0, prefix=()):
         binary = etcd_binary()
         if binary is None:
             raise LaunchError("etcd is not installed (Debian: apt-get install etcd-server)")
         self.dir = Path(tempfile.mkdtemp(prefix="kvpool-etcd-"))
-        client, peer = free_port(host), free_port(host)
+        # in a namespace of its own (prefix) etcd's usual ports are free, and ours cannot probe there
+        client, peer = (2379, 2380) if prefix else (free_port(host), free_port(host))
         self.url = f"http://{host}:{client}"
         peer_url = f"http://{host}:{peer}"
         cmd = [*prefix, binary, "--name", "kvpool", "--data-dir", str(self.dir / "data"),
@@ -99,29 +101,37 @@ def is_leader(addr: str, timeout_s: float = 1.0) -> bool:
         chan.close()
 
 
+Place = tuple[tuple[str, ...], str]  # (command prefix, e.g. ip netns exec NS; address to listen on)
+
+
 class HAGroup:
     """An etcd server, ``masters`` masters in one HA group and ``num_nodes`` nodes.
 
     ``master_args`` / ``node_args``: more flags for every master / node;
-    ``lease_ttl_s``: the masters' ``--etcd-lease-ttl``; ``host``: where masters and nodes
-    listen; ``prefixes``: per master and per node, a command prefix (a network
-    namespace; default none) and a host to listen on, as (prefix, host) pairs.
+    ``lease_ttl_s``: the masters' ``--etcd-lease-ttl``; ``host``: where everything
+    listens by default. ``places`` (optional): where each runs, a :data:`Place` per
+    role: ``{"etcd": place, "masters": [place per master], "nodes": [place per node]}``
+    (hosts of :class:`kvpool.netns.Hosts`); a master or node started again keeps its place.
     ``master_spec``: what clients and nodes are given ("h1:p1,h2:p2").
     Use as a context manager; raises LaunchError when a child does not come up.
     """
 
     def __init__(self, masters: int = 2, num_nodes: int = 1, segment_size: str = "64MiB",
                  lease_ttl_s: int = 2, master_args=(), node_args=(), host: str = "127.0.0.1",
-                 startup_timeout_s: float = 30.0, etcd_host: str = "127.0.0.1"):
-        self.host, self.segment_size = host, segment_size
+                 startup_timeout_s: float = 30.0, places: dict | None = None):
+        self.segment_size = segment_size
         self.lease_ttl_s, self.startup_timeout_s = lease_ttl_s, startup_timeout_s
         self.master_args, self.node_args = [str(a) for a in master_args], [str(a) for a in node_args]
-        self.num_masters, self.num_nodes = masters, num_nodes
-        self.etcd_host = etcd_host
+        self.default_place: Place = ((), host)
+        here, places = self.default_place, places or {}
+        self.etcd_place: Place = places.get("etcd", here)
+        self.master_places: list[Place] = list(places.get("masters", [here] * masters))
+        self.node_places: list[Place] = []  # per started node
+        self._first_nodes: list[Place] = list(places.get("nodes", [here] * num_nodes))
         self.workdir = Path(tempfile.mkdtemp(prefix="kvpool-ha-"))
         self.etcd: EtcdServer | None = None
-        self.masters: list[Child] = []
-        self.master_addrs: list[str] = []
+        self.masters: list[Child | None] = [None] * len(self.master_places)
+        self.master_addrs: list[str] = [""] * len(self.master_places)
         self.nodes: list[Child] = []
         self._starts = 0
 
@@ -135,36 +145,40 @@ class HAGroup:
 
     def start(self) -> "HAGroup":
         try:
-            self.etcd = EtcdServer(self.etcd_host)
-            for _ in range(self.num_masters):
-                self.master_addrs.append("")
-                self.masters.append(None)
-                self.start_master(len(self.masters) - 1, port=0)
+            prefix, host = self.etcd_place
+            self.etcd = EtcdServer(host, prefix=prefix)
+            for i in range(len(self.masters)):
+                self.start_master(i, port=0)
             self.wait_leader()
-            for _ in range(self.num_nodes):
-                self.start_node()
+            for place in self._first_nodes:
+                self.start_node(place)
         except BaseException:
             self.stop()
             raise
         return self
 
-    def start_master(self, i: int, port: int | None = None, prefix=(), host: str | None = None) -> Child:
-        """Start master ``i`` (again: on its own port, as a standby while another leads)."""
+    def start_master(self, i: int, port: int | None = None) -> Child:
+        """Start master ``i`` (again: on its own place and port, as a standby while
+        another leads)."""
         if port is None:
             port = int(self.master_addrs[i].rsplit(":", 1)[1])
-        args = ["--host", host or self.host, "--port", str(port), "--etcd", self.etcd.url,
+        prefix, host = self.master_places[i]
+        args = ["--host", host, "--port", str(port), "--etcd", self.etcd.url,
                 "--etcd-lease-ttl", str(self.lease_ttl_s), *self.master_args]
         child = Child("master", args, self.workdir, self.workdir, self._tag("master"), prefix=prefix)
         self.masters[i] = child
         self.master_addrs[i] = child.wait_ready(self.startup_timeout_s)["addr"]
         return child
 
-    def start_node(self, prefix=(), host: str | None = None, extra_args=()) -> int:
-        """Start one more node (all masters known to it); returns its index in ``nodes``."""
-        args = ["--master", self.master_spec, "--host", host or self.host, "--port", "0",
+    def start_node(self, place: Place | None = None, extra_args=()) -> int:
+        """Start one more node (all masters known to it) at ``place`` (default: ``host``);
+        returns its index in ``nodes``."""
+        prefix, host = place or self.default_place
+        args = ["--master", self.master_spec, "--host", host, "--port", "0",
                 "--segment-size", self.segment_size, *self.node_args, *[str(a) for a in extra_args]]
         child = Child("node", args, self.workdir, self.workdir, self._tag("node"), prefix=prefix)
         self.nodes.append(child)
+        self.node_places.append((prefix, host))
         child.wait_ready(self.startup_timeout_s)
         return len(self.nodes) - 1
 

@@ -2,8 +2,10 @@
 
 :class:`Hosts` makes ``n`` namespaces ("hosts"), each with its own network stack and one
 interface ``eth0`` at ``10.<net>.0.<i+1>/24``, its veth peer attached to a bridge in a
-hub namespace (the "switch"). Nothing is added to the caller's own namespace, so nothing
-leaves the machine and removing the namespaces removes everything. Per host:
+hub namespace (the "switch"). Nothing is added to the caller's own namespace unless
+``join_caller`` (one veth at ``10.<net>.0.254``, for a test or bench driving the hosts
+from where it runs); the subnet is private to the bridge, so nothing leaves the machine,
+and removing the namespaces removes everything. Per host:
 :meth:`Hosts.prefix` (run a command there, with a hostname of its own so kvpool's
 host id differs and bytes move over the network, not through /dev/shm),
 :meth:`Hosts.partition` / :meth:`Hosts.heal` (its link down / up: a partition),
@@ -51,11 +53,17 @@ class Hosts:
     (1..254) picks the subnet 10.<net>.0.0/24, distinct per concurrent set.
     Use as a context manager (or :meth:`create` / :meth:`delete`)."""
 
-    def __init__(self, tag: str, n: int, net: int = 77):
+    def __init__(self, tag: str, n: int, net: int = 77, join_caller: bool = False):
         self.tag, self.n, self.net = tag, n, net
         self.hub = f"{tag}-hub"
         self.names = [f"{tag}-h{i}" for i in range(n)]
+        self.join_caller = join_caller
         self._made: list[str] = []
+
+    @property
+    def caller_addr(self) -> str:
+        """The caller's address on the bridge (with ``join_caller``)."""
+        return f"10.{self.net}.0.254"
 
     def addr(self, i: int) -> str:
         """The IPv4 address of host ``i``."""
@@ -81,6 +89,15 @@ class Hosts:
                 _ip("-n", self.hub, "link", "set", f"v{i}", "master", "br0", "up")
                 _ip("-n", ns, "addr", "add", f"{self.addr(i)}/24", "dev", "eth0")
                 _ip("-n", ns, "link", "set", "eth0", "up")
+            if self.join_caller:  # one veth into the caller's namespace, gone with the hub
+                routes = subprocess.run(["ip", "-4", "route", "show"], capture_output=True, text=True).stdout
+                if f"10.{self.net}." in routes:
+                    raise NetnsError(f"10.{self.net}.0.0/24 is routed here already: pick another net")
+                dev = f"{self.tag}-c"[:15]
+                _ip("link", "add", dev, "type", "veth", "peer", "name", "vc", "netns", self.hub)
+                _ip("-n", self.hub, "link", "set", "vc", "master", "br0", "up")
+                _ip("addr", "add", f"{self.caller_addr}/24", "dev", dev)
+                _ip("link", "set", dev, "up")
         except NetnsError:
             self.delete()
             raise

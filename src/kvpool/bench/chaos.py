@@ -1,7 +1,9 @@
 """``kvpool bench chaos``: steady verified load while nodes, clients and the leader die.
 
-Layout: an etcd server, two HA masters (:mod:`kvpool.master.election`), three nodes
-(three "hosts": processes on loopback) and ``--clients`` client processes. Each client
+Layout: three hosts (network namespaces on a bridge, :mod:`kvpool.netns`, where
+permitted: masters on hosts 0 and 1, etcd on host 2, a node on each, clients in turn;
+else processes on loopback), an etcd server, two HA masters
+(:mod:`kvpool.master.election`), three nodes and ``--clients`` client processes. Each client
 puts values of 1..32 KiB with ``replica_num=2`` and reads back its own committed keys at
 random; every value carries its key and a checksum (:func:`encode_value`), so a read
 that returns another key's bytes, or torn bytes, is caught. Clients report each commit
@@ -26,7 +28,9 @@ exit status is 1 when a count that must be 0 is not.
 
 from __future__ import annotations
 
+import contextlib
 import json
+import os
 import random
 import struct
 import subprocess
@@ -70,6 +74,9 @@ def add_arguments(parser) -> None:
     parser.add_argument("--clients", type=int, default=2, help="client processes putting and getting")
     parser.add_argument("--gap", type=float, default=6.0, help="mean seconds between kills")
     parser.add_argument("--lease-ttl", type=int, default=2, help="the masters' etcd lease, seconds")
+    parser.add_argument("--hosts", choices=("netns", "loopback", "auto"), default="auto",
+                        help="three hosts as network namespaces on a bridge (root), or processes on "
+                             "loopback; auto: namespaces where permitted")
     parser.add_argument("--json", dest="json_path", default=None, help="write the report here")
     parser.add_argument("--plot", dest="plot_path", default=None, help="write a PNG of outages and counts")
 
@@ -84,6 +91,7 @@ class Kill:
 @dataclass
 class Report:
     schema: str = SCHEMA
+    layout: str = ""  # where the hosts are: network namespaces, or loopback (and why)
     seed: int = 0
     minutes: float = 0.0
     kills: list[Kill] = field(default_factory=list)
@@ -107,7 +115,7 @@ def run(args) -> int:
 
     if not args.minutes > 0 or args.clients < 1 or not args.gap > 0:
         raise UserError("--minutes and --gap must be > 0 and --clients >= 1")
-    report = chaos(args.minutes, args.seed, args.clients, args.gap, args.lease_ttl, progress=print)
+    report = chaos(args.minutes, args.seed, args.clients, args.gap, args.lease_ttl, args.hosts, progress=print)
     print(format_report(report))
     if args.json_path:
         with open(args.json_path, "w") as f:
@@ -172,8 +180,9 @@ def worker_main(argv: list[str]) -> None:
 class Clients:
     """The client processes and what they reported."""
 
-    def __init__(self, spec: str, seed: int):
+    def __init__(self, spec: str, seed: int, places: list[tuple[str, ...]]):
         self.spec, self.seed = spec, seed
+        self.prefixes = places  # command prefix per client host, used in turn
         self.procs: dict[str, subprocess.Popen] = {}
         self.committed: dict[str, list[str]] = {}  # key -> segments of its replicas
         self.ops: dict[str, dict] = {}  # client name -> its last counters
@@ -186,7 +195,8 @@ class Clients:
 
         self._started += 1
         name = f"c{self._started}"
-        proc = subprocess.Popen([sys.executable, "-m", "kvpool.bench.chaos", self.spec, name,
+        prefix = self.prefixes[self._started % len(self.prefixes)]
+        proc = subprocess.Popen([*prefix, sys.executable, "-m", "kvpool.bench.chaos", self.spec, name,
                                  str(self.seed * 1000 + self._started)],
                                 stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, stdin=subprocess.DEVNULL,
                                 env=kvpool_env(), preexec_fn=child_preexec(), text=True)
@@ -277,33 +287,60 @@ class Prober:
 # ---------------------------------------------------------------- the run
 
 
-def _kill_one(what: str, group, clients: Clients, rng: random.Random) -> None:
-    """SIGKILL one ``what`` and start it again."""
+def _kill_one(what: str, group, clients: Clients, rng: random.Random) -> float:
+    """SIGKILL one ``what`` and start it again; returns when it was killed (monotonic s)."""
     if what == "leader":
         i = group.wait_leader()
+        killed = time.monotonic()
         group.masters[i].stop(kill=True)
         group.wait_leader()  # the standby took over: the old one comes back as a standby
         group.start_master(i)
     elif what == "node":
-        alive = [i for i, n in enumerate(group.nodes) if n.proc.poll() is None]
-        i = rng.choice(alive)
+        i = rng.choice([i for i, n in enumerate(group.nodes) if n.proc.poll() is None])
+        killed = time.monotonic()
         group.nodes[i].stop(kill=True)
-        group.start_node()
+        group.start_node(group.node_places[i])  # on the same host
     else:
+        killed = time.monotonic()
         clients.kill(rng)
         clients.start()
+    return killed
+
+
+@contextlib.contextmanager
+def _layout(hosts: str, seed: int):
+    """(HAGroup places, client prefixes, what the report calls the layout): three
+    namespaces (masters on hosts 0 and 1, etcd on host 2, a node on each, clients in
+    turn; this process joins the bridge for its prober), or all on loopback."""
+    from kvpool import netns
+
+    why = netns.unavailable() if hosts != "loopback" else "--hosts loopback"
+    if why is not None:
+        if hosts == "netns":
+            from kvpool.errors import UserError
+
+            raise UserError(f"--hosts netns: {why}")
+        yield None, [()], f"processes on loopback ({why})"
+        return
+    with netns.Hosts(f"kvc{os.getpid() % 100000}", 3, net=200 + seed % 50, join_caller=True) as h:
+        place = [(h.prefix(i), h.addr(i)) for i in range(3)]
+        yield ({"etcd": place[2], "masters": place[:2], "nodes": place},
+               [h.prefix(i) for i in range(3)], "3 network namespaces on a bridge")
 
 
 def chaos(minutes: float, seed: int, num_clients: int = 2, gap_s: float = 6.0, lease_ttl_s: int = 2,
-          progress=lambda text: None) -> Report:
-    """Run the chaos phase for ``minutes`` and verify; see the module docstring."""
+          hosts: str = "auto", progress=lambda text: None) -> Report:
+    """Run the chaos phase for ``minutes`` and verify; see the module docstring.
+    ``hosts``: "netns", "loopback" or "auto" (namespaces where permitted)."""
     from kvpool.launch_ha import HAGroup
 
     rng = random.Random(seed)
     report = Report(seed=seed, minutes=minutes)
-    with HAGroup(masters=2, num_nodes=3, segment_size="64MiB", lease_ttl_s=lease_ttl_s,
-                 master_args=MASTER_ARGS) as group:
-        clients = Clients(group.master_spec, seed)
+    with _layout(hosts, seed) as (places, client_prefixes, report.layout), \
+            HAGroup(masters=2, num_nodes=3, segment_size="64MiB", lease_ttl_s=lease_ttl_s,
+                    master_args=MASTER_ARGS, places=places) as group:
+        progress(f"chaos: {report.layout}")
+        clients = Clients(group.master_spec, seed, client_prefixes)
         for _ in range(num_clients):
             clients.start()
         prober = Prober(group.master_spec)
@@ -319,10 +356,9 @@ def chaos(minutes: float, seed: int, num_clients: int = 2, gap_s: float = 6.0, l
                 if not order:
                     order = rng.sample(KINDS, len(KINDS))  # every kind once per round
                 what = order.pop()
-                kill = Kill(what, round(time.monotonic() - start, 2))
+                t = _kill_one(what, group, clients, rng)
+                kill = Kill(what, round(t - start, 2))
                 progress(f"chaos: kill -9 {what} at {kill.at_s:.1f} s")
-                t = time.monotonic()
-                _kill_one(what, group, clients, rng)
                 report.kills.append(kill)
                 kill.outage_s = _outage(prober, t)
             time.sleep(max(0.0, end - time.monotonic()))
@@ -386,7 +422,7 @@ def _verify(group, clients: Clients, report: Report, lease_ttl_s: int) -> None:
 
 
 def format_report(r: Report) -> str:
-    lines = [f"chaos run: {r.minutes:g} min, seed {r.seed}, {len(r.kills)} kills"]
+    lines = [f"chaos run: {r.minutes:g} min, seed {r.seed}, {len(r.kills)} kills, {r.layout}"]
     for k in r.kills:
         out = "no service since" if k.outage_s is None else f"{k.outage_s:.2f} s without service"
         lines.append(f"  {k.at_s:7.1f} s  kill -9 {k.what:<6}  {out}")
