@@ -22,6 +22,7 @@ from kvpool.child import child_preexec
 from kvpool.errors import ErrorCode, KVPoolError
 from kvpool.etcd import Etcd, EtcdError
 from kvpool.launch import Child, LaunchError
+from kvpool.master.cli import LOST_LEAD
 from kvpool.masters import DEFAULT_KEY
 from kvpool.rpc import RpcChannel
 
@@ -133,6 +134,7 @@ class HAGroup:
         self.masters: list[Child | None] = [None] * len(self.master_places)
         self.master_addrs: list[str] = [""] * len(self.master_places)
         self.nodes: list[Child] = []
+        self.lost_leads = 0  # masters restarted by supervise()
         self._starts = 0
 
     @property
@@ -197,10 +199,25 @@ class HAGroup:
             return self.master_addrs.index(addr)
         return None
 
+    def supervise(self) -> int:
+        """Do what a supervisor does: start again, as standbys, the masters that stopped
+        because they lost the lead (exit status 3: their lease ran out, e.g. renewals
+        starved on a busy machine); returns how many. Counted in ``lost_leads``."""
+        restarted = 0
+        for i, child in enumerate(self.masters):
+            if child is not None and not child.stopped and child.proc.poll() == LOST_LEAD:
+                child.stopped = True  # its exit was the fence working, not a failure
+                self.lost_leads += 1
+                self.start_master(i)
+                restarted += 1
+        return restarted
+
     def wait_leader(self, timeout_s: float = 30.0) -> int:
-        """Wait until a master leads and serves; returns its index. Raises LaunchError."""
+        """Wait until a master leads and serves (restarting masters that lost the lead,
+        :meth:`supervise`); returns its index. Raises LaunchError."""
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
+            self.supervise()
             i = self.leader_index()
             if i is not None:
                 return i

@@ -103,6 +103,7 @@ class Report:
     lost_keys: list[str] = field(default_factory=list)
     leaked_bytes: int = 0
     client_ops: dict = field(default_factory=dict)  # summed counters of the client processes
+    lost_leads: int = 0  # leaders that lost their lease unkilled (a busy machine), restarted
     probe_failures: int = 0
 
     @property
@@ -371,6 +372,7 @@ def chaos(minutes: float, seed: int, num_clients: int = 2, gap_s: float = 6.0, l
         report.probe_failures = prober.failures
         report.wrong_bytes += clients.wrong + prober.wrong
         report.client_ops = clients.summed_ops()
+        report.lost_leads = group.lost_leads
     return report
 
 
@@ -428,7 +430,8 @@ def format_report(r: Report) -> str:
         lines.append(f"  {k.at_s:7.1f} s  kill -9 {k.what:<6}  {out}")
     lines += [f"committed {r.committed}, checked {r.checked}, without a surviving replica {r.without_replica}",
               f"wrong bytes returned: {r.wrong_bytes}   lost: {r.lost}   leaked bytes: {r.leaked_bytes}",
-              f"client ops: {r.client_ops}   probe failures: {r.probe_failures}",
+              f"client ops: {r.client_ops}   probe failures: {r.probe_failures}   "
+              f"leaders that lost their lease unkilled: {r.lost_leads}",
               "PASS" if r.ok else "FAIL"]
     return "\n".join(lines)
 

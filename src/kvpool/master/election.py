@@ -131,16 +131,19 @@ class Election:
         return True
 
     def _renew_until_lost(self) -> None:
+        why = ""
         while not self._stop.wait(self.ttl_s / 3):
             try:
                 if not self.renew():
+                    why = "etcd says the lease is gone"
                     break
             except EtcdError as exc:
                 log.warning("lease renewal failed: %s", exc)
             if not self.leading():
+                why = "no renewal succeeded before the deadline"
                 break
         if self._stop.is_set():
             return
         self.leader_until = 0.0
-        log.error("lost the lead: the etcd lease %x ran out; refusing every request", self.lease_id)
+        log.error("lost the lead (%s): etcd lease %x; refusing every request", why, self.lease_id)
         self.on_lost()
