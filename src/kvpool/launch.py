@@ -36,10 +36,10 @@ class Child(ChildProcess):
 
     error = LaunchError
 
-    def __init__(self, kind: str, args: list[str], workdir: Path, log_dir: Path, tag: str):
+    def __init__(self, kind: str, args: list[str], workdir: Path, log_dir: Path, tag: str, prefix=()):
         self.kind = kind
         self.ready_file = workdir / f"{tag}.ready.json"
-        cmd = kvpool_cmd(kind, *args, "--ready-file", str(self.ready_file))
+        cmd = [*prefix, *kvpool_cmd(kind, *args, "--ready-file", str(self.ready_file))]  # prefix: ip netns exec NS
         super().__init__(kind, cmd, log_dir / f"{tag}.log", group=True)
 
     def wait_ready(self, timeout_s: float) -> dict:

@@ -6,6 +6,15 @@ heartbeat) and by the node's admin app (a stats scrape), so it sits at the proto
 level, below all of them. A broken
 connection is reopened once per call; calls are not retried after the request was sent
 except for idempotent requests (the caller says which), so a PutStart is never doubled.
+
+Several masters (a list, or etcd naming the leader: :mod:`kvpool.masters`): the channel
+connects to the first candidate that answers, and a request a standby refused
+(UNAVAILABLE_IN_CURRENT_STATUS: it applied nothing) or one that never reached a master
+is tried on the next candidate until ``failover_s`` has passed, so callers follow a
+change of leader without a restart. A request whose connection broke after it was sent
+is retried only when idempotent; otherwise it fails with RpcFailed (retryable: the
+master that took it either applied it whole or not at all, and a new leader knows only
+what the nodes' indexes say was committed).
 :meth:`RpcChannel.notify` sends a notification (ReadDone), which gets no reply.
 
 When the master refuses a request (:class:`~kvpool.protocol.ErrorResp`: a body it could
@@ -20,6 +29,7 @@ from __future__ import annotations
 import logging
 import socket
 import threading
+import time
 from typing import Sequence
 
 import msgspec
@@ -28,11 +38,14 @@ from kvpool import auth
 from kvpool import protocol as P
 from kvpool.config import parse_addr
 from kvpool.errors import ErrorCode, RpcFailed, code_of
+from kvpool.masters import MasterAddrs
 
 log = logging.getLogger("kvpool.rpc")
 _MAX_LOGGED = 1024  # distinct refusal messages remembered (then every one is logged)
 _logged: set[str] = set()
 _logged_lock = threading.Lock()
+NOT_LEADER = ErrorCode.UNAVAILABLE_IN_CURRENT_STATUS  # a standby's (or fenced leader's) refusal
+RETRY_S = 0.05  # pause between rounds over the candidates during a change of leader
 
 
 def _log_once(message: str) -> None:
@@ -46,24 +59,45 @@ def _log_once(message: str) -> None:
 
 
 class RpcChannel:
-    """A blocking connection to ``addr`` ("host:port"); not thread-safe (one per thread).
-    ``secret``: answer the master's challenge with it (:mod:`kvpool.auth`; None:
-    ``KVPOOL_SECRET``, b"": none)."""
+    """A blocking connection to the master of ``addr`` (a master spec: "host:port", a
+    list "h1:p1,h2:p2" or "etcd://h:2379[/key]", see :mod:`kvpool.masters`); not
+    thread-safe (one per thread). ``secret``: answer the master's challenge with it
+    (:mod:`kvpool.auth`; None: ``KVPOOL_SECRET``, b"": none). ``failover_s``: how long
+    a call keeps looking for a leader among several masters (default ``timeout_s``).
+    ``addr`` is the address connected to (the spec until the first connection)."""
 
-    def __init__(self, addr: str, timeout_s: float = 10.0, secret: bytes | None = None):
+    def __init__(self, addr: str, timeout_s: float = 10.0, secret: bytes | None = None,
+                 failover_s: float | None = None):
+        self.masters = MasterAddrs(addr)
         self.addr = addr
         self.timeout_s = timeout_s
+        self.failover_s = timeout_s if failover_s is None else failover_s
         self.secret = auth.secret_or_env(secret)
         self._sock: socket.socket | None = None
         self._reader = None  # buffered reader of :meth:`receive`
         self._answered = False  # the master has answered on this connection
 
     def connect(self) -> None:
-        """Open the connection. Raises RpcFailed when the master is unreachable."""
+        """Open the connection to the first candidate master that accepts it. Raises
+        RpcFailed when none is reachable."""
+        errors = []
+        for addr in self.masters.candidates():
+            try:
+                self._open(addr)
+                return
+            except RpcFailed as exc:
+                if exc.code == ErrorCode.INVALID_VERSION or not self.masters.ha:
+                    raise
+                self.masters.failed(addr)
+                errors.append(str(exc))
+        raise RpcFailed("; ".join(errors) or f"no master leads {self.masters.spec} now")
+
+    def _open(self, addr: str) -> None:
         try:
-            self._sock = socket.create_connection(parse_addr(self.addr), timeout=self.timeout_s)
+            self._sock = socket.create_connection(parse_addr(addr), timeout=self.timeout_s)
         except OSError as exc:
-            raise RpcFailed(f"cannot reach master at {self.addr}: {exc.strerror or exc}") from None
+            raise RpcFailed(f"cannot reach master at {addr}: {exc.strerror or exc}") from None
+        self.addr = addr
         self._sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         if self.secret is not None:
             try:
@@ -80,33 +114,68 @@ class RpcChannel:
         Raises RpcFailed when the master is unreachable, the stream breaks (after one
         reconnect for idempotent requests), the master speaks another protocol version
         (code INVALID_VERSION), or the master answers with ErrorResp (also logged once).
+        With several masters, unreachable masters and standbys are passed over until
+        ``failover_s`` has passed (then RpcFailed, code UNAVAILABLE_IN_CURRENT_STATUS
+        when a standby was the last to answer).
         """
         frame = b"".join([*(P.encode_frame(n) for n in notices), P.encode_frame(request)])
-        for attempt in (0, 1):
-            if self._sock is None:
-                self.connect()
+        deadline = time.monotonic() + (self.failover_s if self.masters.ha else 0.0)
+        broke = False
+        while True:
             try:
-                self._sock.sendall(frame)
-                reply = P.reply_decoder.decode(P.recv_frame(self._sock))
-                self._answered = True
-                break
-            except P.VersionMismatch as exc:
-                self.close()
-                raise RpcFailed(f"master {self.addr}: protocol version {P.PROTOCOL_VERSION}, "
-                                f"master speaks {exc.version}", ErrorCode.INVALID_VERSION) from None
-            except (OSError, P.FrameError, msgspec.MsgspecError) as exc:
-                first = not self._answered
-                self.close()
-                if attempt or not idempotent:
-                    hint = (" (the master closed the connection at the first request: it may run "
-                            f"another kvpool release than protocol version {P.PROTOCOL_VERSION})"
-                            if first and isinstance(exc, P.FrameError) else "")
-                    if auth.asks_for_secret(exc):
-                        hint = " (the master asks for a shared secret: set KVPOOL_SECRET)"
-                    raise RpcFailed(f"master {self.addr}: {exc}{hint}") from None
-        if isinstance(reply, P.ErrorResp):
-            raise self._refused(request, reply)
-        return reply
+                reply = self._round_trip(frame, broke, idempotent)
+            except _Undelivered as exc:
+                if time.monotonic() >= deadline:
+                    raise exc.error from None
+                time.sleep(RETRY_S)
+                continue
+            except _Broken as exc:
+                broke = True
+                if not idempotent or (time.monotonic() >= deadline and exc.second):
+                    raise exc.error from None
+                continue
+            if isinstance(reply, P.ErrorResp):
+                if reply.code == NOT_LEADER and self.masters.ha:
+                    self.masters.failed(self.addr)
+                    self.close()
+                    if time.monotonic() < deadline:
+                        time.sleep(RETRY_S)
+                        continue
+                raise self._refused(request, reply)
+            self.masters.answered(self.addr)
+            return reply
+
+    def _round_trip(self, frame: bytes, broke: bool, idempotent: bool):
+        """One send and receive; raises _Undelivered (no master took the request) or
+        _Broken (the connection failed after the request may have been sent)."""
+        if self._sock is None:
+            try:
+                self.connect()
+            except RpcFailed as exc:
+                if exc.code == ErrorCode.INVALID_VERSION:
+                    raise
+                raise _Undelivered(exc) from None
+        try:
+            self._sock.sendall(frame)
+            reply = P.reply_decoder.decode(P.recv_frame(self._sock))
+            self._answered = True
+            return reply
+        except P.VersionMismatch as exc:
+            self.close()
+            raise RpcFailed(f"master {self.addr}: protocol version {P.PROTOCOL_VERSION}, "
+                            f"master speaks {exc.version}", ErrorCode.INVALID_VERSION) from None
+        except (OSError, P.FrameError, msgspec.MsgspecError) as exc:
+            first = not self._answered
+            self.masters.failed(self.addr)
+            self.close()
+            hint = (" (the master closed the connection at the first request: it may run "
+                    f"another kvpool release than protocol version {P.PROTOCOL_VERSION})"
+                    if first and isinstance(exc, P.FrameError) and not self.masters.ha else "")
+            if auth.asks_for_secret(exc):
+                hint = " (the master asks for a shared secret: set KVPOOL_SECRET)"
+            if not idempotent and self.masters.ha:
+                hint += " (the master may have applied it whole, or not at all: check, then retry)"
+            raise _Broken(RpcFailed(f"master {self.addr}: {exc}{hint}"), broke) from None
 
     def notify(self, request: msgspec.Struct) -> bool:
         """Send a notification (a request the master never answers, e.g. ReadDone) without
@@ -170,3 +239,17 @@ class RpcChannel:
         if self._sock is not None:
             self._sock.close()
             self._sock = None
+
+
+class _Undelivered(Exception):
+    """No master took the request (none reachable, or none leads): safe to try again."""
+
+    def __init__(self, error: RpcFailed):
+        self.error = error
+
+
+class _Broken(Exception):
+    """The connection failed after the request was sent; ``second``: not the first time."""
+
+    def __init__(self, error: RpcFailed, second: bool):
+        self.error, self.second = error, second

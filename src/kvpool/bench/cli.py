@@ -15,7 +15,7 @@ from kvpool.config import check_at_least, check_output_path
 from kvpool.errors import UserError
 
 HELP = ("benchmarks: store (data path vs Mooncake/Redis/limits), cache (prefix cache), fuzz (hostile inputs), "
-        "master (metadata at scale)")
+        "master (metadata at scale), chaos (failures under load)")
 
 SUBCOMMANDS = {  # name -> (module with HELP / add_arguments / run, one-line help)
     "store": ("kvpool.bench.store",
@@ -23,6 +23,7 @@ SUBCOMMANDS = {  # name -> (module with HELP / add_arguments / run, one-line hel
     "cache": ("kvpool.bench.cache", "the tiered prefix cache: hit rates and TTFT"),
     "fuzz": ("kvpool.bench.fuzz", "hostile inputs against master, node and admin HTTP (hypothesis)"),
     "master": ("kvpool.bench.master", "the master at 1e4..1e7 objects and with 10..1,000 simulated segments"),
+    "chaos": ("kvpool.bench.chaos", "kill -9 nodes, clients and the HA leader under verified load"),
 }
 
 

@@ -8,12 +8,14 @@ import gc
 import logging
 import os
 import signal
+import sys
 
 from kvpool.auth import secret_bytes
-from kvpool.config import Option, add_options, format_addr, parse_host, resolve, write_ready_file
+from kvpool.config import Option, add_options, format_addr, parse_addr, parse_host, resolve, write_ready_file
 from kvpool.errors import UserError
 from kvpool.master.config import MasterConfig
 from kvpool.master.segments import STRATEGIES
+from kvpool.masters import DEFAULT_KEY
 
 HELP = "run the kvpool master (metadata, leases, allocation, eviction)"
 
@@ -58,7 +60,15 @@ OPTIONS = [
            "(empty = none; prefer the env var or a config file: flags show in ps)", env="SECRET"),
     Option("frame-timeout", 30.0, _positive(float), "seconds a request frame may take to arrive after "
            "its header before the connection is closed"),
+    Option("etcd", "", str, "etcd endpoints host:port[,host:port...]: run as leader or standby of an HA "
+           "group (leader election on an etcd lease; empty = a single master)", env="ETCD"),
+    Option("etcd-key", DEFAULT_KEY, str, "the election key in etcd (one per HA group)"),
+    Option("etcd-lease-ttl", 5, _positive(int), "seconds of the leader's etcd lease: a standby takes over "
+           "within about this long after the leader dies"),
+    Option("advertise", "", str, "host:port clients and nodes reach this master at, published in etcd "
+           "while it leads (default: the address it listens on)"),
 ]
+LOST_LEAD = 3  # exit status of a master that lost the lead (its supervisor restarts it)
 
 
 def add_arguments(parser) -> None:
@@ -82,13 +92,16 @@ def config_from(values: dict) -> MasterConfig:
 
 
 async def serve(service, host: str, port: int, ready_file: str | None,
-                http_port: int | None = None, stall_s: float = 30.0, secret: bytes | None = None) -> None:
+                http_port: int | None = None, stall_s: float = 30.0, secret: bytes | None = None,
+                ha: dict | None = None) -> bool:
     """Assemble and run the master process until SIGTERM/SIGINT: the control-plane server
     over ``service`` (a :class:`~kvpool.master.service.MasterService`), its upkeep tick,
     and with ``http_port`` the admin HTTP app (:mod:`kvpool.master.admin`) on the same
     loop (0 = a free port, None = none); ``stall_s``: the frame timeout; ``secret``:
-    what connections and admin requests must prove (:mod:`kvpool.auth`). Raises OSError
-    if the port cannot be bound."""
+    what connections and admin requests must prove (:mod:`kvpool.auth`); ``ha``: the
+    resolved ``etcd*``/``advertise`` options (None: a single master; else it serves
+    only while it leads, :mod:`kvpool.master.election`). Returns False when it stopped
+    because it lost the lead. Raises OSError if the port cannot be bound."""
     from kvpool.master.admin import start_master_admin
     from kvpool.master.server import MasterServer
 
@@ -96,22 +109,45 @@ async def serve(service, host: str, port: int, ready_file: str | None,
     # young objects less often (measured: 34 -> 25 us per put at 100k objects)
     gc.set_threshold(50_000, 20, 100)
     server = MasterServer(service, host, port, stall_s, secret)
+    if ha:  # refuse from the first connection on, until elected
+        server.gate = lambda: "standby master (not elected yet)"
     addr = await server.start()
+    loop = asyncio.get_running_loop()
+    stop = asyncio.Event()
+    election = _election(ha, addr, server, lambda: loop.call_soon_threadsafe(stop.set)) if ha else None
     http_addr = None
     if http_port is not None:
         _, http_addr = await start_master_admin(server, host, http_port)
         print(f"kvpool master admin HTTP on {http_addr}", flush=True)
-    loop = asyncio.get_running_loop()
-    stop = asyncio.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
     ticker = asyncio.create_task(server.tick_forever())
-    print(f"kvpool master listening on {addr}", flush=True)
+    print(f"kvpool master listening on {addr}" + (" (standby until elected)" if election else ""), flush=True)
     if ready_file:
-        write_ready_file(ready_file, {"addr": addr, "pid": os.getpid(), "http_addr": http_addr})
+        write_ready_file(ready_file, {"addr": addr, "pid": os.getpid(), "http_addr": http_addr,
+                                      "ha": election is not None})
+    if election is not None:
+        election.start()
     await stop.wait()
     ticker.cancel()
     await server.close()
+    if election is None:
+        return True
+    lost = election.led and not election.leading()
+    election.stop()
+    return not lost
+
+
+def _election(ha: dict, addr: str, server, lost):
+    """The Election of this master, gating ``server``; ``lost()`` stops the process."""
+    from kvpool.etcd import Etcd
+    from kvpool.master.election import Election
+
+    election = Election(Etcd(ha["etcd"]), ha["advertise"] or addr, ha["etcd_lease_ttl"], ha["etcd_key"],
+                        on_elected=lambda: print(f"kvpool master {addr} is the leader", flush=True),
+                        on_lost=lost)
+    server.gate = election.refusal
+    return election
 
 
 def run(args) -> int:
@@ -123,11 +159,23 @@ def run(args) -> int:
         raise UserError("--soft-pin-ttl must not exceed --max-soft-pin-ttl")
     logging.basicConfig(level=logging.INFO, format="%(asctime)s master %(levelname)s %(message)s")
     service = MasterService(config_from(values))
+    ha = ({k: values[k] for k in ("etcd", "etcd_key", "etcd_lease_ttl", "advertise")}
+          if values["etcd"] else None)
+    if ha and ha["advertise"]:
+        ha["advertise"] = format_addr(*parse_addr(ha["advertise"]))
+    elif ha and values["host"] in ("0.0.0.0", "::"):
+        raise UserError(f"--etcd with --host {values['host']}: give --advertise host:port, the address "
+                        "clients and nodes reach this master at (it is published in etcd)")
     try:
-        run_event_loop(serve(service, values["host"], values["port"], args.ready_file, values["http_port"],
-                             values["frame_timeout"], secret_bytes(values["secret"])))
+        kept = run_event_loop(serve(service, values["host"], values["port"], args.ready_file,
+                                    values["http_port"], values["frame_timeout"],
+                                    secret_bytes(values["secret"]), ha))
     except OSError as exc:
         if exc.errno == errno.EADDRINUSE:
             raise UserError(f"port {values['port']} on {values['host']} is already in use") from None
         raise UserError(f"cannot listen on {format_addr(values['host'], values['port'])}: {exc.strerror}") from None
+    if kept is False:
+        print("kvpool master: lost the lead (etcd lease ran out) and stopped; start it again as a standby",
+              file=sys.stderr, flush=True)
+        return LOST_LEAD
     return 0

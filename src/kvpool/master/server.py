@@ -20,6 +20,13 @@ What a connection may cost (K22): a body is buffered only as its bytes arrive (a
 announcing :data:`~kvpool.protocol.MAX_FRAME` costs nothing until the bytes come), and a
 connection whose frame has not arrived whole ``stall_s`` seconds after its header
 (by the service's clock) is closed. Between frames a connection may stay idle.
+
+HA (``gate``, :mod:`kvpool.master.election`): a master that does not lead (a standby,
+or a leader past its lease deadline) answers every request with ErrorResp
+UNAVAILABLE_IN_CURRENT_STATUS and applies nothing; the gate is asked before each
+handler and again before its index changes and reply go out (a handler that ran as the
+lease ran out is answered with the refusal and its index changes are not sent: the
+nodes keep what the next leader will rebuild). Its upkeep tick does not run.
 """
 
 from __future__ import annotations
@@ -81,8 +88,10 @@ class MasterServer:
     connection must first answer a challenge (:mod:`kvpool.auth`) within ``stall_s``."""
 
     def __init__(self, service: MasterService, host: str = "127.0.0.1", port: int = 50051,
-                 stall_s: float = STALL_S, secret: bytes | None = None):
+                 stall_s: float = STALL_S, secret: bytes | None = None,
+                 gate: Callable[[], str | None] = lambda: None):
         self.service = service
+        self.gate = gate  # None: serve; a text: refuse every request with it (not the leader)
         self.secret = secret  # set: every connection must answer a challenge first (kvpool.auth)
         self.host, self.port = host, port
         self.stall_s = stall_s
@@ -103,7 +112,10 @@ class MasterServer:
     def _send_index(self) -> None:
         """Write the queued index changes to their segments' streams (no waiting: the
         bytes are in the kernel, or queued in the transport, when this returns)."""
-        for update in self.service.index_log.take():
+        updates = self.service.index_log.take()
+        if self.gate() is not None:
+            return  # not the leader (any more): the nodes keep what they hold
+        for update in updates:
             stream = self._streams.get(update.name)
             if stream is not None:
                 stream[1].write(P.encode_frame(update))
@@ -155,9 +167,14 @@ class MasterServer:
         else:
             op = type(req).__name__
             try:
-                reply = self._handlers[type(req)](req)
-                if isinstance(reply, Generator):
-                    reply = yield from reply
+                if self.gate() is not None:
+                    reply = self._refusal(req)
+                else:
+                    reply = self._handlers[type(req)](req)
+                    if isinstance(reply, Generator):
+                        reply = yield from reply
+                    if self.gate() is not None:  # the lease ran out meanwhile
+                        reply = self._refusal(req)
             except Exception:  # a bug must not take the whole master down; log it loudly
                 log.exception("handler for %s failed", op)
                 reply = None if isinstance(req, P.ReadDone) else P.ErrorResp(
@@ -168,6 +185,12 @@ class MasterServer:
             except Exception:  # counting must never cost a reply
                 log.exception("master observer failed on %s", op)
         return reply
+
+    def _refusal(self, req: msgspec.Struct) -> P.ErrorResp | None:
+        """The answer of a master that does not lead (None for a notification)."""
+        if isinstance(req, P.ReadDone):
+            return None
+        return P.ErrorResp(ErrorCode.UNAVAILABLE_IN_CURRENT_STATUS, self.gate() or "not the leader")
 
     async def _authenticated(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> bool:
         """Challenge a new connection; True when it answered right within ``stall_s``."""
@@ -244,6 +267,8 @@ class MasterServer:
     async def tick_forever(self) -> None:
         while True:
             await asyncio.sleep(TICK_S)
+            if self.gate() is not None:
+                continue  # a standby keeps no state; a fenced leader must change nothing
             try:
                 self.service.tick()
                 self._send_index()
@@ -253,11 +278,11 @@ class MasterServer:
                 log.exception("master tick failed")
 
 
-def run_event_loop(coro) -> None:
-    """Run ``coro`` on uvloop when installed (lower latency), else stdlib asyncio."""
+def run_event_loop(coro):
+    """Run ``coro`` on uvloop when installed (lower latency), else stdlib asyncio;
+    returns what it returns."""
     try:
         import uvloop
     except ImportError:
-        asyncio.run(coro)
-        return
-    uvloop.run(coro)
+        return asyncio.run(coro)
+    return uvloop.run(coro)

@@ -7,17 +7,16 @@ import logging
 import os
 import signal
 
-from kvpool.config import (
-    Option, add_options, format_addr, parse_addr, parse_host, parse_size, resolve, write_ready_file,
-)
+from kvpool.config import Option, add_options, parse_host, parse_size, resolve, write_ready_file
 from kvpool.errors import UserError
+from kvpool.masters import check_spec
 from kvpool.node.data_server import STALL_S
 
 HELP = "run a kvpool storage node: a shared-memory segment mounted with the master"
 
 
 def _addr(text) -> str:
-    return format_addr(*parse_addr(str(text), default_port=50051))
+    return check_spec(str(text), default_port=50051)
 
 
 # Mooncake refuses segments under its MIN_SEGMENT_SIZE (1 KiB); a node asks for 1 MiB:
@@ -91,7 +90,8 @@ def _bool(text) -> bool:
 
 
 OPTIONS = [
-    Option("master", "127.0.0.1:50051", _addr, "master address host:port or [v6]:port", env="MASTER"),
+    Option("master", "127.0.0.1:50051", _addr, "master address host:port or [v6]:port; HA masters: "
+           "host:port,host:port or etcd://host:2379[/key] (the leader named in etcd)", env="MASTER"),
     Option("host", "127.0.0.1", parse_host, "address of the TCP data server: a name, IPv4 or IPv6 (::1)",
            env="NODE_HOST"),
     Option("port", 0, int, "TCP data port (0 = a free port, distinct per node)", env="NODE_PORT"),

@@ -14,7 +14,9 @@ in its segment. When that stream ends (the master died, restarted, or dropped th
 segment) or a heartbeat says the master forgot us, the host fences the old mount epoch
 (:mod:`kvpool.transfer.epoch`: no grant of it moves bytes any more) and mounts again,
 reporting its index, until a master takes it: a new master incarnation rebuilds the
-objects from it (master/restore.py).
+objects from it (master/restore.py). With HA masters (a list or etcd as ``master_addr``)
+the channels follow the leader (:mod:`kvpool.rpc`), and a heartbeat that finds no
+leader also ends the stream, which may hang on a leader that stalled and was replaced.
 """
 
 from __future__ import annotations
@@ -179,12 +181,21 @@ class SegmentHost:
 
     def _heartbeat_loop(self) -> None:
         while not self._stop.wait(self.interval_s):
+            mounts = self.mounts  # a mount that lands while the heartbeat is out answers it
             try:
                 if self._call(P.Heartbeat(self.owner_id)).code == ErrorCode.CLIENT_NOT_FOUND:
-                    log.warning("master forgot segment %s", self.info.name)
-                    self._stream.shutdown()  # the stream thread mounts again
+                    self._lost_master(mounts, "master forgot segment %s")
             except KVPoolError as exc:  # master down or restarting: keep trying
                 log.warning("heartbeat to %s failed: %s", self.master_addr, exc)
+                if self.master.masters.ha:  # the stream may hang on a stalled ex-leader:
+                    self._lost_master(mounts, "no leader took the heartbeat of segment %s")
+
+    def _lost_master(self, mounts: int, why: str) -> None:
+        """End the stream (its thread mounts again) unless a mount happened since
+        ``mounts`` was read: then the master that forgot us has been told again."""
+        if self.mounts == mounts:
+            log.warning(why, self.info.name)
+            self._stream.shutdown()
 
     def wait(self) -> None:
         """Block until :meth:`stop` is called (e.g. from a signal handler)."""

@@ -1,0 +1,149 @@
+"""HA masters over etcd: leader election, failover by kill -9, the fence of a paused leader.
+
+Real processes: an etcd server (Debian's etcd-server) on loopback with a temporary data
+directory and free ports, two ``kvpool master --etcd`` (one leads, one stands by) and
+nodes given both masters' addresses. Clients are given the list (or ``etcd://``) and
+follow the leader without being restarted.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import signal
+import time
+
+import proc_helpers
+import pytest
+
+from kvpool import protocol as P
+from kvpool.client import Client
+from kvpool.errors import ErrorCode, KVPoolError, ObjectExists
+from kvpool.etcd import Etcd
+from kvpool.launch_ha import EtcdServer, HAGroup, etcd_binary, is_leader
+from kvpool.master.election import Election
+from kvpool.rpc import RpcChannel
+
+pytestmark = pytest.mark.skipif(etcd_binary() is None, reason="etcd not installed (apt-get install etcd-server)")
+TTL_S = 2  # etcd's smallest lease TTL with its default election timeout
+FAST = ["--client-ttl", "4"]  # heartbeats every second: a stalled stream is noticed soon
+
+
+def value_of(key: str, size: int = 8192) -> bytes:
+    """A value that names its key: a hash stream seeded by the key."""
+    seed = hashlib.sha256(key.encode()).digest()
+    return (seed * (size // len(seed) + 1))[:size]
+
+
+def put_ok(client: Client, key: str) -> bool:
+    """One put of ``key``; True when it is stored (also by an earlier try whose reply
+    was lost in the failover), False on a retryable failure."""
+    try:
+        client.put(key, value_of(key))
+    except ObjectExists:
+        pass
+    except KVPoolError:
+        return False
+    return True
+
+
+def readable(client: Client, key: str) -> bool:
+    try:
+        return client.get(key) == value_of(key)
+    except KVPoolError:
+        return False
+
+
+def test_election_fences_on_its_own_clock():
+    """A leader refuses the moment its monotonic deadline passes, with no word from etcd;
+    while it holds the key, another candidate cannot lead."""
+    etcd = EtcdServer()
+    try:
+        now = [100.0]
+        a = Election(Etcd(etcd.url), "127.0.0.1:1", TTL_S, key="t/leader", clock=lambda: now[0])
+        b = Election(Etcd(etcd.url), "127.0.0.1:2", TTL_S, key="t/leader", clock=lambda: now[0])
+        assert a.campaign() and a.refusal() is None
+        assert not b.campaign()
+        assert "standby" in b.refusal() and "127.0.0.1:1" in b.refusal()
+        now[0] += a.ttl_s * 0.9 + 0.001  # past SAFETY * ttl: fenced before etcd expires the lease
+        assert not a.leading() and "lost the lead" in a.refusal()
+        assert a.renew()  # etcd still holds the lease: renewing restores the right to grant
+        assert a.leading()
+        etcd.client.revoke(a.lease_id)
+        assert not a.renew()
+        assert b.campaign() and b.refusal() is None
+    finally:
+        etcd.stop()
+
+
+def test_failover_by_kill_keeps_committed_objects():
+    """kill -9 the leader with a standby running: the standby leads, the nodes mount with
+    it and it rebuilds from their indexes; every object committed before the kill is
+    read with its bytes; the killed master comes back as a standby and a second failover
+    (back to it) keeps everything too."""
+    with HAGroup(masters=2, num_nodes=2, lease_ttl_s=TTL_S, master_args=FAST) as group:
+        with Client(group.master_spec, timeout_s=10.0) as c, \
+                Client(f"etcd://{group.etcd.url.split('//')[1]}", timeout_s=10.0) as via_etcd:
+            keys = [f"ha/{i}" for i in range(20)]
+            for i, key in enumerate(keys):
+                assert c.put(key, value_of(key), replica_num=2 if i % 2 else 1) >= 1
+            for round_ in range(2):
+                old = group.wait_leader()
+                killed_at = time.monotonic()
+                group.masters[old].stop(kill=True)
+                proc_helpers.wait_for(lambda: put_ok(c, f"ha/after-{round_}"), 30, "the new leader to serve puts")
+                serving_s = time.monotonic() - killed_at
+                proc_helpers.wait_for(lambda: all(readable(c, k) for k in keys), 30,
+                                      "the objects committed before the failover")
+                restored_s = time.monotonic() - killed_at
+                new = group.wait_leader()
+                assert new != old
+                assert all(readable(via_etcd, k) for k in keys)  # etcd names the new leader
+                assert c.stats().object_count == len(keys) + round_ + 1
+                print(f"failover {round_}: serving after {serving_s:.2f} s, objects readable after "
+                      f"{restored_s:.2f} s (lease {TTL_S} s)")
+                group.start_master(old)  # back as a standby, on its own port
+                assert not is_leader(group.master_addrs[old])
+
+
+def test_paused_leader_refuses_when_resumed():
+    """SIGSTOP the leader until the standby has taken over; requests waiting in its
+    socket when it resumes are refused (no grant of a read or a write), and it stops."""
+    with HAGroup(masters=2, num_nodes=1, lease_ttl_s=TTL_S, master_args=FAST) as group:
+        with Client(group.master_spec, timeout_s=5.0) as c:
+            c.put("kept", value_of("kept"))
+            old = group.wait_leader()
+            stale = RpcChannel(group.master_addrs[old], 5.0, b"")
+            stale.call(P.Ping())
+            pid = group.masters[old].proc.pid
+            os.kill(pid, signal.SIGSTOP)
+            try:
+                proc_helpers.wait_for(lambda: group.leader_index() not in (None, old), 30,
+                                      "the standby to take over")
+                # the node finds its stream stalled (heartbeats time out) and mounts with the new leader
+                proc_helpers.wait_for(lambda: readable(c, "kept"), 60, "the object on the new leader")
+                assert put_ok(c, "after")
+                stale._sock.sendall(P.encode_frame(P.GetReplicaList("kept")) + P.encode_frame(
+                    P.PutStart(P.PutItem("stale", 4096, 1))))
+            finally:
+                os.kill(pid, signal.SIGCONT)
+            replies = []
+            for _ in range(2):
+                try:
+                    replies.append(P.reply_decoder.decode(P.recv_frame(stale._sock)))
+                except (OSError, P.FrameError):
+                    break  # it closed the connection on its way out: no grant either
+            stale.close()
+            for reply in replies:
+                assert isinstance(reply, P.ErrorResp), reply
+                assert reply.code == ErrorCode.UNAVAILABLE_IN_CURRENT_STATUS
+            group.masters[old].stopped = True  # exit status 3 is what is expected here
+            assert group.masters[old].proc.wait(20) == 3
+            assert c.get("kept") == value_of("kept") and c.get("after") == value_of("after")
+            assert not c.is_exist("stale")
+
+
+def test_master_on_a_wildcard_address_must_advertise():
+    out = proc_helpers.run_kvpool("master", "--etcd", "127.0.0.1:1", "--host", "0.0.0.0", "--port", "0")
+    assert out.returncode != 0
+    assert "--advertise" in out.stderr and "Traceback" not in out.stderr
