@@ -14,13 +14,17 @@ import importlib
 from kvpool.config import check_at_least, check_output_path
 from kvpool.errors import UserError
 
-HELP = "benchmarks: store (data path vs Mooncake/Redis/limits), cache (prefix cache), fuzz (hostile inputs)"
+HELP = ("benchmarks: store (data path vs Mooncake/Redis/limits), cache (prefix cache), fuzz "
+        "(hostile inputs), links (fetch or recompute), serve (goodput on vLLM)")
 
 SUBCOMMANDS = {  # name -> (module with HELP / add_arguments / run, one-line help)
     "store": ("kvpool.bench.store",
               "the store's data path against Mooncake, Redis and the machine's limits"),
     "cache": ("kvpool.bench.cache", "the tiered prefix cache: hit rates and TTFT"),
     "fuzz": ("kvpool.bench.fuzz", "hostile inputs against master, node and admin HTTP (hypothesis)"),
+    "links": ("kvpool.bench.links", "fetch a cached prefix over a shaped link, or recompute it"),
+    "serve": ("kvpool.bench.serve", "goodput under SLOs: two vLLM servers behind a router, "
+              "with and without kvpool"),
 }
 
 
@@ -61,8 +65,8 @@ def run(args) -> int:
     if getattr(args, "_bench_missing", None):
         raise UserError(f"benchmark {args.bench!r} is not available ({args._bench_missing})")
     if not getattr(args, "_bench_run", None):
-        raise UserError("choose a benchmark: kvpool bench store | kvpool bench cache | kvpool bench fuzz "
-                        "(see kvpool bench --help)")
+        raise UserError("choose a benchmark: kvpool bench " + " | ".join(SUBCOMMANDS)
+                        + " (see kvpool bench --help)")
     check_arguments(args)
     return args._bench_run(args)
 
