@@ -56,8 +56,8 @@ def test_prefix_router_picks_the_instance_holding_the_longest_prefix(cluster):
         # nothing stored: the least loaded instance
         router.started(0)
         assert router.pick(other, "s") == 1
-        # the holder is too busy: balance wins
-        for _ in range(3):
+        # the holder is too busy (3 more in flight than the other, balance 2): load wins
+        for _ in range(4):
             router.started(1)
         assert router.pick(a, "s") == 0
         assert router.decisions == {"prefix": 2, "load": 2}
@@ -117,3 +117,39 @@ def test_goodput_counts_requests_meeting_both_slos():
     results = {"chat": {"a": [{"goodput_rps": 1.0}, {"goodput_rps": 0.5}],
                         "c": [{"goodput_rps": 1.6}, {"goodput_rps": 2.0}]}}
     assert knee(results, ["a", "c"])["chat"]["ratios"] == {"c/a": 2.0}
+
+
+@pytest.mark.slow
+def test_bench_serve_end_to_end_on_two_vllm_servers(tmp_path, capsys):
+    """(b) and (c) on one pair of real `vllm serve` instances, one rate, the shared
+    system prompt: every request completes, kvpool moves KV, (c) routes by prefix."""
+    import json
+
+    from kvpool.cli import main
+    from vllm_harness import VLLM_PYTHON, require_vllm
+
+    require_vllm()
+    out = tmp_path / "serve.json"
+    assert main(["bench", "serve", "--quick", "--configs", "b,c", "--workloads", "system",
+                 "--rates", "1", "--vllm-python", str(VLLM_PYTHON), "--log-dir",
+                 str(tmp_path / "logs"), "--json", str(out),
+                 "--plot", str(tmp_path / "serve.png")]) == 0
+    doc = json.loads(out.read_text())
+    b, c = doc["results"]["system"]["b"][0], doc["results"]["system"]["c"][0]
+    for row in (b, c):
+        assert row["completed"] == row["requests"] == 10 and not row["errors"]
+        assert row["counters"]["kvpool_vllm_bytes_saved_total"] > 0
+        assert row["hit_rate"] > 0.3  # the shared system prompt is found again
+    assert c["routing"]["prefix"] >= 5 and b["routing"]["prefix"] == 0
+    assert (tmp_path / "serve.png").stat().st_size > 0
+    assert "knee (peak goodput)" in capsys.readouterr().out
+
+
+def test_conversation_sample_keeps_whole_multi_turn_conversations():
+    from kvpool.bench.serve_workloads import conversation_sample
+
+    t = [TraceRequest(0, 600, (0, 1, 2)), TraceRequest(0, 600, (0, 5)),
+         TraceRequest(10, 900, (0, 1, 2, 3)), TraceRequest(20, 600, (0, 7, 8)),
+         TraceRequest(30, 700, (0, 7, 9)), TraceRequest(40, 800, (0, 1, 2, 3, 4))]
+    assert conversation_sample(t, 5) == [t[0], t[2], t[3], t[4], t[5]]
+    assert conversation_sample(t, 2) == [t[3], t[4]]  # the 3-turn one does not fit

@@ -94,3 +94,9 @@ def test_policy_defaults_and_switch():
         FetchPolicy.from_config({"bandwidth_gbps": 0}, _config(), "float32")
     with pytest.raises(UserError):
         FetchPolicy.from_config({}, {"model_type": "llama"}, "float32")
+
+
+def test_policy_refuses_a_value_that_is_not_a_number():
+    for extra in ({"link_gbit": "fast"}, {"linear_gflops": None}, {"link_gbit": -1}):
+        with pytest.raises(UserError):
+            FetchPolicy.from_config(extra, _config(), "float32")

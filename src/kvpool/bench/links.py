@@ -30,7 +30,7 @@ import numpy as np
 
 from kvpool.bench.harness import Unavailable
 from kvpool.bench.linkshape import connect_rtt_ms, shape, shaped_rate
-from kvpool.config import parse_addr, parse_size
+from kvpool.config import check_at_least, parse_addr, parse_size
 from kvpool.errors import UserError
 from kvpool.plan.fit import fit_cold
 from kvpool.plan.link import Link, compute_seconds, crossover, fetch_seconds
@@ -39,17 +39,19 @@ from kvpool.plan.prefill import kv_bytes
 HELP = ("fetch or recompute: TTFT loading a cached prefix over a tc-shaped veth link vs "
         "recomputing it, crossover measured vs predicted")
 TOLERANCE = 0.20
+DEFAULT_RATES = "0.1,0.2,1,10,25"
 FULL = {"prefixes": "256,512,1024,2048,4096,8128", "repeats": 2}
-QUICK = {"prefixes": "256,512,1024,2048", "repeats": 1}
+QUICK = {"prefixes": "256,512,1024,2048", "repeats": 2}
 
 
 def add_arguments(p) -> None:
     p.add_argument("--quick", action="store_true",
-                   help=f"prefixes {QUICK['prefixes']}, {QUICK['repeats']} round (default: "
+                   help=f"prefixes {QUICK['prefixes']}, {QUICK['repeats']} rounds (default: "
                    f"{FULL['prefixes']}, {FULL['repeats']} rounds)")
     p.add_argument("--model", default="smollm2", help="engine model (default smollm2)")
-    p.add_argument("--rates", default="0.2,1,10,25",
-                   help="link line rates in Gbit/s (default 0.2,1,10,25)")
+    p.add_argument("--rates", default=DEFAULT_RATES,
+                   help=f"link line rates in Gbit/s (default {DEFAULT_RATES}: the slow ones "
+                   "put the crossover inside the prefix range on a 2-core CPU)")
     p.add_argument("--prefixes", default=None, help="prefix lengths in tokens, comma separated")
     p.add_argument("--suffix", type=int, default=32, help="new tokens after the prefix (32)")
     p.add_argument("--repeats", type=int, default=None, help="rounds over every point")
@@ -74,6 +76,7 @@ def parse_list(text: str, what: str, cast=float) -> list:
 
 
 def run(args) -> int:
+    check_at_least(args, 1, "suffix", "threads")
     preset = QUICK if args.quick else FULL
     prefixes = parse_list(args.prefixes or preset["prefixes"], "--prefixes", int)
     rates = parse_list(args.rates, "--rates")
@@ -158,6 +161,7 @@ def measure_links(model: str, prefixes: list[int], rates: list[float], suffix: i
     import torch
 
     from kvpool.cache import PrefixCache, StoreBackend
+    from kvpool.cache.keys import page_keys, store_key
     from kvpool.client import Client
     from kvpool.engine import Engine
 
@@ -176,16 +180,25 @@ def measure_links(model: str, prefixes: list[int], rates: list[float], suffix: i
         # one reader per rate, each seeing a prompt once: its L1 never holds the prefix
         readers = {g: PrefixCache(*shape_args, l1_pages=1, l3=StoreBackend(client))
                    for g in rates}
+        def drop_tail(ids: list[int], prefix: int) -> None:
+            """Remove the pages after the prefix (the suffix's full pages), so that a
+            fetch loads exactly the prefix and computes the suffix."""
+            tail = page_keys(writer.ns, ids)[prefix // page_size:]
+            if tail:
+                client.batch_remove([store_key(k) for k in tail], force=True)
+
         try:
             # warm-up at the longest prompt: the KV buffer and every reader's staging
             # rows are allocated and touched before anything is timed
             warm = Point(max(prefixes), [], {g: [] for g in rates}, {g: [] for g in rates})
             _measure_point(engine, rig, writer, readers, warm,
-                           rng.integers(0, vocab, max(prefixes) + suffix).tolist(), rates)
+                           rng.integers(0, vocab, max(prefixes) + suffix).tolist(), rates,
+                           drop_tail)
             for r in range(repeats):
                 for p in prefixes:
                     _measure_point(engine, rig, writer, readers, points[p],
-                                   rng.integers(0, vocab, p + suffix).tolist(), rates)
+                                   rng.integers(0, vocab, p + suffix).tolist(), rates,
+                                   drop_tail)
                     progress(f"round {r + 1}/{repeats}: prefix {p} done")
             shaped = shaped_rate(rig.pair)
         finally:
@@ -196,13 +209,14 @@ def measure_links(model: str, prefixes: list[int], rates: list[float], suffix: i
 
 
 def _measure_point(engine, rig, writer, readers: dict, point: Point, ids: list[int],
-                   rates: list[float]) -> None:
+                   rates: list[float], drop_tail) -> None:
     rig.shape(max(rates))
     engine.cache = writer
     cold = engine.generate(ids, 1)
     if cold.reused_tokens:
         raise UserError("a fresh random prompt hit the cache: the store was not empty")
     writer.flush()
+    drop_tail(ids, point.prefix)
     point.recompute.append(cold.ttft_ms)
     for gbit in rates:
         rig.shape(gbit)

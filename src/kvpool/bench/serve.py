@@ -38,8 +38,8 @@ from kvpool.bench.links import parse_list
 from kvpool.bench.serve_client import run_load, summarize
 from kvpool.bench.serve_fleet import BLOCK_SIZE, HASH_ALGO, Fleet, counter_delta, vllm_python
 from kvpool.bench.serve_router import Router
-from kvpool.bench.serve_workloads import (WORKLOADS, Workload, chat_workload, system_workload,
-                                          trace_workload)
+from kvpool.bench.serve_workloads import (WORKLOADS, Workload, chat_workload,
+                                          conversation_sample, system_workload, trace_workload)
 from kvpool.errors import UserError
 
 HELP = ("goodput under TTFT/TPOT SLOs: two vLLM servers behind a router, local prefix "
@@ -49,8 +49,9 @@ CONFIGS = {"a": ("plain", "least_loaded", "vLLM local prefix cache"),
            "b": ("kvpool", "least_loaded", "vLLM + kvpool, shared store"),
            "c": ("kvpool", "prefix", "(b) + prefix-aware routing (master lookup)")}
 INSTANCES = 2
-QUICK = {"sessions": 4, "turns": 3, "docs": 2, "doc_tokens": 384, "requests": 12,
-         "max_tokens": 12, "trace_limit": 12, "trace_block": 32, "multipliers": "0.5,1,2"}
+TRACE_WINDOW = 5000  # trace requests read, to sample whole conversations from
+QUICK = {"sessions": 5, "turns": 2, "docs": 2, "doc_tokens": 384, "requests": 10,
+         "max_tokens": 12, "trace_limit": 10, "trace_block": 32, "multipliers": "0.5,1.5,4"}
 FULL = {"sessions": 12, "turns": 4, "docs": 4, "doc_tokens": 1536, "requests": 48,
         "max_tokens": 32, "trace_limit": 60, "trace_block": 64,
         "multipliers": "0.25,0.5,1,1.5,2,3"}
@@ -109,8 +110,9 @@ def build_workloads(names: list[str], size: dict, model: str, trace_path: str | 
                                        size["max_tokens"]))
         else:
             path = trace_path or default_trace()
-            trace = (load_trace(path, size["trace_limit"]) if trace_path or os.path.isfile(path)
-                     else generated_trace(4, 3)[:size["trace_limit"]])
+            trace = (load_trace(path, TRACE_WINDOW) if trace_path or os.path.isfile(path)
+                     else generated_trace(4, 3))
+            trace = conversation_sample(trace, size["trace_limit"])
             out.append(trace_workload(trace, len(tok), size["trace_block"],
                                       max_model_len - size["max_tokens"] - 1, size["max_tokens"]))
     for w in out:

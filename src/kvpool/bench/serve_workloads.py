@@ -12,7 +12,9 @@ unchanged against every configuration:
 - ``system``: one long shared system prompt (the system message and the start of the
   document, ``doc_tokens`` in all), then a distinct short question per request.
 - ``trace``: a Mooncake conversation trace (``kvpool bench cache --trace``'s format)
-  scaled down: every 512-token hash block becomes ``block_tokens`` pseudo-random
+  scaled down: whole conversations (requests sharing their first two hash blocks, the
+  later turns extending the earlier ones) of two turns or more, taken in the order they
+  start (:func:`conversation_sample`); every 512-token hash block becomes ``block_tokens`` pseudo-random
   token ids drawn from its hash id (the prefix structure is kept: equal ids, equal
   tokens), prompt lengths shrink by the same factor, and the trace's own
   arrival times are kept, stretched so that their mean rate is the offered rate.
@@ -124,6 +126,23 @@ def system_workload(tokenizer, requests: int, doc_tokens: int, max_tokens: int) 
                                           {"role": "user", "content": q}])
         out.append(ServeRequest(i, tuple(ids), max_tokens))
     return Workload("system", out)
+
+
+def conversation_sample(trace: list[TraceRequest], limit: int) -> list[TraceRequest]:
+    """Whole multi-turn conversations of ``trace``, first started first, at most
+    ``limit`` requests, in trace order. A conversation: the requests whose first two
+    hash ids agree (block 0 is the trace's shared system block)."""
+    groups: dict[tuple[int, ...], list[int]] = {}
+    for i, r in enumerate(trace):
+        groups.setdefault(r.hash_ids[:2], []).append(i)
+    chosen: list[int] = []
+    for members in groups.values():
+        if len(members) >= 2 and len(chosen) + len(members) <= limit:
+            chosen += members
+    if not chosen:
+        raise UserError("the trace has no conversation of two turns or more within the "
+                        f"{limit}-request sample")
+    return [trace[i] for i in sorted(chosen)]
 
 
 def trace_workload(trace: list[TraceRequest], vocab: int, block_tokens: int,

@@ -23,6 +23,13 @@ from kvpool.plan.prefill import (DEFAULT_ATTENTION_FLOPS, DEFAULT_BANDWIDTH_GBPS
 from kvpool.plan.spec import ModelSpec, check_flops, spec_from_config
 
 
+def _number(extra: dict, key: str, default: float) -> float:
+    try:
+        return float(extra.get(key, default))
+    except (TypeError, ValueError):
+        raise UserError(f"{key} must be a number, got {extra[key]!r}") from None
+
+
 class FetchPolicy:
     """Whether loading a found prefix beats recomputing it (module docstring).
 
@@ -42,19 +49,19 @@ class FetchPolicy:
     def from_config(cls, extra: dict, model_config: dict, kv_dtype: str, tp: int = 1,
                     pp: int = 1) -> "FetchPolicy | None":
         """The policy of engine config ``extra`` for a model's config.json dict, or None
-        when ``skip_slow_fetch`` is off. Raises UserError for a bad value or a model the
-        planner cannot describe."""
+        when ``skip_slow_fetch`` is off. Raises UserError for a value that is not a
+        positive number (delay: >= 0) or a model the planner cannot describe."""
         if not bool(extra.get("skip_slow_fetch", True)):
             return None
-        rates = Rates(linear=float(extra.get("linear_gflops", DEFAULT_LINEAR_FLOPS / 1e9)) * 1e9,
-                      attention=float(extra.get("attention_gflops",
-                                                DEFAULT_ATTENTION_FLOPS / 1e9)) * 1e9,
+        rates = Rates(linear=_number(extra, "linear_gflops", DEFAULT_LINEAR_FLOPS / 1e9) * 1e9,
+                      attention=_number(extra, "attention_gflops",
+                                        DEFAULT_ATTENTION_FLOPS / 1e9) * 1e9,
                       attention_kernel=str(extra.get("attention_kernel", "causal")))
         if extra.get("link_gbit") is not None:
-            link = Link(float(extra["link_gbit"]), float(extra.get("link_delay_ms", 0.0)))
+            link = Link(_number(extra, "link_gbit", 0.0), _number(extra, "link_delay_ms", 0.0))
             bandwidth, latency = link.bandwidth, link.latency_s
         else:
-            bandwidth = float(extra.get("bandwidth_gbps", DEFAULT_BANDWIDTH_GBPS)) * 1e9
+            bandwidth = _number(extra, "bandwidth_gbps", DEFAULT_BANDWIDTH_GBPS) * 1e9
             latency = 0.0
             if not bandwidth > 0:
                 raise UserError(f"bandwidth_gbps must be > 0, got {bandwidth / 1e9:g}")

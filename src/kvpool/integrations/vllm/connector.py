@@ -63,8 +63,9 @@ def key_space(vllm_config) -> KeySpace:
 
 
 def fetch_policy(extra: dict, vllm_config, keys: KeySpace) -> FetchPolicy | None:
-    """The fetch-or-recompute policy of the connector's extra config (None when off, or
-    when the planner cannot describe the model: then every hit is loaded)."""
+    """The fetch-or-recompute policy of the connector's extra config: None when off, or
+    when its values or the model cannot be used (then every hit is loaded, and vLLM's
+    log says why: a policy is an optimisation, never a reason not to serve)."""
     par = vllm_config.parallel_config
     try:
         return FetchPolicy.from_config(extra, vllm_config.model_config.hf_config.to_dict(),
