@@ -5,11 +5,15 @@ reference engine (:class:`kvpool.engine.Engine`, fp32, its ``kvpool_causal`` ker
 runs here in a second one; a veth pair joins them, shaped with tc at each line rate
 (:mod:`kvpool.bench.linkshape`), and every byte of KV crosses it over TCP.
 
-For each prefix length ``P`` a fresh random prompt of ``P + suffix`` tokens is computed
-once cold (the *recompute* TTFT; its pages go to the store), then, for each link rate,
-run again by an engine cache with an empty L1, which loads the ``P`` tokens from the
-store over the link (the *fetch* TTFT). Rounds repeat every point; a point's figure is
-the fastest round (other processes only add time).
+In each round, for each prefix length ``P`` a fresh random prompt of ``P + suffix``
+tokens is computed once cold (the *recompute* TTFT; its prefix pages go to the store),
+then, for each link rate, run again by an engine cache with an empty L1, which loads
+the ``P`` tokens from the store over the link (the *fetch* TTFT). A point's figure is
+its fastest round (other processes only add time). Where the crossover lies depends
+on the machine's speed: on a loaded 2-core CPU even 1 Gbit/s is faster than
+recomputing any prefix, so the rate list may hold ``auto``: after the first round's
+recompute runs, the rate at which the planner puts the crossover in the middle of
+the prefix range (:func:`auto_rate`) is measured as well.
 
 The crossover is the prefix length from which fetching wins: measured, by linear
 interpolation of (fetch − recompute) between the two prefix lengths where it changes
@@ -39,7 +43,7 @@ from kvpool.plan.prefill import kv_bytes
 HELP = ("fetch or recompute: TTFT loading a cached prefix over a tc-shaped veth link vs "
         "recomputing it, crossover measured vs predicted")
 TOLERANCE = 0.20
-DEFAULT_RATES = "0.1,0.2,1,10,25"
+DEFAULT_RATES = "auto,1,10,25"
 FULL = {"prefixes": "256,512,1024,2048,4096,8128", "repeats": 2}
 QUICK = {"prefixes": "256,512,1024,2048", "repeats": 2}
 
@@ -50,8 +54,9 @@ def add_arguments(p) -> None:
                    f"{FULL['prefixes']}, {FULL['repeats']} rounds)")
     p.add_argument("--model", default="smollm2", help="engine model (default smollm2)")
     p.add_argument("--rates", default=DEFAULT_RATES,
-                   help=f"link line rates in Gbit/s (default {DEFAULT_RATES}: the slow ones "
-                   "put the crossover inside the prefix range on a 2-core CPU)")
+                   help=f"link line rates in Gbit/s (default {DEFAULT_RATES}); 'auto' adds "
+                   "the rate at which the first round's fit predicts the crossover in the "
+                   "middle of the prefix range")
     p.add_argument("--prefixes", default=None, help="prefix lengths in tokens, comma separated")
     p.add_argument("--suffix", type=int, default=32, help="new tokens after the prefix (32)")
     p.add_argument("--repeats", type=int, default=None, help="rounds over every point")
@@ -79,13 +84,15 @@ def run(args) -> int:
     check_at_least(args, 1, "suffix", "threads")
     preset = QUICK if args.quick else FULL
     prefixes = parse_list(args.prefixes or preset["prefixes"], "--prefixes", int)
-    rates = parse_list(args.rates, "--rates")
+    auto = "auto" in [x.strip() for x in args.rates.split(",")]
+    rates = parse_list(",".join(x for x in args.rates.split(",") if x.strip() != "auto"),
+                       "--rates")
     if any(p % args.page_size for p in prefixes):
         raise UserError(f"--prefixes must be multiples of --page-size {args.page_size}")
     repeats = args.repeats or preset["repeats"]
     try:
         doc = measure_links(args.model, prefixes, rates, args.suffix, repeats, args.page_size,
-                            args.threads, parse_size(args.segment_size))
+                            args.threads, parse_size(args.segment_size), auto)
     except Unavailable as exc:
         raise UserError(f"bench links cannot run here: {exc}") from None
     doc["command"] = "kvpool bench links" + (" --quick" if args.quick else "")
@@ -156,12 +163,12 @@ class Point:
 
 def measure_links(model: str, prefixes: list[int], rates: list[float], suffix: int,
                   repeats: int, page_size: int, threads: int, segment_size: int,
-                  seed: int = 0, progress=print) -> dict:
-    """Run the measurement (module docstring); returns the JSON document."""
+                  auto: bool = False, seed: int = 0, progress=print) -> dict:
+    """Run the measurement (module docstring); returns the JSON document. ``auto``
+    adds the link rate at which this run's first-round fit predicts the crossover in
+    the middle of the prefix range (:func:`auto_rate`)."""
     import torch
 
-    from kvpool.cache import PrefixCache, StoreBackend
-    from kvpool.cache.keys import page_keys, store_key
     from kvpool.client import Client
     from kvpool.engine import Engine
 
@@ -169,74 +176,124 @@ def measure_links(model: str, prefixes: list[int], rates: list[float], suffix: i
     engine = Engine(model, dtype="float32")
     rng = np.random.default_rng(seed)
     vocab = engine.config.vocab_size
-    points = {p: Point(p, [], {r: [] for r in rates}, {r: [] for r in rates}) for p in prefixes}
+    rates = list(rates)
+    points = {p: Point(p, [], {}, {}) for p in prefixes}
+    auto_gbit = None
     with Rig(segment_size) as rig:
         rig.shape(max(rates))
         rtt = rig.rtt_ms()
         client = Client(rig.cluster.master_addr, force_tcp=True)
-        shape_args = (engine.namespace(page_size), engine.page_shape(page_size))
-        writer = PrefixCache(*shape_args, l1_pages=(max(prefixes) + suffix) // page_size + 8,
-                             l3=StoreBackend(client))
-        # one reader per rate, each seeing a prompt once: its L1 never holds the prefix
-        readers = {g: PrefixCache(*shape_args, l1_pages=1, l3=StoreBackend(client))
-                   for g in rates}
-        def drop_tail(ids: list[int], prefix: int) -> None:
-            """Remove the pages after the prefix (the suffix's full pages), so that a
-            fetch loads exactly the prefix and computes the suffix."""
-            tail = page_keys(writer.ns, ids)[prefix // page_size:]
-            if tail:
-                client.batch_remove([store_key(k) for k in tail], force=True)
-
+        meter = _Meter(engine, rig, client, page_size, max(prefixes) + suffix)
         try:
             # warm-up at the longest prompt: the KV buffer and every reader's staging
             # rows are allocated and touched before anything is timed
-            warm = Point(max(prefixes), [], {g: [] for g in rates}, {g: [] for g in rates})
-            _measure_point(engine, rig, writer, readers, warm,
-                           rng.integers(0, vocab, max(prefixes) + suffix).tolist(), rates,
-                           drop_tail)
+            warm_ids = rng.integers(0, vocab, max(prefixes) + suffix).tolist()
+            warm = Point(max(prefixes), [], {}, {})
+            meter.cold(warm, warm_ids)
+            for gbit in rates:
+                meter.fetch(warm, warm_ids, gbit)
             for r in range(repeats):
+                prompts = {p: rng.integers(0, vocab, p + suffix).tolist() for p in prefixes}
                 for p in prefixes:
-                    _measure_point(engine, rig, writer, readers, points[p],
-                                   rng.integers(0, vocab, p + suffix).tolist(), rates,
-                                   drop_tail)
+                    meter.cold(points[p], prompts[p])
+                if auto and auto_gbit is None:
+                    auto_gbit = auto_rate(engine, points, suffix, rtt / 2)
+                    progress(f"auto link rate: {auto_gbit:g} Gbit/s")
+                    meter.fetch(warm, warm_ids, auto_gbit)  # its reader's warm-up
+                    rates = sorted(rates + [auto_gbit])
+                for p in prefixes:
+                    for gbit in rates:
+                        meter.fetch(points[p], prompts[p], gbit)
                     progress(f"round {r + 1}/{repeats}: prefix {p} done")
             shaped = shaped_rate(rig.pair)
         finally:
-            for c in (writer, *readers.values()):
-                c.close()
+            meter.close()
             client.close()
-    return analyse(engine, points, rates, suffix, rtt, threads, shaped)
+    doc = analyse(engine, points, rates, suffix, rtt, threads, shaped)
+    doc["auto_gbit"] = auto_gbit
+    return doc
 
 
-def _measure_point(engine, rig, writer, readers: dict, point: Point, ids: list[int],
-                   rates: list[float], drop_tail) -> None:
-    rig.shape(max(rates))
-    engine.cache = writer
-    cold = engine.generate(ids, 1)
-    if cold.reused_tokens:
-        raise UserError("a fresh random prompt hit the cache: the store was not empty")
-    writer.flush()
-    drop_tail(ids, point.prefix)
-    point.recompute.append(cold.ttft_ms)
-    for gbit in rates:
-        rig.shape(gbit)
-        engine.cache = readers[gbit]
-        warm = engine.generate(ids, 1)
-        readers[gbit].flush()
+class _Meter:
+    """Cold runs through a writer cache (their prefix pages go to the store) and fetch
+    runs through one reader cache per rate, each seeing a prompt once (its L1 never
+    holds the prefix, every prefix page comes from L3 over the link)."""
+
+    def __init__(self, engine, rig: Rig, client, page_size: int, longest: int):
+        from kvpool.cache import PrefixCache, StoreBackend
+
+        self.engine, self.rig, self.client, self.page_size = engine, rig, client, page_size
+        self.shape_args = (engine.namespace(page_size), engine.page_shape(page_size))
+        self.writer = PrefixCache(*self.shape_args, l1_pages=longest // page_size + 8,
+                                  l3=StoreBackend(client))
+        self.readers: dict = {}
+
+    def cold(self, point: Point, ids: list[int]) -> None:
+        """Recompute TTFT of ``ids``; then only its prefix pages stay in the store."""
+        from kvpool.cache.keys import page_keys, store_key
+
+        self.engine.cache = self.writer
+        cold = self.engine.generate(ids, 1)
+        if cold.reused_tokens:
+            raise UserError("a fresh random prompt hit the cache: the store was not empty")
+        self.writer.flush()
+        tail = page_keys(self.writer.ns, ids)[point.prefix // self.page_size:]
+        if tail:  # the suffix's full pages: a fetch loads exactly the prefix
+            self.client.batch_remove([store_key(k) for k in tail], force=True)
+        point.recompute.append(cold.ttft_ms)
+
+    def fetch(self, point: Point, ids: list[int], gbit: float) -> None:
+        """Fetch TTFT of ``ids`` over the link shaped to ``gbit``."""
+        from kvpool.cache import PrefixCache, StoreBackend
+
+        if gbit not in self.readers:
+            self.readers[gbit] = PrefixCache(*self.shape_args, l1_pages=1,
+                                             l3=StoreBackend(self.client))
+        self.rig.shape(gbit)
+        self.engine.cache = self.readers[gbit]
+        warm = self.engine.generate(ids, 1)
+        self.readers[gbit].flush()
         if warm.reused_by_tier.get("L3", 0) != point.prefix:
             raise UserError(f"prefix {point.prefix}: reused {warm.reused_by_tier} from the "
                             "store, expected all of it from L3 (store too small?)")
-        point.fetch[gbit].append(warm.ttft_ms)
-        point.load[gbit].append(warm.timings_ms["load"] + warm.timings_ms["lookup"])
+        point.fetch.setdefault(gbit, []).append(warm.ttft_ms)
+        point.load.setdefault(gbit, []).append(warm.timings_ms["load"]
+                                               + warm.timings_ms["lookup"])
+
+    def close(self) -> None:
+        for c in (self.writer, *self.readers.values()):
+            c.close()
+
+
+def _spec(engine):
+    from kvpool.plan.spec import spec_from_config
+
+    name = engine.loaded.name
+    return spec_from_config({**engine.config.to_dict(), "_name_or_path": name}, source=name)
+
+
+def auto_rate(engine, points: dict, suffix: int, delay_ms: float) -> float:
+    """The line rate (Gbit/s, 3 significant digits) at which the planner, with speeds
+    fitted to the recompute TTFTs so far, puts the crossover at the geometric middle
+    of the prefix range. The crossover falls as the rate rises: bisection on log rate."""
+    spec = _spec(engine)
+    prefixes = sorted(points)
+    fit = fit_cold(spec, [(p + suffix, min(points[p].recompute) / 1e3) for p in prefixes])
+    rates = fit.rates(1.0)
+    target = (prefixes[0] * prefixes[-1]) ** 0.5
+    lo, hi = -6.0, 3.0  # log10 Gbit/s
+    for _ in range(40):
+        mid = (lo + hi) / 2
+        cross = crossover(spec, rates, Link(10 ** mid, delay_ms), "fp32", suffix, 1 << 20)
+        lo, hi = (mid, hi) if cross is None or cross > target else (lo, mid)
+    return float(f"{10 ** hi:.3g}")
 
 
 def analyse(engine, points: dict, rates: list[float], suffix: int, rtt_ms: float,
             threads: int, shaped: str) -> dict:
     """Fit compute speeds to the recompute TTFTs, predict each link, find crossovers."""
-    from kvpool.plan.spec import spec_from_config
-
     name = engine.loaded.name
-    spec = spec_from_config({**engine.config.to_dict(), "_name_or_path": name}, source=name)
+    spec = _spec(engine)
     prefixes = sorted(points)
     recompute = {p: min(points[p].recompute) for p in prefixes}
     fit = fit_cold(spec, [(p + suffix, recompute[p] / 1e3) for p in prefixes])
