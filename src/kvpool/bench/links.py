@@ -44,6 +44,7 @@ HELP = ("fetch or recompute: TTFT loading a cached prefix over a tc-shaped veth 
         "recomputing it, crossover measured vs predicted")
 TOLERANCE = 0.20
 DEFAULT_RATES = "auto,1,10,25"
+SLOW_READ_S = 600  # read lease and client timeout: one read over the slowest link
 FULL = {"prefixes": "256,512,1024,2048,4096,8128", "repeats": 2}
 QUICK = {"prefixes": "256,512,1024,2048", "repeats": 2}
 
@@ -62,7 +63,7 @@ def add_arguments(p) -> None:
     p.add_argument("--repeats", type=int, default=None, help="rounds over every point")
     p.add_argument("--page-size", type=int, default=16, help="tokens per page (16)")
     p.add_argument("--threads", type=int, default=1, help="torch threads of the engine (1)")
-    p.add_argument("--segment-size", default="2GiB", help="the node's segment (2GiB)")
+    p.add_argument("--segment-size", default="1GiB", help="the node's segment (1GiB)")
     p.add_argument("--json", dest="json_path", default="bench_links.json",
                    help="JSON output (default bench_links.json)")
     p.add_argument("--plot", dest="plot_path", default="bench_links.png",
@@ -127,7 +128,9 @@ class Rig:
         try:
             setns(self.pair.server, self.home)
             host = ["--host", self.pair.server_addr]
-            self.cluster = Cluster(segment_size=self.segment_size, extra_master_args=host,
+            # a slow link's read of a long prefix outlasts the default 10 s read lease
+            lease = ["--default-kv-lease-ttl", str(SLOW_READ_S * 1000)]
+            self.cluster = Cluster(segment_size=self.segment_size, extra_master_args=host + lease,
                                    extra_node_args=host).start()
             setns(self.pair.client, self.home)
         except BaseException:
@@ -182,7 +185,7 @@ def measure_links(model: str, prefixes: list[int], rates: list[float], suffix: i
     with Rig(segment_size) as rig:
         rig.shape(max(rates))
         rtt = rig.rtt_ms()
-        client = Client(rig.cluster.master_addr, force_tcp=True)
+        client = Client(rig.cluster.master_addr, force_tcp=True, timeout_s=SLOW_READ_S)
         meter = _Meter(engine, rig, client, page_size, max(prefixes) + suffix)
         try:
             # warm-up at the longest prompt: the KV buffer and every reader's staging

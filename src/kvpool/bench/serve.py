@@ -73,7 +73,8 @@ def add_arguments(p) -> None:
     p.add_argument("--slo-ttft-ms", type=float, default=None, help="TTFT SLO in ms")
     p.add_argument("--slo-tpot-ms", type=float, default=None, help="TPOT (mean ITL) SLO in ms")
     p.add_argument("--max-model-len", type=int, default=4096, help="vLLM context (4096)")
-    p.add_argument("--segment-size", default="1GiB", help="each kvpool node's segment (1GiB)")
+    p.add_argument("--segment-size", default="512MiB",
+                   help="each kvpool node's segment (512MiB)")
     p.add_argument("--vllm-python", default=None,
                    help="vLLM's interpreter (default $KVPOOL_VLLM_PYTHON, else .venv-vllm)")
     p.add_argument("--log-dir", default=None, help="keep the servers' logs here")
@@ -170,10 +171,11 @@ class ServeBench:
         kinds = list(dict.fromkeys(CONFIGS[c][0] for c in self.configs))
         results: dict = {w.name: {c: [] for c in self.configs} for w in self.workloads}
         plan: dict = {}
-        cluster = (Cluster(segment_size=self.segment_size, num_nodes=INSTANCES).start()
-                   if "kvpool" in kinds else None)
+        cluster = None
         try:
             for kind in kinds:
+                if kind == "kvpool":  # only now: its segments take memory
+                    cluster = Cluster(segment_size=self.segment_size, num_nodes=INSTANCES).start()
                 fleet = Fleet(kind, self.model, self.log_dir, INSTANCES,
                               master=cluster.master_addr if cluster else "",
                               segments=[n["segment"] for n in cluster.nodes] if cluster else [],
