@@ -394,7 +394,7 @@ def format_table(doc: dict) -> str:
         for r in link["rows"]:
             lines.append(f"| {link['gbit']:g} | {r['prefix']} | {r['recompute_ms']:.0f} | "
                          f"{r['fetch_ms']:.0f} | {r['load_ms']:.0f} | "
-                         f"{r['effective_gbps']:.2f} | {r['predicted_recompute_ms']:.0f} | "
+                         f"{r['effective_gbps']:.3g} | {r['predicted_recompute_ms']:.0f} | "
                          f"{r['predicted_fetch_ms']:.0f} |")
     lines += ["", "| link Gbit/s | crossover measured (tokens) | predicted | agreement |",
               "|---:|---:|---:|---|"]
@@ -430,7 +430,8 @@ def plot_links(doc: dict, path: str) -> None:
     ax.set_yscale("log")
     ax.set_xlabel(f"cached prefix (tokens), then {doc['suffix']} new tokens")
     ax.set_ylabel("TTFT (ms)")
-    ax.set_title(f"{doc['model']}: fetch over a shaped link vs recompute (dashed: predicted)")
+    ax.set_title(f"{doc['model']}: fetch over a shaped link vs recompute (dashed: predicted)",
+                 fontsize=9)
     ax.grid(alpha=0.3, which="both")
     ax.legend(fontsize=8)
     fig.tight_layout()

@@ -27,6 +27,7 @@ cache (2 / the calibration request's end-to-end time). Workloads:
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import os
 import shutil
@@ -212,7 +213,7 @@ class ServeBench:
         request); the SLOs and rates that follow from it (module docstring)."""
         plan = {}
         for w in self.workloads:
-            req = w.median_prompt()
+            req = dataclasses.replace(w.median_prompt(), after=None)  # alone
             one = Router(1)
             url = fleet.urls[:1]
             for tag in ("warmup", "cold"):
