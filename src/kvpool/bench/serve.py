@@ -193,11 +193,17 @@ class ServeBench:
                                 row = self.one_run(fleet, cluster, config, w, k, rate,
                                                    plan[w.name])
                                 results[w.name][config].append(row)
+                                self.checkpoint({"plan": plan, "results": results})
         finally:
             if cluster is not None:
                 cluster.stop()
         return {"conditions": self.conditions(), "plan": plan, "results": results,
                 "knee": knee(results, self.configs)}
+
+    def checkpoint(self, partial: dict) -> None:
+        """The figures so far, in ``partial.json`` of the log folder (a run that dies
+        half way, a server killed for memory, keeps what it measured)."""
+        (self.log_dir / "partial.json").write_text(json.dumps(partial, indent=1))
 
     def conditions(self) -> dict:
         return {"model": Path(self.model).name, "instances": INSTANCES,
