@@ -140,7 +140,7 @@ def test_bench_serve_end_to_end_on_two_vllm_servers(tmp_path, capsys):
         assert row["completed"] == row["requests"] == 10 and not row["errors"]
         assert row["counters"]["kvpool_vllm_bytes_saved_total"] > 0
         assert row["hit_rate"] > 0.3  # the shared system prompt is found again
-    assert c["routing"]["prefix"] >= 5 and b["routing"]["prefix"] == 0
+    assert c["routing"]["prefix"] >= 3 and b["routing"]["prefix"] == 0
     assert (tmp_path / "serve.png").stat().st_size > 0
     assert "knee (peak goodput)" in capsys.readouterr().out
 
