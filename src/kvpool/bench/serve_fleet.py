@@ -6,8 +6,7 @@ Kinds: ``plain`` (vLLM's local prefix cache only), ``example`` (vLLM's bundled
 instances share), ``kvpool`` (``KVPoolConnector`` on the shared store; instance ``i``
 saves to segment ``segments[i]`` first and serves its connector counters on a port of
 its own). Every instance runs the same engine settings: fp32, block 32, eager mode (no
-compilation at start-up), the worker inside the engine-core process (``uni`` executor:
-one process less per instance), sha256_cbor
+compilation at start-up), sha256_cbor
 block hashes (reproducible in the router), one CPU core (``VLLM_CPU_OMP_THREADS_BIND``:
 instance ``i`` on core ``i mod cores``), and reports cached prompt tokens in its usage
 records. Start-up polls ``/health`` with a deadline; an instance that exits first
@@ -138,8 +137,7 @@ class Fleet:
         t0 = time.monotonic()
         for i in range(self.n):
             cmd = [str(self.python.parent / "vllm"), "serve", self.model, "--dtype", "float32",
-                   "--block-size", str(BLOCK_SIZE), "--enforce-eager",
-                   "--distributed-executor-backend", "uni", "--max-model-len", str(self.max_model_len),
+                   "--block-size", str(BLOCK_SIZE), "--enforce-eager", "--max-model-len", str(self.max_model_len),
                    "--port", str(self.ports[i]), "--host", "127.0.0.1",
                    "--enable-prompt-tokens-details", "--prefix-caching-hash-algo", HASH_ALGO]
             conn = self._connector(i)
