@@ -14,8 +14,9 @@ import importlib
 from kvpool.config import check_at_least, check_output_path
 from kvpool.errors import UserError
 
-HELP = ("benchmarks: store (data path vs Mooncake/Redis/limits), cache (prefix cache), fuzz (hostile inputs), "
-        "master (metadata at scale), chaos (failures under load)")
+HELP = ("benchmarks: store (data path vs Mooncake/Redis/limits), cache (prefix cache), fuzz "
+        "(hostile inputs), master (metadata at scale), chaos (failures under load), links (fetch "
+        "or recompute), serve (goodput on vLLM)")
 
 SUBCOMMANDS = {  # name -> (module with HELP / add_arguments / run, one-line help)
     "store": ("kvpool.bench.store",
@@ -24,6 +25,9 @@ SUBCOMMANDS = {  # name -> (module with HELP / add_arguments / run, one-line hel
     "fuzz": ("kvpool.bench.fuzz", "hostile inputs against master, node and admin HTTP (hypothesis)"),
     "master": ("kvpool.bench.master", "the master at 1e4..1e7 objects and with 10..1,000 simulated segments"),
     "chaos": ("kvpool.bench.chaos", "kill -9 nodes, clients and the HA leader under verified load"),
+    "links": ("kvpool.bench.links", "fetch a cached prefix over a shaped link, or recompute it"),
+    "serve": ("kvpool.bench.serve", "goodput under SLOs: two vLLM servers behind a router, "
+              "with and without kvpool"),
 }
 
 
@@ -64,9 +68,8 @@ def run(args) -> int:
     if getattr(args, "_bench_missing", None):
         raise UserError(f"benchmark {args.bench!r} is not available ({args._bench_missing})")
     if not getattr(args, "_bench_run", None):
-        raise UserError("choose a benchmark: kvpool bench store | kvpool bench cache | kvpool bench fuzz | "
-                        "kvpool bench master "
-                        "(see kvpool bench --help)")
+        raise UserError("choose a benchmark: kvpool bench " + " | ".join(SUBCOMMANDS)
+                        + " (see kvpool bench --help)")
     check_arguments(args)
     return args._bench_run(args)
 

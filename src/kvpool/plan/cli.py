@@ -13,6 +13,7 @@ from pathlib import Path
 from kvpool.config import check_at_least, check_output_path
 from kvpool.errors import UserError
 from kvpool.plan.kv import DTYPE_BYTES, KVPlan, plan_kv
+from kvpool.plan.link import Link, crossover
 from kvpool.plan.prefill import (DEFAULT_ATTENTION_FLOPS, DEFAULT_BANDWIDTH_GBPS,
                                  DEFAULT_LINEAR_FLOPS, DEFAULT_OVERHEAD_MS, KERNELS,
                                  PrefillReport, Rates, prefill_report)
@@ -63,6 +64,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     pf.add_argument("--bandwidth", type=float, default=None,
                     help=f"KV load bandwidth in GB/s per rank (default {DEFAULT_BANDWIDTH_GBPS}; "
                     "with --measure, measured on the engine's load path)")
+    pf.add_argument("--link-gbit", type=float, default=None,
+                    help="load the cached KV over a network link of this line rate in Gbit/s "
+                    "(instead of --bandwidth: TCP payload share of the rate) and print the "
+                    "prefix length from which fetching beats recomputing")
+    pf.add_argument("--link-delay-ms", type=float, default=0.0,
+                    help="one-way delay of --link-gbit's link in ms (default 0)")
     pf.add_argument("--linear-flops", type=float, default=None,
                     help="effective FLOP/s of the linear part, in GFLOP/s (default "
                     f"{DEFAULT_LINEAR_FLOPS / 1e9:g}: SmolLM2 on a 2-core CPU; set your own)")
@@ -180,6 +187,9 @@ def _run_prefill(args) -> int:
     given = _rate_flags(args)
     if args.measure:
         return _run_measure(args, spec)
+    link = _link(args)
+    if link is not None:
+        given["--bandwidth"] = (link.bandwidth / 1e9, "GB/s")
     defaulted = [flag for flag, (value, _) in given.items() if value is None]
     value = {flag: (_RATE_DEFAULTS[flag] if v is None else v) for flag, (v, _) in given.items()}
     rates = Rates(linear=value["--linear-flops"] * 1e9, attention=value["--attention-flops"] * 1e9,
@@ -187,11 +197,47 @@ def _run_prefill(args) -> int:
                   attention_kernel=args.attention_kernel or "causal")
     report = prefill_report(spec, args.prompt, args.hit, rates, args.kv_dtype, args.tp, args.pp,
                             page_size=args.page_size)
+    doc = {**report.to_dict(), "default_rates": defaulted}
+    if link is not None:
+        doc["link"] = _link_doc(spec, rates, link, args, report)
     if args.json:
-        print(json.dumps({**report.to_dict(), "default_rates": defaulted}, indent=2))
+        print(json.dumps(doc, indent=2))
     else:
         print(format_prefill(report, defaulted))
+        if link is not None:
+            print(_link_text(doc["link"]))
     return 0
+
+
+MAX_CROSSOVER_PREFIX = 1 << 17  # tokens searched for the fetch/recompute crossover
+
+
+def _link(args) -> Link | None:
+    """The ``--link-gbit`` link, or None; UserError when --bandwidth is given too."""
+    if args.link_gbit is None:
+        return None
+    if args.bandwidth is not None:
+        raise UserError("give --bandwidth or --link-gbit, not both")
+    return Link(args.link_gbit, args.link_delay_ms)
+
+
+def _link_doc(spec, rates: Rates, link: Link, args, report: PrefillReport) -> dict:
+    suffix = max(1, report.prompt - report.cached)
+    cross = crossover(spec, rates, link, args.kv_dtype, suffix, MAX_CROSSOVER_PREFIX,
+                      args.tp, args.pp)
+    return {"gbit": link.gbit, "delay_ms": link.delay_ms, "payload_gbps": link.bandwidth / 1e9,
+            "latency_ms": link.latency_s * 1e3, "suffix_tokens": suffix,
+            "crossover_prefix_tokens": cross, "searched_up_to": MAX_CROSSOVER_PREFIX}
+
+
+def _link_text(d: dict) -> str:
+    head = (f"link {d['gbit']:g} Gbit/s ({d['payload_gbps']:.3g} GB/s TCP payload), "
+            f"{d['delay_ms']:g} ms one way ({d['latency_ms']:.2f} ms of round trips per load)")
+    if d["crossover_prefix_tokens"] is None:
+        return (f"{head}: recomputing beats fetching for every prefix up to "
+                f"{d['searched_up_to']} tokens (before {d['suffix_tokens']} new tokens)")
+    return (f"{head}: fetching beats recomputing for prefixes of >= "
+            f"{d['crossover_prefix_tokens']} tokens (before {d['suffix_tokens']} new tokens)")
 
 
 # flag -> default in the flag's own unit (GFLOP/s, ms, GB/s)

@@ -12,7 +12,11 @@ instance), ``kv_consumer`` only loads (a decode instance). Extra config keys:
 ``master`` ("host:port", default ``$KVPOOL_MASTER`` or 127.0.0.1:50051), ``force_tcp``
 (move bytes over TCP even on one host), ``timeout_s`` (10), ``retry_s`` (seconds
 between reconnection attempts while kvpool is down, 30), ``metrics_port`` (serve the
-``kvpool_vllm_*`` Prometheus counters of this process; 0 = off).
+``kvpool_vllm_*`` Prometheus counters of this process; 0 = off), ``segment`` (the
+store segment to place saved blocks on first: this instance's host, so that the master
+knows which instance computed a block), and the fetch-or-recompute policy's keys
+(:mod:`kvpool.integrations.fetch_policy`: ``skip_slow_fetch``, default on, ``link_gbit``,
+``link_delay_ms``, ``bandwidth_gbps``, ``linear_gflops``, ``attention_gflops``).
 """
 
 from __future__ import annotations
@@ -25,6 +29,8 @@ from vllm.logger import init_logger
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
 from kvpool.config import env
+from kvpool.errors import UserError
+from kvpool.integrations.fetch_policy import FetchPolicy
 from kvpool.integrations.vllm.keys import REPRODUCIBLE_HASHES, KeySpace
 from kvpool.integrations.vllm.meta import KVPoolMetadata
 from kvpool.integrations.vllm.scheduler import SchedulerSide
@@ -56,6 +62,20 @@ def key_space(vllm_config) -> KeySpace:
                     hash_algo=algo, revision=vllm_config.model_config.revision)
 
 
+def fetch_policy(extra: dict, vllm_config, keys: KeySpace) -> FetchPolicy | None:
+    """The fetch-or-recompute policy of the connector's extra config: None when off, or
+    when its values or the model cannot be used (then every hit is loaded, and vLLM's
+    log says why: a policy is an optimisation, never a reason not to serve)."""
+    par = vllm_config.parallel_config
+    try:
+        return FetchPolicy.from_config(extra, vllm_config.model_config.hf_config.to_dict(),
+                                       keys.dtype, par.tensor_parallel_size,
+                                       par.pipeline_parallel_size)
+    except UserError as exc:
+        logger.warning("kvpool: fetch-or-recompute policy off (%s); every hit is loaded", exc)
+        return None
+
+
 class KVPoolConnector(KVConnectorBase_V1):
     """vLLM KV connector backed by a kvpool cluster (see the module docstring)."""
 
@@ -75,14 +95,16 @@ class KVPoolConnector(KVConnectorBase_V1):
         self.worker: WorkerSide | None = None
         if role == KVConnectorRole.SCHEDULER:
             self.scheduler = SchedulerSide(keys, store, load=tc.kv_role != "kv_producer",
-                                           save=tc.kv_role != "kv_consumer", log=logger)
+                                           save=tc.kv_role != "kv_consumer", log=logger,
+                                           policy=fetch_policy(extra, vllm_config, keys))
         else:
             from vllm.distributed.parallel_state import get_pp_group, get_tp_group
 
             # staging for one request of max_model_len tokens, touched once up front
             rows = -(-vllm_config.model_config.max_model_len // keys.block_size)
             self.worker = WorkerSide(keys, store, get_tp_group().rank_in_group,
-                                     get_pp_group().rank_in_group, logger, staging_rows=rows)
+                                     get_pp_group().rank_in_group, logger, staging_rows=rows,
+                                     segment=str(extra.get("segment", "")))
             serve_metrics(int(extra.get("metrics_port", 0)))
         logger.info("kvpool: %s connector (%s) on master %s%s", role.name.lower(), tc.kv_role,
                     self.master, " over TCP" if extra.get("force_tcp") else "")

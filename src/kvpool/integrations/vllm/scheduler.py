@@ -5,7 +5,9 @@ last full block before the prompt's final token (K15: vLLM must compute at least
 token), are checked in one ``batch_is_exist`` call for every rank's object; the hit is
 the longest run present for all ranks. An existence check grants a read lease, so a
 counted block stays readable until the load (within the lease, K17); a block that
-still fails to load is reported to vLLM as a load error and recomputed.
+still fails to load is reported to vLLM as a load error and recomputed. With a
+:class:`~kvpool.integrations.fetch_policy.FetchPolicy`, a hit whose load is predicted
+slower than recomputing it is skipped (counted in ``kvpool_vllm_fetch_skipped_blocks``).
 
 Saves: every full block a step computes, whose hash vLLM knows, is saved once per
 request; blocks vLLM found locally or loaded are not saved again.
@@ -13,9 +15,16 @@ request; blocks vLLM found locally or loaded are not saved again.
 
 from __future__ import annotations
 
+from prometheus_client import Counter
+
+from kvpool.integrations.fetch_policy import FetchPolicy
 from kvpool.integrations.vllm.keys import KeySpace
 from kvpool.integrations.vllm.meta import BlockRun, KVPoolMetadata
-from kvpool.integrations.vllm.store import LOOKUP_BLOCKS, GuardedStore
+from kvpool.integrations.vllm.store import LOOKUP_BLOCKS, REGISTRY, GuardedStore
+
+FETCH_SKIPPED = Counter("kvpool_vllm_fetch_skipped_blocks", "blocks found in kvpool but "
+                        "recomputed because loading them was predicted slower",
+                        registry=REGISTRY)
 
 
 def request_namespace(request) -> tuple[str, str]:
@@ -27,8 +36,10 @@ def request_namespace(request) -> tuple[str, str]:
 class SchedulerSide:
     """Per-request bookkeeping of the connector in vLLM's scheduler process."""
 
-    def __init__(self, keys: KeySpace, store: GuardedStore, load: bool, save: bool, log):
+    def __init__(self, keys: KeySpace, store: GuardedStore, load: bool, save: bool, log,
+                 policy: FetchPolicy | None = None):
         self.keys, self.store, self.load, self.save, self.log = keys, store, load, save, log
+        self.policy = policy
         self.block_size = keys.block_size
         self._requests: dict[str, object] = {}
         self._block_ids: dict[str, list[int]] = {}
@@ -58,6 +69,10 @@ class SchedulerSide:
             found += 1
         LOOKUP_BLOCKS.labels("hit").inc(found)
         LOOKUP_BLOCKS.labels("miss").inc(len(hashes) - found)
+        if found and self.policy and not self.policy.worth_fetching(
+                request.num_tokens, num_computed_tokens, found * self.block_size):
+            FETCH_SKIPPED.inc(found)
+            return 0, False
         if found:
             self._matched[request.request_id] = (start, found)
         return found * self.block_size, False

@@ -52,8 +52,9 @@ class WorkerSide:
     """The connector in one vLLM worker (one tensor/pipeline rank)."""
 
     def __init__(self, keys: KeySpace, store: GuardedStore, tp_rank: int, pp_rank: int, log,
-                 staging_rows: int = 128):
+                 staging_rows: int = 128, segment: str = ""):
         self.keys, self.store, self.log = keys, store, log
+        self.segment = segment  # preferred segment of saves ("" = the master's choice)
         self.staging_rows = staging_rows
         self._staging = torch.empty((0, 0), dtype=torch.uint8)
         self.tp_rank, self.pp_rank = tp_rank, pp_rank
@@ -268,7 +269,7 @@ class WorkerSide:
         keys = [p[2] for p in plan]
         bufs = rows.rows()
         codes = self.store.call("save", lambda c: c.batch_put_from(
-            keys, bufs, [rows.row_bytes] * len(keys)))
+            keys, bufs, [rows.row_bytes] * len(keys), preferred_segment=self.segment))
         if codes is None:
             SAVES_SKIPPED.labels("unavailable").inc(len(keys))
             return
