@@ -82,6 +82,25 @@ def combined_hit(plans: list[GroupPlan], present: list[list[bool]], start: int) 
     return max([h for h in restorable_prefixes(end, pools) if h > start], default=start)
 
 
+def lookup(store, spaces: list[KeySpace], hashes, salt: str, lora: str, start: int
+           ) -> list[list[bool]] | None:
+    """Per group, per block from 0: held by every rank in the store (one existence call
+    for all groups; blocks before ``start``, held by vLLM, count as held). None when
+    kvpool cannot be reached."""
+    keys = [k for space in spaces for tp, pp in space.ranks()
+            for k in space.store_keys(hashes, tp, pp, salt, lora)]
+    flags = store.call("lookup", lambda c: c.batch_is_exist(keys))
+    if flags is None:
+        return None
+    ranks, n = len(spaces[0].ranks()), len(hashes)
+    present = []
+    for g in range(len(spaces)):
+        base = g * ranks * n
+        present.append([True] * start + [all(flags[base + r * n + i] for r in range(ranks))
+                                         for i in range(n)])
+    return present
+
+
 @dataclasses.dataclass
 class HMAMetadata(KVConnectorMetadata):
     """Each group's loads and saves of this step (``groups[g]`` for group ``g``)."""
@@ -146,19 +165,10 @@ class KVPoolHMAConnector(KVPoolConnector, SupportsHMA):
         end = min(len(request.block_hashes), (request.num_tokens - 1) // block)
         if end <= start:
             return 0, False
-        hashes = request.block_hashes[start:end]
-        salt, lora = request_namespace(request)
-        keys = [k for space in self.spaces for tp, pp in space.ranks()
-                for k in space.store_keys(hashes, tp, pp, salt, lora)]
-        flags = self.store.call("lookup", lambda c: c.batch_is_exist(keys))
-        if flags is None:
+        present = lookup(self.store, self.spaces, request.block_hashes[start:end],
+                         *request_namespace(request), start)
+        if present is None:
             return 0, False
-        ranks, n = len(self.spaces[0].ranks()), len(hashes)
-        present = []
-        for g in range(len(self.plans)):
-            base = g * ranks * n
-            held = [all(flags[base + r * n + i] for r in range(ranks)) for i in range(n)]
-            present.append([True] * start + held)
         hit = combined_hit(self.plans, present, start)
         LOOKUP_BLOCKS.labels("hit").inc(hit - start)
         LOOKUP_BLOCKS.labels("miss").inc(end - hit)
