@@ -10,7 +10,8 @@ tokens followed by a short question:
 - TTFT: the question after the prompt, warm (the prompt's pages and checkpoint in L1,
   and in a second engine from L3) against cold (no cache), median of REPEAT runs.
 
-Usage: PYTHONPATH=src python scripts/hybrid-figures.py [--json out.json] [--repeat 5]
+Usage: PYTHONPATH=src python scripts/hybrid-figures.py [--json out.json] [--png out.png]
+       [--repeat 5]
 """
 
 from __future__ import annotations
@@ -76,6 +77,7 @@ def measure(model: LoadedModel, repeat: int, checkpoint_pages: int) -> dict:
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--json")
+    parser.add_argument("--png")
     parser.add_argument("--repeat", type=int, default=5)
     args = parser.parse_args()
     torch.set_num_threads(1)
@@ -93,6 +95,22 @@ def main() -> None:
     if args.json:
         with open(args.json, "w") as f:
             json.dump(rows, f, indent=2)
+    if args.png:
+        plot(rows, args.png)
+
+
+def plot(rows: list[dict], path: str) -> None:
+    from kvpool.bench.plot import Panel, save_panels
+
+    labels = [f"hybrid, checkpoint every {r['checkpoint_pages']} pages"
+              if r["model"] == TINY_QWEN3_NEXT else "dense (4 full layers)" for r in rows]
+    stored = Panel("bytes stored per request (L3 objects)", labels,
+                   {"KB": [r["stored_total"] / 1e3 for r in rows]}, ylabel="KB")
+    ttft = Panel("TTFT of a question after the prompt", labels,
+                 {"cold": [r["ttft_cold_ms"] for r in rows],
+                  "warm (L1)": [r["ttft_warm_l1_ms"] for r in rows],
+                  "warm (L3, second engine)": [r["ttft_warm_l3_ms"] for r in rows]}, ylabel="ms")
+    save_panels(path, [stored, ttft], f"tiny Qwen3-Next-style model, {PROMPT}-token prompt, fp32 CPU")
 
 
 if __name__ == "__main__":
