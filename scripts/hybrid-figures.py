@@ -53,7 +53,7 @@ def measure(model: LoadedModel, repeat: int, checkpoint_pages: int) -> dict:
         a, b = Engine(model), Engine(model)
         for eng in (a, b):
             eng.build_cache(PAGE, 256 << 20, l3=disk, checkpoint_pages=checkpoint_pages)
-        a.generate(prompt, max_new_tokens=1)
+        first = a.generate(prompt, max_new_tokens=1).ttft_ms  # prefills and stores the prompt
         a.cache.flush()
         stored = {k: a.cache.metrics[k] for k in BYTES if a.cache.metrics[k]}
         warm, l3, cold, reused = [], [], [], set()
@@ -70,7 +70,8 @@ def measure(model: LoadedModel, repeat: int, checkpoint_pages: int) -> dict:
             eng.cache.close()
     return {"model": model.name, "checkpoint_pages": checkpoint_pages,
             "stored_bytes": stored, "stored_total": sum(stored.values()),
-            "reused_tokens": sorted(reused), "ttft_cold_ms": statistics.median(cold),
+            "reused_tokens": sorted(reused), "ttft_first_ms": first,
+            "ttft_cold_ms": statistics.median(cold),
             "ttft_warm_l1_ms": statistics.median(warm), "ttft_warm_l3_ms": l3[0]}
 
 
@@ -85,12 +86,13 @@ def main() -> None:
     dense = loaded("tiny-qwen3-next-dense", dense_twin())
     rows = [measure(hybrid, args.repeat, c) for c in (4, 16)]
     rows.append(measure(dense, args.repeat, 4))
-    print("| model | checkpoint pages | stored per request | reused | TTFT cold | warm L1 | warm L3 |")
-    print("|---|---:|---:|---:|---:|---:|---:|")
+    print("| model | checkpoint pages | stored per request | reused | TTFT first (stores) | "
+          "cold | warm L1 | warm L3 |")
+    print("|---|---:|---:|---:|---:|---:|---:|---:|")
     for r in rows:
         cp = r["checkpoint_pages"] if r["model"] == TINY_QWEN3_NEXT else "-"
         print(f"| {r['model']} | {cp} | {r['stored_total']:,} B | {r['reused_tokens']} | "
-              f"{r['ttft_cold_ms']:.1f} ms | {r['ttft_warm_l1_ms']:.1f} ms | "
+              f"{r['ttft_first_ms']:.1f} ms | {r['ttft_cold_ms']:.1f} ms | {r['ttft_warm_l1_ms']:.1f} ms | "
               f"{r['ttft_warm_l3_ms']:.1f} ms |")
     if args.json:
         with open(args.json, "w") as f:

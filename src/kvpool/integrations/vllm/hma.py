@@ -26,7 +26,7 @@ from __future__ import annotations
 import dataclasses
 
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadata, SupportsHMA
-from vllm.v1.kv_cache_interface import AttentionSpec, SlidingWindowSpec
+from vllm.v1.kv_cache_interface import FullAttentionSpec, SlidingWindowSpec
 
 from kvpool.cache.hybrid import restorable_prefixes, trailing_pages
 from kvpool.integrations.vllm.connector import KVPoolConnector, key_space, logger
@@ -55,17 +55,19 @@ class GroupPlan:
 
 def group_plans(kv_cache_config) -> list[GroupPlan]:
     """The groups of a vLLM ``KVCacheConfig``. Raises NotImplementedError for a group
-    that is not paged attention KV (Mamba states, ...), naming it."""
+    that is neither full attention nor a sliding window (Mamba states, chunked local
+    attention, ...), naming it."""
     groups = kv_cache_config.kv_cache_groups
     plans = []
     for i, group in enumerate(groups):
         spec = group.kv_cache_spec
-        if not isinstance(spec, AttentionSpec):
+        if not isinstance(spec, (FullAttentionSpec, SlidingWindowSpec)):
             raise NotImplementedError(
                 f"kvpool: KV cache group {i} ({type(spec).__name__}, layers "
                 f"{group.layer_names[:2]}...) is not paged attention KV; kvpool's vLLM "
                 "connector stores full-attention and sliding-window groups only")
-        window = getattr(spec, "sliding_window", None) if isinstance(spec, SlidingWindowSpec) else None
+        # a FullAttentionSpec with a window (hybrid allocator off) holds every block
+        window = spec.sliding_window if isinstance(spec, SlidingWindowSpec) else None
         trailing = trailing_pages(window, spec.block_size) if window else None
         tag = "" if len(groups) == 1 else (
             f"hma-group={i}/{len(groups)}:{'window=' + str(window) if window else 'full'}")
