@@ -9,6 +9,7 @@ and last-position logits within 1e-4 of a cold run.
 import pytest
 import torch
 
+from engine_helpers import assert_same_answer, tokens
 from kvpool.cache import DiskBackend
 from kvpool.cache.hybrid import HybridCache
 from kvpool.engine.engine import Engine
@@ -16,18 +17,7 @@ from kvpool.engine.layers import FULL, LINEAR, SLIDING, layer_plan
 from kvpool.engine.models import TINY_QWEN3_NEXT, TINY_SLIDING, load_model, resolve_source
 
 PAGE = 16
-TOL = 1e-4
 STEP = 4 * PAGE  # the default checkpoint spacing, in tokens
-
-
-def tokens(n, seed=0):
-    g = torch.Generator().manual_seed(seed)
-    return torch.randint(100, 40000, (n,), generator=g).tolist()
-
-
-def assert_same_answer(warm, cold):
-    assert warm.output_ids == cold.output_ids
-    assert (warm.last_logits - cold.last_logits).abs().max().item() <= TOL
 
 
 @pytest.fixture(scope="module")

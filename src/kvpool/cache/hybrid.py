@@ -351,16 +351,20 @@ class HybridCache:
             out[STATE] = pages // self.checkpoint_pages * self.states.pool.page_bytes
         return out
 
+    def _tiers(self) -> list:
+        """What has L3 backups and threads: the full pages' cache, each part's L3 tier."""
+        parts = [p.l3_tier for p in (self.windows, self.states) if p is not None]
+        return [t for t in [self.full, *parts] if t is not None]
+
     def flush(self) -> None:
         """Wait until every queued L3 backup of every part is written."""
-        for part in (self.full, self.windows, self.states):
-            if part is not None:
-                part.flush()
+        for tier in self._tiers():
+            tier.flush()
 
     def close(self) -> None:
-        for part in (self.full, self.windows, self.states):
-            if part is not None:
-                part.close()
+        """Stop every part's threads (queued backups are written first)."""
+        for tier in self._tiers():
+            tier.close()
 
     def __enter__(self) -> HybridCache:
         return self

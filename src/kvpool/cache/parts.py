@@ -201,14 +201,6 @@ class PartStore:
 
         return Backup(keys, [i for _, i in todo], gather, done)
 
-    def flush(self) -> None:
-        if self.l3_tier is not None:
-            self.l3_tier.flush()
-
-    def close(self) -> None:
-        if self.l3_tier is not None:
-            self.l3_tier.close()
-
 
 def _runs(positions: list[int], indices: Sequence[int]) -> list[tuple[int, int]]:
     """``[lo, hi)`` runs of consecutive ``positions`` whose page numbers are consecutive
