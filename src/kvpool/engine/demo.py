@@ -47,7 +47,9 @@ REQUEST_TIMEOUT_S = 300.0
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", default="smollm2",
                         help="'smollm2' (default), 'tiny-random' (fast, for tests), "
-                        "a local Hugging Face model folder or a .gguf file")
+                        "'tiny-qwen3-next' (Gated DeltaNet + attention) or 'tiny-sliding' "
+                        "(sliding windows + attention), a local Hugging Face model folder or "
+                        "a .gguf file")
     parser.add_argument("--json", metavar="PATH", help="write every figure to this JSON file")
     parser.add_argument("--max-new-tokens", type=int, default=24,
                         help="tokens generated per request (24)")

@@ -18,6 +18,11 @@ One request runs in five steps (issue 2):
 The cache's layers write new tokens in place (kv.InPlaceLayer), not by concatenating
 the whole cache at every forward as transformers' DynamicLayer does.
 
+Hybrid models (sliding-window or linear-attention layers, :mod:`kvpool.engine.layers`)
+take the same steps through :mod:`kvpool.engine.hybrid` and a
+:class:`~kvpool.cache.hybrid.HybridCache`: window pages and state checkpoints beside
+the full-attention pages.
+
 Attention runs the ``kvpool_causal`` kernel (:mod:`kvpool.engine.attention`) by default:
 after a cached prefix it computes only the causal pairs, where transformers' stock
 ``sdpa`` path computes the whole (new tokens x all tokens) rectangle; ``attention="sdpa"``
@@ -39,7 +44,9 @@ from transformers import DynamicCache
 
 from kvpool.cache import max_reusable_pages
 from kvpool.engine import attention as attn
+from kvpool.engine.hybrid import DEFAULT_CHECKPOINT_PAGES, HybridSteps
 from kvpool.engine.kv import kv_buffer, page_shape, pages_view, seq_cache
+from kvpool.engine.layers import layer_plan
 from kvpool.engine.models import LoadedModel, load_model
 from kvpool.errors import InvalidParams
 
@@ -96,6 +103,8 @@ class Engine:
         self.config = self.model.config
         self.cache = cache
         self._seq: torch.Tensor | None = None  # KV storage reused across requests
+        plan = layer_plan(self.model)
+        self.hybrid = None if plan.dense else HybridSteps(plan, self.config)
         if attention == attn.NAME:
             attn.register()
         self.attention = attention if attn.supports(self.config) else attn.STOCK
@@ -103,28 +112,41 @@ class Engine:
         self.eos_ids = set(eos if isinstance(eos, list) else [eos] if eos is not None else [])
 
     def page_shape(self, page_size: int) -> tuple[int, int, int, int, int]:
-        """``(L, 2, H_kv, page_size, D)`` of this model's pages."""
+        """``(L, 2, H_kv, page_size, D)`` of this model's pages (a hybrid model: of its
+        full-attention layers, or of its window layers when it has none)."""
+        if self.hybrid is not None:
+            full, window = self.hybrid.group_shapes(page_size)
+            return full or window
         return page_shape(self.config, page_size)
 
     def namespace(self, page_size: int = 16, cache_salt: str = ""):
-        """The cache namespace of this model: name, weights fingerprint, dtype, page size."""
+        """The cache namespace of this model: name, weights fingerprint, dtype, page size
+        (and for a hybrid model its layer layout, in ``extra``)."""
         from kvpool.cache import Namespace
 
+        extra = (self.hybrid.plan.describe(),) if self.hybrid is not None else ()
         return Namespace(model=self.loaded.name, weights_fingerprint=self.loaded.fingerprint,
                          dtype=self.loaded.dtype, page_size=page_size,
-                         kv_layout="layer_first", cache_salt=cache_salt)
+                         kv_layout="layer_first", cache_salt=cache_salt, extra=extra)
 
     def build_cache(self, page_size: int = 16, l1_bytes: int = 1 << 30, l3=None,
-                    cache_salt: str = ""):
-        """A PrefixCache for this model's pages, attached to the engine and returned.
+                    cache_salt: str = "", checkpoint_pages: int = DEFAULT_CHECKPOINT_PAGES):
+        """A PrefixCache for this model's pages (a HybridCache for a hybrid model),
+        attached to the engine and returned.
 
         Args:
             page_size: tokens per page.
             l1_bytes: size of the in-process L1 page pool in bytes (rounded down to pages).
             l3: an L3 backend (``StoreBackend(client)``, ``DiskBackend``) or None.
+            checkpoint_pages: a hybrid model's pages between state checkpoints.
         """
         from kvpool.cache import PrefixCache
 
+        if self.hybrid is not None:
+            self.cache = self.hybrid.build_cache(self.namespace(page_size, cache_salt),
+                                                 self.model.dtype, page_size, l1_bytes, l3,
+                                                 checkpoint_pages)
+            return self.cache
         shape = self.page_shape(page_size)
         page_bytes = math.prod(shape) * self.model.dtype.itemsize
         self.cache = PrefixCache(self.namespace(page_size, cache_salt), shape,
@@ -154,11 +176,19 @@ class Engine:
         timings = dict.fromkeys(("lookup", "load", "prefill", "decode", "store"), 0.0)
         start = time.perf_counter()
         seq = self.sequence_buffer(len(prompt_ids) + max_new_tokens)
-        kv, by_tier = self.load_prefix(cache, prompt_ids, seq, timings)
-        reused = kv.get_seq_length()
-
-        mark = time.perf_counter()
-        logits = self._forward(prompt_ids[reused:], reused, kv)
+        if self.hybrid is None:
+            kv, by_tier = self.load_prefix(cache, prompt_ids, seq, timings)
+            reused = kv.get_seq_length()
+            mark = time.perf_counter()
+            logits = self._forward(prompt_ids[reused:], reused, kv)
+        else:
+            kv, by_tier, reused, window_first, state = self.hybrid.load_prefix(
+                cache, prompt_ids, seq, timings)
+            mark = time.perf_counter()
+            logits, checkpoints = self.hybrid.prefill(self._forward, prompt_ids, reused, kv,
+                                                      cache)
+            if state is not None:  # back into L1 when it came from L3
+                checkpoints[reused // cache.page_size] = state
         first = int(logits.argmax())
         now = time.perf_counter()
         timings["prefill"] = (now - mark) * 1e3
@@ -168,7 +198,10 @@ class Engine:
         timings["decode"] = (time.perf_counter() - now) * 1e3
         if cache is not None:
             mark = time.perf_counter()
-            self._store(cache, prompt_ids, seq)
+            if self.hybrid is None:
+                self._store(cache, prompt_ids, seq)
+            else:
+                self.hybrid.store(cache, prompt_ids, seq, window_first, checkpoints)
             timings["store"] = (time.perf_counter() - mark) * 1e3
         decoded = len(output) - 1
         return GenerateResult(
@@ -178,7 +211,8 @@ class Engine:
             last_logits=logits.float(), timings_ms=timings)
 
     def sequence_buffer(self, capacity: int) -> torch.Tensor:
-        """KV storage ``[L, 2, 1, H_kv, >= capacity, D]`` for one request.
+        """KV storage ``[L, 2, 1, H_kv, >= capacity, D]`` for one request (a hybrid
+        model: one row per attention layer, full layers first).
 
         Kept from one request to the next (one request at a time) and grown to the
         largest seen, in steps of KV_BUFFER_STEP tokens (a conversation grows by a
@@ -188,7 +222,9 @@ class Engine:
         if self._seq is None or self._seq.shape[4] < capacity:
             self._seq = None  # free the old one first
             capacity = -(-capacity // KV_BUFFER_STEP) * KV_BUFFER_STEP
-            self._seq = kv_buffer(page_shape(self.config, 1), capacity, self.model.dtype)
+            rows = (self.hybrid.buffer_shape() if self.hybrid is not None
+                    else page_shape(self.config, 1))
+            self._seq = kv_buffer(rows, capacity, self.model.dtype)
         return self._seq
 
     def load_prefix(self, cache, prompt_ids, seq, timings

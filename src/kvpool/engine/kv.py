@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import torch
 from transformers import DynamicCache
-from transformers.cache_utils import DynamicLayer
+from transformers.cache_utils import DynamicLayer, DynamicSlidingWindowLayer
 
 
 def page_shape(config, page_size: int) -> tuple[int, int, int, int, int]:
@@ -91,3 +91,41 @@ class InPlaceLayer(DynamicLayer):
         self._values[..., start:end, :].copy_(value_states)
         self.keys, self.values = self._keys[..., :end, :], self._values[..., :end, :]
         return self.keys, self.values
+
+
+class InPlaceSlidingLayer(DynamicSlidingWindowLayer):
+    """A sliding-window layer over preallocated storage ``[1, H_kv, capacity, D]`` per keys
+    and values, holding the first ``length`` tokens of a sequence.
+
+    Every token's keys and values are written into the storage (so a request's pages can
+    be stored, as for full layers); attention sees what transformers' own layer shows: the
+    last ``window - 1`` tokens before the new ones, then the new ones. After a cached
+    prefix only those last ``window - 1`` need to be in the storage: older positions are
+    never read. Past ``capacity`` it falls back to transformers' concatenation.
+    """
+
+    def __init__(self, keys: torch.Tensor, values: torch.Tensor, length: int, window: int):
+        super().__init__(sliding_window=window)
+        self._keys, self._values = keys, values
+        self.device = keys.device
+        self._sliding_window_tensor = self._sliding_window_tensor.to(self.device)
+        self.is_initialized = True
+        self.cumulative_length = length
+        self._show(length)
+
+    def _show(self, end: int) -> None:
+        lo = max(0, end - (self.sliding_window - 1))
+        self.keys, self.values = self._keys[..., lo:end, :], self._values[..., lo:end, :]
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs
+               ) -> tuple[torch.Tensor, torch.Tensor]:
+        start = self.cumulative_length
+        end = start + key_states.shape[-2]
+        if end > self._keys.shape[-2]:
+            return super().update(key_states, value_states, *args, **kwargs)
+        self._keys[..., start:end, :].copy_(key_states)
+        self._values[..., start:end, :].copy_(value_states)
+        lo = max(0, start - (self.sliding_window - 1))
+        self.cumulative_length = end
+        self._show(end)
+        return self._keys[..., lo:end, :], self._values[..., lo:end, :]

@@ -35,12 +35,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 def model_folder(spec: str, progress=None) -> Path:
     """The Hugging Face folder of ``spec`` ("smollm2", a .gguf file, or a folder).
 
-    Raises UserError for an unknown spec and for "tiny-random", whose weights exist only
-    in memory (built from a seed) and have no folder.
+    Raises UserError for an unknown spec and for the tiny models ("tiny-random", ...),
+    whose weights exist only in memory (built from a seed) and have no folder.
     """
     kind, name, path = resolve_source(spec)
     if kind == "tiny":
-        raise UserError("tiny-random is built in memory and has no model folder; "
+        raise UserError(f"{name} is built in memory and has no model folder; "
                         "give 'smollm2', a .gguf file or a model folder")
     if kind == "gguf":
         path = converted_folder(path, name, progress or (lambda line: print(line, file=sys.stderr)))

@@ -10,6 +10,8 @@
 - a local Hugging Face model folder (with ``config.json``): loaded as is.
 - ``"tiny-random"``: a 2-layer Llama with seeded random weights, for fast tests; two
   processes build identical weights and so the same fingerprint.
+- ``"tiny-qwen3-next"``, ``"tiny-sliding"``: hybrid models built the same way (see
+  :data:`TINY_MODELS`): Gated DeltaNet + full attention, sliding windows + full attention.
 
 The weights fingerprint goes into the cache namespace (DESIGN.md, judgement 1): KV of
 other weights must never be a hit. For files it hashes the size and the first and last
@@ -34,6 +36,8 @@ from kvpool.errors import UserError
 SMOLLM2_NAME = "SmolLM2-135M-Instruct"
 SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 TINY_RANDOM = "tiny-random"
+TINY_QWEN3_NEXT = "tiny-qwen3-next"
+TINY_SLIDING = "tiny-sliding"
 TINY_RANDOM_SEED = 1234
 DTYPES = ("float32", "bfloat16", "float16")
 _FINGERPRINT_FILE = "kvpool_fingerprint.txt"
@@ -114,8 +118,8 @@ def resolve_source(spec: str) -> tuple[str, str, Path | None]:
 
     Raises: UserError when ``spec`` is neither a known name nor an existing model path.
     """
-    if spec == TINY_RANDOM:
-        return "tiny", TINY_RANDOM, None
+    if spec in TINY_MODELS:
+        return "tiny", spec, None
     if spec.lower() in ("smollm2", SMOLLM2_NAME.lower()):
         return "gguf", SMOLLM2_NAME, smollm2_gguf_path()
     path = Path(spec).expanduser()
@@ -128,7 +132,8 @@ def resolve_source(spec: str) -> tuple[str, str, Path | None]:
         return "folder", path.name, path
     if path.is_dir() and len(ggufs := sorted(path.glob("*.gguf"))) == 1:
         return "gguf", _gguf_model_name(ggufs[0]), ggufs[0]
-    raise UserError(f"unknown model {spec!r}: give 'smollm2', 'tiny-random', a local "
+    raise UserError(f"unknown model {spec!r}: give 'smollm2', "
+                    f"{', '.join(repr(n) for n in TINY_MODELS)}, a local "
                     "Hugging Face model folder (with config.json) or a .gguf file")
 
 
@@ -284,31 +289,76 @@ def _load_folder(folder: Path, dtype: str):
     return model.eval(), tokenizer
 
 
-def tiny_random_model(dtype: str = "float32", seed: int = TINY_RANDOM_SEED):
-    """A 2-layer Llama (hidden 64, 4 query heads, 2 KV heads, head_dim 16) with seeded weights.
+def tiny_random_model(dtype: str = "float32", seed: int = TINY_RANDOM_SEED, name: str = TINY_RANDOM):
+    """A tiny causal LM of :data:`TINY_MODELS` ``name`` with seeded random weights
+    (:func:`seed_weights`), in eval mode.
 
-    The vocabulary is SmolLM2's (49152) so that its tokenizer and chat template apply.
-    Every parameter is drawn from N(0, 0.1^2) by a ``torch.Generator`` seeded with
-    ``seed``, in sorted parameter-name order, and norm weights are 1: the weights depend
-    on the seed alone, not on transformers' initialisers or the global RNG.
+    ``tiny-random`` is a 2-layer Llama (hidden 64, 4 query heads, 2 KV heads, head_dim
+    16). The vocabulary is SmolLM2's (49152) so that its tokenizer and chat template
+    apply.
     """
     import torch
-    from transformers import LlamaConfig, LlamaForCausalLM
 
-    config = LlamaConfig(vocab_size=49152, hidden_size=64, intermediate_size=128,
-                         num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-                         head_dim=16, max_position_embeddings=8192, rope_theta=100000.0,
-                         tie_word_embeddings=True, bos_token_id=1, eos_token_id=2,
-                         pad_token_id=2)
-    model = LlamaForCausalLM(config)
+    model = seed_weights(TINY_MODELS[name](), seed)
+    return model.to(getattr(torch, dtype)).eval()
+
+
+def seed_weights(model, seed: int = TINY_RANDOM_SEED):
+    """Draw every parameter of ``model`` from N(0, 0.1^2) with a ``torch.Generator``
+    seeded with ``seed``, in sorted parameter-name order, norm weights 1: the weights
+    depend on the seed and the architecture alone, not on transformers' initialisers
+    or the global RNG. Returns ``model``."""
+    import torch
+
     gen = torch.Generator().manual_seed(seed)
     with torch.no_grad():
-        for name, param in sorted(model.named_parameters()):
-            if name.endswith("norm.weight"):
+        for pname, param in sorted(model.named_parameters()):
+            if pname.endswith("norm.weight"):
                 param.fill_(1.0)
             else:
                 param.copy_(torch.randn(param.shape, generator=gen) * 0.1)
-    return model.to(getattr(torch, dtype)).eval()
+    return model
+
+
+# what every tiny model shares: SmolLM2's vocabulary and special tokens, width 64
+_TINY = dict(vocab_size=49152, hidden_size=64, intermediate_size=128, num_attention_heads=4,
+             num_key_value_heads=2, head_dim=16, max_position_embeddings=8192,
+             tie_word_embeddings=True, bos_token_id=1, eos_token_id=2, pad_token_id=2)
+
+
+def _tiny_llama():
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    return LlamaForCausalLM(LlamaConfig(num_hidden_layers=2, rope_theta=100000.0, **_TINY))
+
+
+def _tiny_qwen3_next():
+    """Qwen3-Next's layout in miniature: 3 Gated DeltaNet layers then 1 full-attention
+    layer (``full_attention_interval`` 4); linear heads 2 key / 4 value of 16, conv 4;
+    dense MLPs (no experts)."""
+    from transformers import Qwen3NextConfig, Qwen3NextForCausalLM
+
+    layers = ["linear_attention"] * 3 + ["full_attention"]
+    return Qwen3NextForCausalLM(Qwen3NextConfig(
+        num_hidden_layers=4, layer_types=layers, linear_num_key_heads=2,
+        linear_num_value_heads=4, linear_key_head_dim=16, linear_value_head_dim=16,
+        linear_conv_kernel_dim=4, num_experts=0, mlp_only_layers=[0, 1, 2, 3], **_TINY))
+
+
+def _tiny_sliding():
+    """Sliding windows beside full attention (Gemma-3's and gpt-oss's pattern): a Qwen2
+    with 3 sliding layers of a 48-token window, then 1 full-attention layer."""
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    layers = ["sliding_attention"] * 3 + ["full_attention"]
+    return Qwen2ForCausalLM(Qwen2Config(num_hidden_layers=4, layer_types=layers,
+                                        use_sliding_window=True, sliding_window=48,
+                                        max_window_layers=0, **_TINY))
+
+
+# name -> builder of the (untrained) model; weights are drawn by tiny_random_model
+TINY_MODELS = {TINY_RANDOM: _tiny_llama, TINY_QWEN3_NEXT: _tiny_qwen3_next,
+               TINY_SLIDING: _tiny_sliding}
 
 
 def weights_fingerprint(model) -> str:
@@ -336,7 +386,7 @@ def load_model(spec: str = "smollm2", dtype: str = "float32", progress=print) ->
         raise UserError(f"dtype must be one of {', '.join(DTYPES)}, got {dtype!r}")
     kind, name, path = resolve_source(spec)
     if kind == "tiny":
-        model = tiny_random_model(dtype)
+        model = tiny_random_model(dtype, name=name)
         tokenizer = _smollm2_tokenizer(progress)
         return LoadedModel(name, model, tokenizer, weights_fingerprint(model), dtype)
     if kind == "gguf":
@@ -364,18 +414,20 @@ def _smollm2_tokenizer(progress=print):
 
 
 def model_summary(loaded: LoadedModel) -> dict:
-    """Plain facts about a loaded model for reports (layers, KV heads, head dim, KV bytes/token)."""
+    """Plain facts about a loaded model for reports (layers, KV heads, head dim, KV
+    bytes/token of its attention layers: a linear-attention layer keeps none)."""
     cfg = loaded.model.config
     head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
     itemsize = {"float32": 4, "bfloat16": 2, "float16": 2}[loaded.dtype]
+    types = getattr(cfg, "layer_types", None) or ["full_attention"] * cfg.num_hidden_layers
+    attn_layers = sum(t in ("full_attention", "sliding_attention") for t in types)
     return {
         "name": loaded.name, "fingerprint": loaded.fingerprint[:16], "dtype": loaded.dtype,
         "layers": cfg.num_hidden_layers, "kv_heads": cfg.num_key_value_heads,
         "head_dim": head_dim,
-        "kv_bytes_per_token": 2 * cfg.num_hidden_layers * cfg.num_key_value_heads * head_dim
-        * itemsize,
+        "kv_bytes_per_token": 2 * attn_layers * cfg.num_key_value_heads * head_dim * itemsize,
     }
 
 
 __all__ = ["LoadedModel", "load_model", "resolve_source", "is_prepared", "cache_root",
-           "file_fingerprint", "tiny_random_model", "weights_fingerprint", "model_summary"]
+           "file_fingerprint", "tiny_random_model", "seed_weights", "weights_fingerprint", "model_summary"]

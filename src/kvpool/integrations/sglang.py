@@ -26,8 +26,17 @@ load (corrupted, another namespace, another size) is a miss and is removed.
 
 MLA KV is the same on every TP rank: the namespace has no TP rank for MLA and only the
 storage writer rank (``HiCacheStorageConfig.is_storage_writer``) writes; the others
-report their pages as stored. Hybrid-model pools (the ``*_v2`` interface) are refused
-with NotImplementedError.
+report their pages as stored.
+
+Hybrid models (the ``*_v2`` interface): every further host pool SGLang registers with
+``register_mem_host_pool_v2`` (Mamba states, sliding-window KV; MHA models only) stores
+each of its pages as one object ``<KV page object>/<pool name>``: all of that page's
+regions together (K17), with a header bound to the key and the pool. ``batch_exists_v2``
+applies SGLang's per-pool hit policies (``ALL_PAGES``: every page before the hit;
+``TRAILING_PAGES``: the last ``len(transfer.keys)`` pages before it) with
+:func:`kvpool.cache.hybrid.restorable_prefixes`, the rule the reference engine's own
+hybrid cache uses, and returns every restorable prefix length for SGLang to intersect
+across ranks.
 """
 
 from __future__ import annotations
@@ -43,11 +52,15 @@ from sglang.srt.mem_cache.hicache_storage import (
     HiCacheStorage,
     HiCacheStorageConfig,
     HiCacheStorageExtraInfo,
+    PoolHitPolicy,
     PoolName,
+    PoolTransferResult,
 )
 
 from kvpool.cache.codec import PageHeader
+from kvpool.cache.hybrid import restorable_prefixes
 from kvpool.cache.namespace import Namespace
+from kvpool.cache.pagestore import object_digest
 from kvpool.client import Client
 from kvpool.errors import InvalidParams
 from kvpool.integrations.objects import PageObjects
@@ -58,8 +71,8 @@ KEY_PREFIX = "sgl/"
 # Host layouts whose pages SGLang's host pools describe as byte regions
 # (get_page_buffer_meta); "page_unified" and split-KV layouts have no such description.
 LAYOUTS = ("page_first", "page_first_direct", "page_head", "layer_first")
-_V2 = ("kvpool's SGLang backend does not support hybrid-model host pools "
-       "(the HiCache *_v2 interface) yet: use a model without Mamba/SWA/sidecar pools")
+_V2 = ("kvpool's SGLang backend supports hybrid-model host pools (the HiCache *_v2 "
+       "interface) for MHA models with page-region host pools")
 
 
 class KVPoolHiCacheStorage(HiCacheStorage):
@@ -95,6 +108,7 @@ class KVPoolHiCacheStorage(HiCacheStorage):
                              timeout_s=float(extra.get("timeout_s", 10.0)))
         self.objects = PageObjects(self.client, int(extra.get("replica_num", 1)))
         self.mem_pool_host = None
+        self.side_pools: dict[str, tuple[Any, int]] = {}  # name -> (host pool, page bytes)
         self.ns: Namespace | None = None
         self._regions: list[tuple[int, int, memoryview]] = []  # (address, bytes, view)
         self._stats = {"prefetch_pgs": [], "backup_pgs": [], "prefetch_bandwidth": [],
@@ -123,6 +137,7 @@ class KVPoolHiCacheStorage(HiCacheStorage):
         self._digest = self.ns.digest()
         self._prefix = f"{KEY_PREFIX}{self._digest.hex()}/"
         self.page_bytes = self._page_layout(mem_pool_host)
+        self.side_pools[str(PoolName.KV)] = (mem_pool_host, self.page_bytes)
 
     def _register(self, buf: torch.Tensor) -> tuple[int, int, memoryview]:
         reg = self.client.register_buffer(buf)
@@ -153,19 +168,117 @@ class KVPoolHiCacheStorage(HiCacheStorage):
         return total
 
     def register_mem_host_pool_v2(self, host_pool, host_pool_name) -> None:
-        """The KV pool again (already registered) is accepted; any other pool is refused."""
-        if host_pool_name == PoolName.KV:
+        """Register a further host pool of a hybrid model (its buffers zero copy, its
+        page size in bytes); the KV pool again is accepted as is. Raises
+        NotImplementedError for an MLA model or a pool whose pages are not described
+        as byte regions (``get_page_buffer_meta``)."""
+        name = str(host_pool_name)
+        if name == str(PoolName.KV):
             return
-        raise NotImplementedError(f"{_V2} (pool {host_pool_name!s})")
+        self._ns()
+        if self.is_mla:
+            raise NotImplementedError(f"{_V2}; this model is MLA (pool {name})")
+        if not hasattr(host_pool, "get_page_buffer_meta"):
+            raise NotImplementedError(f"{_V2}; pool {name} ({type(host_pool).__name__}) "
+                                      "describes no page regions")
+        super().register_mem_host_pool_v2(host_pool, host_pool_name)
+        self._regions = sorted(self._regions + [self._register(b) for b in _host_buffers(host_pool)])
+        self.side_pools[name] = (host_pool, self._page_layout(host_pool))
 
-    def batch_exists_v2(self, keys, pool_transfers=None, extra_info=None):
-        raise NotImplementedError(_V2)
+    def batch_exists_v2(self, keys: List[str], pool_transfers=None,
+                        extra_info: Optional[HiCacheStorageExtraInfo] = None) -> PoolTransferResult:
+        """The longest prefix of ``keys`` whose KV pages are stored and that every pool
+        of ``pool_transfers`` can restore by its hit policy; one existence RPC for all.
+        ``restorable_prefix_pages`` lists every length that works (a TRAILING_PAGES
+        pool leaves holes). Raises NotImplementedError for BLOCK_GROUPS."""
+        transfers = [t for t in pool_transfers or [] if str(t.name) != str(PoolName.KV)]
+        for t in transfers:
+            if t.hit_policy not in (PoolHitPolicy.ALL_PAGES, PoolHitPolicy.TRAILING_PAGES):
+                raise NotImplementedError(f"kvpool: hit policy {t.hit_policy.value} (pool {t.name!s})")
+            self._side(t.name)
+        names = [self.store_key(k) for k in keys]
+        names += [self._object_name(k, t.name) for t in transfers for k in keys]
+        flags = self.objects.exists(names)
+        n = len(keys)
+        kv_pages = flags[:n].index(False) if False in flags[:n] else n
+        hit_count = {PoolName.KV: kv_pages} if kv_pages else {}
+        pools = []
+        for i, t in enumerate(transfers):
+            present = flags[n * (i + 1):n * (i + 2)]
+            trailing = (None if t.hit_policy == PoolHitPolicy.ALL_PAGES
+                        else max(1, len(t.keys) if t.keys else 1))
+            own = restorable_prefixes(kv_pages, [(trailing, present)])
+            if own:
+                hit_count[t.name] = own[-1]
+            pools.append((trailing, present))
+        restorable = restorable_prefixes(kv_pages, pools)
+        return PoolTransferResult(restorable[-1] if restorable else 0, hit_count, restorable)
 
-    def batch_get_v2(self, transfers, extra_info=None):
-        raise NotImplementedError(_V2)
+    def batch_get_v2(self, transfers, extra_info: Optional[HiCacheStorageExtraInfo] = None
+                     ) -> dict[str, List[bool]]:
+        """Read each transfer's pages straight into its pool's host slots; per pool name,
+        per page True when the bytes landed and passed the header check."""
+        out = {}
+        for t in transfers:
+            if str(t.name) == str(PoolName.KV):
+                out[t.name] = self.batch_get_v1(t.keys, t.host_indices)
+                continue
+            out[t.name] = self.objects.read(
+                [self._object_name(k, t.name) for k in t.keys],
+                [self._side_header(k, t.name) for k in t.keys],
+                self._side_parts(t.name, t.keys, t.host_indices))
+        return out
 
-    def batch_set_v2(self, transfers, extra_info=None):
-        raise NotImplementedError(_V2)
+    def batch_set_v2(self, transfers, extra_info: Optional[HiCacheStorageExtraInfo] = None
+                     ) -> dict[str, List[bool]]:
+        """Write each transfer's pages the store lacks from their host slots; per pool
+        name, per page True when the page is stored afterwards."""
+        out = {}
+        for t in transfers:
+            if str(t.name) == str(PoolName.KV):
+                out[t.name] = self.batch_set_v1(t.keys, t.host_indices)
+                continue
+            names = [self._object_name(k, t.name) for k in t.keys]
+            ok = self.objects.exists(names)
+            todo = [j for j, present in enumerate(ok) if not present]
+            if todo:
+                parts = self._side_parts(t.name, t.keys, t.host_indices)
+                stored = self.objects.write([names[j] for j in todo],
+                                            [self._side_header(t.keys[j], t.name) for j in todo],
+                                            [parts[j] for j in todo])
+                for j, good in zip(todo, stored):
+                    ok[j] = good
+            out[t.name] = ok
+        return out
+
+    def _side(self, name) -> tuple[Any, int]:
+        try:
+            return self.side_pools[str(name)]
+        except KeyError:
+            raise InvalidParams(f"kvpool: pool {name!s} was not registered "
+                                "(register_mem_host_pool_v2)") from None
+
+    def _object_name(self, key: str, pool) -> str:
+        """The object of ``pool``'s part of page ``key``: ``<KV object>/<pool>``."""
+        return f"{self.store_key(key)}/{pool!s}"
+
+    def _side_header(self, key: str, pool) -> PageHeader:
+        """The header of ``pool``'s part of page ``key``: bound to the key and the pool."""
+        host, page_bytes = self._side(pool)
+        return PageHeader(self._digest, object_digest(self._header(key).page_key, str(pool)),
+                          0, host.page_size, page_bytes)
+
+    def _side_parts(self, pool, keys: List[str], host_indices: torch.Tensor) -> list[list[memoryview]]:
+        """Per page, the regions of ``pool``'s host slots (SGLang's
+        ``get_page_buffer_meta`` order: one object holds them all)."""
+        host, _ = self._side(pool)
+        if len(host_indices) != len(keys) * host.page_size:
+            raise InvalidParams(f"{len(keys)} keys need {len(keys) * host.page_size} host "
+                                f"indices of pool {pool!s}, got {len(host_indices)}")
+        ptrs, sizes = host.get_page_buffer_meta(host_indices)
+        n = len(ptrs) // len(keys) if keys else 0
+        return [[self._view(p, s) for p, s in zip(ptrs[j * n:(j + 1) * n], sizes[j * n:(j + 1) * n])]
+                for j in range(len(keys))]
 
     # ------------------------------------------------------------ keys and pages
 

@@ -32,15 +32,18 @@ class KeySpace:
         block_size: tokens per vLLM block.
         device: vLLM's device type ("cpu", "cuda"), part of the layout name.
         tp_size, pp_size: parallel sizes; hash_algo: vLLM's prefix_caching_hash_algo.
+        group: the KV cache group of a hybrid model ("" for a model with one group).
     """
 
     def __init__(self, model: str, dtype: str, block_size: int, device: str, tp_size: int = 1,
-                 pp_size: int = 1, hash_algo: str = "sha256", revision: str | None = None):
+                 pp_size: int = 1, hash_algo: str = "sha256", revision: str | None = None,
+                 group: str = ""):
         path = Path(model)
         self.model = path.name if path.is_dir() else model
         self.fingerprint = folder_fingerprint(path) if path.is_dir() else (revision or "")
         self.dtype, self.block_size, self.device = dtype, block_size, device
         self.tp_size, self.pp_size, self.hash_algo = tp_size, pp_size, hash_algo
+        self.group = group
 
     @functools.lru_cache(maxsize=1024)
     def digest(self, tp_rank: int, pp_rank: int, cache_salt: str, lora: str) -> bytes:
@@ -49,7 +52,8 @@ class KeySpace:
             model=self.model, weights_fingerprint=self.fingerprint, dtype=self.dtype,
             page_size=self.block_size, kv_layout=f"layer_first/vllm-{self.device}",
             tp_rank=tp_rank, tp_size=self.tp_size, pp_rank=pp_rank, pp_size=self.pp_size,
-            cache_salt=cache_salt, lora=lora, extra=("vllm-block-hash", self.hash_algo),
+            cache_salt=cache_salt, lora=lora,
+            extra=("vllm-block-hash", self.hash_algo) + ((self.group,) if self.group else ()),
         ).digest()
 
     def ranks(self) -> list[tuple[int, int]]:

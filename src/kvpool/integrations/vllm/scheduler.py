@@ -37,9 +37,10 @@ class SchedulerSide:
     """Per-request bookkeeping of the connector in vLLM's scheduler process."""
 
     def __init__(self, keys: KeySpace, store: GuardedStore, load: bool, save: bool, log,
-                 policy: FetchPolicy | None = None):
+                 policy: FetchPolicy | None = None, group: int = 0):
         self.keys, self.store, self.load, self.save, self.log = keys, store, load, save, log
         self.policy = policy
+        self.group = group  # the KV cache group whose block table this side reads
         self.block_size = keys.block_size
         self._requests: dict[str, object] = {}
         self._block_ids: dict[str, list[int]] = {}
@@ -85,7 +86,7 @@ class SchedulerSide:
             return
         start, _ = matched
         count = num_external_tokens // self.block_size
-        ids = blocks.get_block_ids()[0][start:start + count]
+        ids = blocks.get_block_ids()[self.group][start:start + count]
         salt, lora = request_namespace(request)
         self._loads.append(BlockRun(request.request_id, salt, lora, start,
                                     list(request.block_hashes[start:start + count]), list(ids)))
@@ -95,7 +96,7 @@ class SchedulerSide:
         meta = KVPoolMetadata(loads=self._loads)
         self._loads = []
         for new in so.scheduled_new_reqs:
-            self._block_ids[new.req_id] = list(new.block_ids[0])
+            self._block_ids[new.req_id] = list(new.block_ids[self.group])
             self._saved[new.req_id] = new.num_computed_tokens // self.block_size
             self._plan_save(meta, new.req_id,
                             new.num_computed_tokens + so.num_scheduled_tokens[new.req_id])
@@ -103,9 +104,9 @@ class SchedulerSide:
         for i, req_id in enumerate(cached.req_ids):
             new_ids = cached.new_block_ids[i]
             if req_id in cached.resumed_req_ids:
-                self._block_ids[req_id] = list(new_ids[0]) if new_ids else []
+                self._block_ids[req_id] = list(new_ids[self.group]) if new_ids else []
             elif new_ids:
-                self._block_ids.setdefault(req_id, []).extend(new_ids[0])
+                self._block_ids.setdefault(req_id, []).extend(new_ids[self.group])
             self._plan_save(meta, req_id,
                             cached.num_computed_tokens[i] + so.num_scheduled_tokens[req_id])
         return meta
