@@ -121,7 +121,7 @@ class KVPoolHMAConnector(KVPoolConnector, SupportsHMA):
         if self.scheduler is not None:
             first = self.scheduler
             self.schedulers = [SchedulerSide(space, self.store, first.load, first.save, first.log,
-                                             group=p.index)
+                                             policy=first.policy, group=p.index)
                                for space, p in zip(self.spaces, self.plans)]
         else:
             w = self.worker
