@@ -193,11 +193,10 @@ def test_threads_sharing_a_client_share_its_connection_pool_safely(cluster):
         assert not errors and not any(t.is_alive() for t in threads)
 
 
-def test_warming_maps_same_host_segments_and_allocates_no_holes(module_cluster, tmp_path):
+def test_warming_maps_same_host_segments_and_allocates_no_holes(cluster, tmp_path):
     from kvpool.transfer.shm import _data_ranges
 
-    with Client(module_cluster.master_addr) as shm, \
-            Client(module_cluster.master_addr, force_tcp=True) as tcp:
+    with Client(cluster.master_addr) as shm, Client(cluster.master_addr, force_tcp=True) as tcp:
         sizes = sum(s.size for s in shm.stats().segments)
         assert shm.warm_local_segments() >= sizes  # prefaulted nodes: all allocated
         assert tcp.warm_local_segments() == 0
