@@ -23,7 +23,7 @@ import torch
 
 from kvpool.cache.keys import store_key
 from kvpool.errors import ErrorCode
-from kvpool.integrations.common import PageRows, engine_page_key
+from kvpool.integrations.objects import PageRows, engine_page_key
 from kvpool.integrations.vllm import layout as L
 from kvpool.integrations.vllm.keys import KeySpace
 from kvpool.integrations.vllm.meta import BlockRun, KVPoolMetadata
