@@ -4,17 +4,24 @@ Each vLLM process costs a minute or more here, so the module starts one kvpool c
 and a fixed sequence of instances, each running several prompts, and the tests assert on
 what they returned (tokens, vLLM's num_cached_tokens, the connector's counters, logs):
 
-    base       no connector: reference tokens (Q1, Q3, a short chat)
-    first      kv_both: Q1, Q1 under salt "a"            -> saves them
+    base       no connector: reference tokens (Q1, Q3, two short chats)
+    first      kv_both: Q1, Q1 under salt "a"            -> saves them; Q1's first save
+               batch is copied only after Q1 has ended (vLLM must still hold its blocks)
     second     kv_both: Q1, Q1 under salt "b", salt "a"   -> loads Q1 and Q1@a, not Q1@b
     producer   kv_producer: Q3, max_tokens=1              -> saves Q3's prompt
     consumer   kv_consumer, no local prefix cache, faults injected between lookup and
                load: Q3 (clean), Q1 (a block corrupted), Q1@a (a block removed)
+    hung       kv_both, the master stopped (SIGSTOP) before the first batch put: two
+               short chats (the put times out in the background)
     down       kv_both against a master that is not there: a short chat
     full       kv_both on a store too small for one page: two short chats
 """
 
 from __future__ import annotations
+
+import os
+import re
+import signal
 
 import pytest
 
@@ -44,7 +51,9 @@ def runs(tmp_path_factory):
 
         run("base", None, [{"question": Q1}, {"question": Q3}, {"text": SHORT},
                            {"text": SHORT2}])
-        run("first", connector(m), [{"question": Q1}, {"question": Q1, "cache_salt": "a"}])
+        run("first", connector(m, module="vllm_fault_connector", name="FaultyKVPoolConnector",
+                               hold_first_save=True),
+            [{"question": Q1}, {"question": Q1, "cache_salt": "a"}])
         run("second", connector(m), [{"question": Q1}, {"question": Q1, "cache_salt": "b"},
                                      {"question": Q1, "cache_salt": "a"}])
         run("producer", connector(m, "kv_producer"), [{"question": Q3, "max_tokens": 1}])
@@ -53,6 +62,13 @@ def runs(tmp_path_factory):
                                   faults=[None, "corrupt:5", "remove:9"]),
             [{"question": Q3}, {"question": Q1}, {"question": Q1, "cache_salt": "a"}],
             enable_prefix_caching=False)
+        master_pid = c.master.proc.pid
+        try:
+            run("hung", connector(m, module="vllm_fault_connector", name="FaultyKVPoolConnector",
+                                  stop_master_on_save=master_pid, timeout_s=3, retry_s=3600),
+                [{"text": SHORT}, {"text": SHORT2}])
+        finally:
+            os.kill(master_pid, signal.SIGCONT)
         run("down", connector(f"127.0.0.1:{free_port()}", retry_s=3600), [{"text": SHORT}])
     with Cluster(segment_size="1MiB") as tiny:  # smaller than one stored page
         run("full", connector(tiny.master_addr), [{"text": SHORT}, {"text": SHORT2}])
@@ -76,6 +92,17 @@ def test_second_instance_loads_the_prompt_from_kvpool_with_the_same_tokens(runs)
     assert runs["first"]["metrics"]["kvpool_vllm_blocks_saved_total"] >= 2 * blocks
     assert runs["second"]["metrics"]["kvpool_vllm_blocks_loaded_total"] >= 2 * blocks
     assert runs["second"]["metrics"]["kvpool_vllm_bytes_loaded_total"] > 0
+
+
+def test_a_save_in_flight_at_request_end_keeps_its_blocks_until_stored(runs):
+    first = runs["first"]
+    held = re.search(r"kvpool-test: save resumed, request ended (\w+); (\d+) of (\d+) blocks "
+                     r"still allocated", first["log"])
+    assert held, first["log"][-3000:]
+    ended, alive, total = held[1], int(held[2]), int(held[3])
+    assert ended == "True" and total > 0 and alive == total
+    assert first["metrics"]["kvpool_vllm_frees_delayed_total"] >= 1
+    # the held blocks were stored intact: the second instance's tokens are checked above
 
 
 def test_cache_salt_never_hits_across_salts(runs):
@@ -106,6 +133,16 @@ def test_a_block_damaged_between_lookup_and_load_is_recomputed(runs):
     assert metrics["kvpool_vllm_load_errors_total{reason=checksum}"] == 1
     assert metrics["kvpool_vllm_load_errors_total{reason=missing}"] == 1
     assert consumer["log"].count("failed to load") == 2
+
+
+def test_vllm_serves_on_when_a_background_save_hangs_and_fails(runs):
+    hung, base = runs["hung"], runs["base"]["prompts"]
+    assert "kvpool-test: master" in hung["log"]
+    assert [p["output_ids"] for p in hung["prompts"]] == [base[2]["output_ids"],
+                                                          base[3]["output_ids"]]
+    assert hung["log"].count("vLLM computes every token itself") == 1
+    assert hung["metrics"]["kvpool_vllm_blocks_saved_total"] == 0
+    assert hung["metrics"]["kvpool_vllm_saves_skipped_total{reason=unavailable}"] >= 1
 
 
 def test_vllm_serves_on_when_kvpool_is_down_and_says_so_once(runs):

@@ -11,7 +11,7 @@ import torch
 
 from kvpool.cache.codec import HEADER_SIZE
 from kvpool.errors import InvalidParams
-from kvpool.integrations.common import PageRows, engine_page_key
+from kvpool.integrations.objects import PageRows, engine_page_key
 from kvpool.integrations.vllm import layout as L
 
 NB, H, B, D = 7, 3, 32, 8

@@ -4,7 +4,8 @@
 process: ``VLLM_ENABLE_V1_MULTIPROCESSING=0``, so the connector's counters are readable
 here) with the job's KV connector, runs its prompts one after another and writes, per
 prompt, the greedy output token ids, vLLM's ``num_cached_tokens``, the TTFT (engine
-timestamps: first token minus queued) and the wall time of the whole request.
+timestamps: first token minus queued) and the wall time of the whole request, then the
+connector's counters after the engine has shut down (its saves are done then).
 
 JOB: {"model": folder, "connector": null | kv_transfer_config dict,
       "prompts": [{"question": str (about the shipped document) | "text": str (a short chat),
@@ -69,6 +70,9 @@ def run_job(job: dict) -> dict:
                         "num_cached_tokens": out.num_cached_tokens or 0,
                         "output_ids": list(out.outputs[0].token_ids),
                         "text": out.outputs[0].text, "ttft_s": ttft, "wall_s": wall})
+    # the engine's shutdown ends the connector's background saves: every block is
+    # counted once its put has committed
+    llm.llm_engine.engine_core.shutdown()
     store = sys.modules.get("kvpool.integrations.vllm.store")  # loaded by KVPoolConnector
     metrics = store.snapshot() if store else {}
     return {"startup_s": startup_s, "prompts": results, "metrics": metrics}

@@ -1,29 +1,111 @@
-"""Checked page objects in the store, written and read in place (gather/scatter).
+"""Checked page objects of the engine integrations: store keys from an engine's own
+block hashes, staging rows for batch I/O, and pages written and read in place.
 
-The engine adapters keep KV in memory they own (SGLang's host pool, LMCache's memory
-objects). A page is stored as one object: kvpool's page header (``kvpool.cache.codec``)
-followed by the page's bytes, which may lie in several separate regions of the engine's
-memory (e.g. the K and the V region of one host-pool page). Writes send the header and
-each region straight from where they lie (``Client.batch_put_parts``); reads copy the
-header into a small buffer and each region straight into its place
-(``Client.batch_read_ranges``), then check the header and the payload checksum there.
-A page that fails its check is a miss, is counted, and is removed from the store so that
-a writer can store it again.
+Keys: an engine that already names its KV blocks by a chained hash (vLLM's block
+hashes) keeps those names; kvpool binds each to a namespace with
+``page_key = SHA-256(namespace digest || engine hash)`` so that blocks of another model,
+dtype, layout, rank, tenant salt or LoRA adapter never share a store key (K13).
+
+Every stored page is one object: kvpool's 128-byte page header
+(:mod:`kvpool.cache.codec`) followed by the page's bytes, checked on load; a page that
+does not match is a load error (a miss), never used. Two ways to move them:
+
+- :class:`PageRows`: ``n`` whole pages side by side in one host buffer, for
+  ``batch_put_from`` / ``batch_get_into`` (vLLM's connector gathers blocks into them).
+- :class:`PageObjects`: pages whose bytes lie in several regions of memory the engine
+  owns (SGLang's host pool, LMCache's memory objects). Writes send the header and each
+  region straight from where they lie (``Client.batch_put_parts``); reads copy the
+  header into a small buffer and each region straight into its place
+  (``Client.batch_read_ranges``), then check the header and the payload checksum there.
+  A page that fails its check is counted and removed from the store so that a writer
+  can store it again.
 """
 
 from __future__ import annotations
 
 import collections
+import hashlib
 import logging
 from collections.abc import Sequence
 
-from kvpool.cache.codec import HEADER_SIZE, PageFormatError, PageHeader, check_parts, encode_header
+import torch
+
+from kvpool.cache.codec import (HEADER_SIZE, PageFormatError, PageHeader, check_parts,
+                                decode_page, encode_header, seal_page)
+from kvpool.cache.keys import store_key
 from kvpool.client import Client, ReadHandle
 from kvpool.errors import ErrorCode, KVPoolError
 
 log = logging.getLogger(__name__)
 
 STORED = (ErrorCode.OK, ErrorCode.OBJECT_ALREADY_EXISTS)
+
+
+def engine_page_key(ns_digest: bytes, engine_hash: bytes) -> bytes:
+    """32-byte page key of an engine block hash inside a namespace (SHA-256)."""
+    return hashlib.sha256(ns_digest + bytes(engine_hash)).digest()
+
+
+def engine_store_keys(ns_digest: bytes, engine_hashes: Sequence[bytes]) -> list[str]:
+    """Store object names (``"kvp/<hex>"``) of engine block hashes in a namespace."""
+    return [store_key(engine_page_key(ns_digest, h)) for h in engine_hashes]
+
+
+class PageRows:
+    """``n`` stored pages side by side in one host buffer, for a batch put or get.
+
+    Row ``i`` is ``HEADER_SIZE`` header bytes then the payload: a C-contiguous tensor
+    of ``page_shape`` in ``dtype`` (:meth:`payload`, all rows at once: shape
+    ``[n, *page_shape]``). Writers gather into the payload and :meth:`seal` the headers;
+    readers fill whole rows (:meth:`rows`) and :meth:`check` them. ``staging``: a
+    ``[>= n, row_bytes]`` uint8 tensor to use instead of a new buffer (a worker keeps
+    one, touched once, because faulting in ~100 MB of fresh pages per step costs more
+    than the copy itself).
+    """
+
+    def __init__(self, n: int, page_shape: Sequence[int], dtype: torch.dtype,
+                 staging: torch.Tensor | None = None):
+        self.page_shape = tuple(page_shape)
+        self.dtype = dtype
+        self.payload_len = int(torch.Size(self.page_shape).numel()) * dtype.itemsize
+        self.row_bytes = HEADER_SIZE + self.payload_len
+        if staging is not None and staging.shape[0] >= n and staging.shape[1] == self.row_bytes:
+            self.buf = staging[:n]  # reuse: its pages are mapped already (no page faults)
+        else:
+            self.buf = torch.empty((n, self.row_bytes), dtype=torch.uint8)
+
+    def __len__(self) -> int:
+        return self.buf.shape[0]
+
+    def payload(self) -> torch.Tensor:
+        """The payloads as one tensor ``[n, *page_shape]`` (a view: writes land in rows)."""
+        return self.buf[:, HEADER_SIZE:].view(self.dtype).view(len(self), *self.page_shape)
+
+    def rows(self) -> list[memoryview]:
+        """One writable byte view per row (for ``batch_put_from`` / ``batch_get_into``)."""
+        flat = memoryview(self.buf.numpy()).cast("B")
+        return [flat[i * self.row_bytes:(i + 1) * self.row_bytes] for i in range(len(self))]
+
+    def header(self, ns_digest: bytes, page_key: bytes, index: int, tokens: int) -> PageHeader:
+        return PageHeader(ns_digest, page_key, index, tokens, self.payload_len)
+
+    def seal(self, i: int, header: PageHeader) -> None:
+        """Write row ``i``'s header (checksum over the payload already in place)."""
+        seal_page(self.buf[i].numpy(), header)
+
+    def check(self, i: int, header: PageHeader, nbytes: int) -> str:
+        """"" when row ``i`` (``nbytes`` read into it, < 0 = not read) is the page
+        ``header`` describes, else the reason it must not be used ("missing",
+        "truncated", "checksum", "namespace", ...)."""
+        if nbytes < 0:
+            return "missing"
+        if nbytes != self.row_bytes:
+            return "length"
+        try:
+            decode_page(self.buf[i].numpy(), header)
+        except PageFormatError as exc:
+            return exc.reason
+        return ""
 
 
 class PageObjects:

@@ -11,8 +11,9 @@ vLLM builds one instance in its scheduler process (role SCHEDULER) and one per w
 instance), ``kv_consumer`` only loads (a decode instance). Extra config keys:
 ``master`` ("host:port", default ``$KVPOOL_MASTER`` or 127.0.0.1:50051), ``force_tcp``
 (move bytes over TCP even on one host), ``timeout_s`` (10), ``retry_s`` (seconds
-between reconnection attempts while kvpool is down, 30), ``metrics_port`` (serve the
-``kvpool_vllm_*`` Prometheus counters of this process; 0 = off), ``segment`` (the
+between reconnection attempts while kvpool is down, 30), ``save_queue`` (save batches
+in flight at most, 8: a step whose saves find it full skips them), ``metrics_port`` (serve
+the ``kvpool_vllm_*`` Prometheus counters of this process; 0 = off), ``segment`` (the
 store segment to place saved blocks on first: this instance's host, so that the master
 knows which instance computed a block), and the fetch-or-recompute policy's keys
 (:mod:`kvpool.integrations.fetch_policy`: ``skip_slow_fetch``, default on, ``link_gbit``,
@@ -104,7 +105,8 @@ class KVPoolConnector(KVConnectorBase_V1):
             rows = -(-vllm_config.model_config.max_model_len // keys.block_size)
             self.worker = WorkerSide(keys, store, get_tp_group().rank_in_group,
                                      get_pp_group().rank_in_group, logger, staging_rows=rows,
-                                     segment=str(extra.get("segment", "")))
+                                     segment=str(extra.get("segment", "")),
+                                     max_batches=int(extra.get("save_queue", 8)))
             serve_metrics(int(extra.get("metrics_port", 0)))
         logger.info("kvpool: %s connector (%s) on master %s%s", role.name.lower(), tc.kv_role,
                     self.master, " over TCP" if extra.get("force_tcp") else "")
@@ -123,15 +125,23 @@ class KVPoolConnector(KVConnectorBase_V1):
         return  # start_load_kv has copied every layer before the forward pass
 
     def save_kv_layer(self, layer_name: str, kv_layer, attn_metadata, **kwargs) -> None:
-        self.worker.save_kv_layer(self._get_connector_metadata(), layer_name)
+        return  # the sender copies every layer of the step's blocks after the step
 
     def wait_for_save(self) -> None:
-        self.worker.wait_for_save()
+        self.worker.wait_for_save(self._get_connector_metadata())
+
+    def handle_preemptions(self, kv_connector_metadata) -> None:
+        self.worker.handle_preemptions(kv_connector_metadata)
+
+    def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, None]:
+        return self.worker.get_finished(finished_req_ids) or None, None
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         return self.worker.get_block_ids_with_load_errors()
 
     def shutdown(self) -> None:
+        if self.worker is not None:
+            self.worker.close()
         self.store.close()
 
     # ---------------------------------------------------------------- scheduler side

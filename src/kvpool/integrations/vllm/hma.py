@@ -116,6 +116,7 @@ class KVPoolHMAConnector(KVPoolConnector, SupportsHMA):
     def __init__(self, vllm_config, role, kv_cache_config=None):
         super().__init__(vllm_config, role, kv_cache_config)
         self.plans = group_plans(kv_cache_config)
+        self._sent_somewhere: set[str] = set()  # requests some group has finished saving
         base = key_space(vllm_config)
         self.spaces = [_with_group(base, p.tag) for p in self.plans]
         if self.scheduler is not None:
@@ -142,13 +143,24 @@ class KVPoolHMAConnector(KVPoolConnector, SupportsHMA):
             worker.start_load_kv(group)
 
     def save_kv_layer(self, layer_name: str, kv_layer, attn_metadata, **kwargs) -> None:
-        meta = self._get_connector_metadata()
-        for worker, group in zip(self.workers, meta.groups):
-            worker.save_kv_layer(group, layer_name)
+        return  # each group's sender copies every layer of the step's blocks after the step
 
     def wait_for_save(self) -> None:
-        for worker in self.workers:
-            worker.wait_for_save()
+        meta = self._get_connector_metadata()
+        for worker, group in zip(self.workers, meta.groups):
+            worker.wait_for_save(group)
+
+    def handle_preemptions(self, kv_connector_metadata) -> None:
+        for worker, group in zip(self.workers, kv_connector_metadata.groups):
+            worker.handle_preemptions(group)
+
+    def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, None]:
+        """A request is done sending once no group's saves of it are left."""
+        done = set().union(*(w.get_finished(finished_req_ids) for w in self.workers))
+        self._sent_somewhere |= done
+        ready = {r for r in self._sent_somewhere if not any(w.saving(r) for w in self.workers)}
+        self._sent_somewhere -= ready
+        return ready or None, None
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         return set().union(*(w.get_block_ids_with_load_errors() for w in self.workers))
@@ -197,11 +209,11 @@ class KVPoolHMAConnector(KVPoolConnector, SupportsHMA):
         return self.request_finished_all_groups(request, (block_ids,))
 
     def request_finished_all_groups(self, request, block_ids: tuple[list[int], ...]):
-        """Forget the request in every group; its blocks may be freed at once (saves are
-        stored before each step ends)."""
-        for side, ids in zip(self.schedulers, block_ids):
-            side.request_finished(request, ids)
-        return False, None
+        """Forget the request in every group; its blocks are kept while a save of any
+        group is in flight (the workers then name it in ``finished_sending``)."""
+        delays = [side.request_finished(request, ids)[0]
+                  for side, ids in zip(self.schedulers, block_ids)]
+        return any(delays), None
 
 
 def _with_group(space: KeySpace, tag: str) -> KeySpace:

@@ -16,7 +16,7 @@ from pathlib import Path
 
 from kvpool.cache.namespace import Namespace
 from kvpool.engine.models import folder_fingerprint
-from kvpool.integrations.common import engine_store_keys
+from kvpool.integrations.objects import engine_store_keys
 
 # Algorithms whose block hashes are reproducible across processes (vLLM's
 # _NON_CRYPTO_HASH_FUNCTIONS get a random seed unless PYTHONHASHSEED is set).

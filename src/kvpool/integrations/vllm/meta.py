@@ -25,7 +25,9 @@ class BlockRun:
 
 @dataclasses.dataclass
 class KVPoolMetadata(KVConnectorMetadata):
-    """Loads to run before this step's forward and saves to run after it."""
+    """Loads to run before this step's forward, saves to start after it, and the
+    requests vLLM preempted for this step (their blocks are free to reuse)."""
 
     loads: list[BlockRun] = dataclasses.field(default_factory=list)
     saves: list[BlockRun] = dataclasses.field(default_factory=list)
+    preempted: set[str] = dataclasses.field(default_factory=set)

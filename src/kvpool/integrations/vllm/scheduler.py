@@ -10,7 +10,10 @@ still fails to load is reported to vLLM as a load error and recomputed. With a
 slower than recomputing it is skipped (counted in ``kvpool_vllm_fetch_skipped_blocks``).
 
 Saves: every full block a step computes, whose hash vLLM knows, is saved once per
-request; blocks vLLM found locally or loaded are not saved again.
+request; blocks vLLM found locally or loaded are not saved again. Saves run in the
+worker's background sender, which copies the blocks out of vLLM's cache after the
+step: a finished request that had saves planned keeps its blocks
+(``request_finished`` returns True) until the workers name it in ``finished_sending``.
 """
 
 from __future__ import annotations
@@ -47,6 +50,7 @@ class SchedulerSide:
         self._saved: dict[str, int] = {}  # blocks of the request not to save (again)
         self._matched: dict[str, tuple[int, int]] = {}  # req -> (first block, blocks found)
         self._loads: list[BlockRun] = []
+        self._saving: set[str] = set()  # requests with saves planned (the workers' view too)
 
     def get_num_new_matched_tokens(self, request, num_computed_tokens: int) -> tuple[int, bool]:
         """Tokens beyond ``num_computed_tokens`` (block-aligned) that kvpool holds."""
@@ -93,7 +97,7 @@ class SchedulerSide:
 
     def build_connector_meta(self, so) -> KVPoolMetadata:
         """This step's loads (planned at allocation) and saves (blocks it completes)."""
-        meta = KVPoolMetadata(loads=self._loads)
+        meta = KVPoolMetadata(loads=self._loads, preempted=set(so.preempted_req_ids or ()))
         self._loads = []
         for new in so.scheduled_new_reqs:
             self._block_ids[new.req_id] = list(new.block_ids[self.group])
@@ -124,6 +128,7 @@ class SchedulerSide:
         meta.saves.append(BlockRun(req_id, salt, lora, start,
                                    list(request.block_hashes[start:end]), ids[start:end]))
         self._saved[req_id] = end
+        self._saving.add(req_id)
 
     def update_connector_output(self, output) -> None:
         """Blocks that failed to load are recomputed by vLLM: save them again from the
@@ -137,8 +142,11 @@ class SchedulerSide:
                 self._saved[req_id] = first
 
     def request_finished(self, request, block_ids) -> tuple[bool, None]:
-        """Forget the request. Its blocks may be freed at once: saves copy each block
-        into a staging page during the forward pass and are stored before the step ends."""
+        """Forget the request; True (vLLM keeps its blocks) when saves of it were
+        planned: the workers may still be copying them out, and name the request in
+        ``finished_sending`` once they are done (at their next step when they are)."""
         for table in (self._requests, self._block_ids, self._saved, self._matched):
             table.pop(request.request_id, None)
-        return False, None
+        delay = request.request_id in self._saving
+        self._saving.discard(request.request_id)
+        return delay, None

@@ -3,12 +3,15 @@
 vLLM must keep serving when kvpool's master is down or the store is full: every store
 call goes through :class:`GuardedStore`, which turns a failure into "no result" (the
 connector then reports no hit and saves nothing, so vLLM computes everything itself),
-logs the outage once, and tries to reconnect after ``retry_s``. Counters live in
+logs the outage once, and tries to reconnect after ``retry_s``. Calls come from vLLM's
+threads and the connector's sender thread at once: a client that failed is closed when
+its last call has returned, never under another thread's call. Counters live in
 :data:`REGISTRY`, a Prometheus registry of this process (``metrics_port`` serves it).
 """
 
 from __future__ import annotations
 
+import collections
 import threading
 import time
 from collections.abc import Callable
@@ -37,6 +40,8 @@ SAVES_SKIPPED = Counter("kvpool_vllm_saves_skipped", "blocks not saved, by reaso
 LOAD_ERRORS = Counter("kvpool_vllm_load_errors", "blocks that failed to load and were "
                       "recomputed, by reason (missing, checksum, namespace, ...)", ["reason"],
                       registry=REGISTRY)
+FREES_DELAYED = Counter("kvpool_vllm_frees_delayed", "finished requests whose blocks vLLM "
+                        "kept until a save of them in flight had ended", registry=REGISTRY)
 UNAVAILABLE = Counter("kvpool_vllm_store_unavailable", "store calls that failed because "
                       "kvpool could not be reached", registry=REGISTRY)
 
@@ -80,6 +85,7 @@ class GuardedStore:
         self.master, self.force_tcp, self.timeout_s = master, force_tcp, timeout_s
         self.log, self.retry_s, self.clock = log, retry_s, clock
         self._client: Client | None = None
+        self._calls: collections.Counter[Client] = collections.Counter()  # calls running
         self._down_since: float | None = None
         self._next_try = 0.0
         self._lock = threading.Lock()
@@ -103,40 +109,53 @@ class GuardedStore:
 
     def call(self, what: str, fn: Callable[[Client], T]) -> T | None:
         """``fn(client)``, or None when kvpool cannot be reached now (logged once)."""
-        client = self._connect()
+        client = self._acquire()
         if client is None:
             UNAVAILABLE.inc()
             return None
         try:
             return fn(client)
         except (KVPoolError, OSError) as exc:
-            self._fail(what, exc)
+            self._fail(what, exc, client)
             UNAVAILABLE.inc()
             return None
+        finally:
+            self._release(client)
 
-    def _connect(self) -> Client | None:
+    def _acquire(self) -> Client | None:
+        """The client (connecting when due), counted as in use; None while down."""
         with self._lock:
-            if self._client is not None:
-                return self._client
-            if self.clock() < self._next_try:
-                return None
-            try:
-                self._client = Client(self.master, force_tcp=self.force_tcp,
-                                      timeout_s=self.timeout_s)
-            except (KVPoolError, OSError) as exc:
-                self._mark_down("connect", exc)
-                return None
-            if self._down_since is not None:
-                self.log.info("kvpool: master %s is reachable again; loading and saving KV "
-                              "blocks resumes", self.master)
-            self._down_since = None
+            if self._client is None:
+                if self.clock() < self._next_try:
+                    return None
+                try:
+                    self._client = Client(self.master, force_tcp=self.force_tcp,
+                                          timeout_s=self.timeout_s)
+                except (KVPoolError, OSError) as exc:
+                    self._mark_down("connect", exc)
+                    return None
+                if self._down_since is not None:
+                    self.log.info("kvpool: master %s is reachable again; loading and saving "
+                                  "KV blocks resumes", self.master)
+                self._down_since = None
+            self._calls[self._client] += 1
             return self._client
 
-    def _fail(self, what: str, exc: Exception) -> None:
+    def _release(self, client: Client) -> None:
+        """One call of ``client`` fewer; a retired client is closed after its last call."""
         with self._lock:
-            if self._client is not None:
-                self._client.close()
-                self._client = None
+            self._calls[client] -= 1
+            if self._calls[client] > 0:
+                return
+            del self._calls[client]
+            retired = client is not self._client
+        if retired:
+            client.close()
+
+    def _fail(self, what: str, exc: Exception, client: Client) -> None:
+        with self._lock:
+            if self._client is client:
+                self._client = None  # retired: closed by its last call's _release
             self._mark_down(what, exc)
 
     def _mark_down(self, what: str, exc: Exception) -> None:
@@ -148,7 +167,9 @@ class GuardedStore:
         self._next_try = self.clock() + self.retry_s
 
     def close(self) -> None:
+        """Close the client (now, or after the calls still running on it)."""
         with self._lock:
-            if self._client is not None:
-                self._client.close()
-                self._client = None
+            client, self._client = self._client, None
+            idle = client is not None and not self._calls[client]
+        if idle:
+            client.close()

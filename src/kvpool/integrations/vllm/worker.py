@@ -7,12 +7,16 @@ checked meanwhile (:mod:`~kvpool.integrations.vllm.loader`); other pages are rea
 staging rows, checked (namespace, page key, index, length, xxh3 checksum) and copied
 with one ``index_copy_`` per layer. A block that is missing or does not check goes to
 ``get_block_ids_with_load_errors`` and vLLM recomputes from it (with
-``kv_load_failure_policy: "recompute"``) or fails the request (``"fail"``).
+``kv_load_failure_policy: "recompute"``) or fails the request (``"fail"``). Loads stay
+synchronous: this step's forward needs them.
 
-Save: each layer's ``save_kv_layer`` copies the step's completed blocks of that layer
-into staging pages; ``wait_for_save`` seals the headers and stores all of them with one
-``batch_put_from`` before the step ends, so a request's KV is in kvpool before its
-output reaches the user and vLLM may free its blocks at once.
+Save (asynchronous, :mod:`kvpool.integrations.vllm.sender`): ``wait_for_save`` hands
+the step's completed blocks to the background sender in batches and returns; the
+sender copies each batch out of vLLM's blocks (every layer) into its own staging
+pages, seals their headers and stores them with one ``batch_put_from``. A finished
+request is named in ``get_finished`` (``finished_sending``) once no batch of it is
+left, and vLLM frees its blocks only then (the scheduler side delayed the free).
+A block counts as saved when its put has committed.
 """
 
 from __future__ import annotations
@@ -27,14 +31,15 @@ from kvpool.cache.codec import HEADER_SIZE, PageFormatError, check_header
 from kvpool.cache.keys import store_key
 from kvpool.client.grants import ReadHandle
 from kvpool.errors import ErrorCode
-from kvpool.integrations.common import PageRows, engine_page_key
+from kvpool.integrations.objects import PageRows, engine_page_key
 from kvpool.integrations.vllm import layout as L
 from kvpool.integrations.vllm.keys import KeySpace
 from kvpool.integrations.vllm.loader import ViewLoader, prefault
 from kvpool.integrations.vllm.meta import BlockRun, KVPoolMetadata
+from kvpool.integrations.vllm.sender import Batch, Sender, split_runs
 from kvpool.integrations.vllm.store import (BLOCKS_LOADED, BLOCKS_SAVED, BYTES_LOADED,
-                                            BYTES_SAVED, LOAD_ERRORS, SAVES_SKIPPED,
-                                            GuardedStore)
+                                            BYTES_SAVED, FREES_DELAYED, LOAD_ERRORS,
+                                            SAVES_SKIPPED, GuardedStore)
 
 MAX_STAGING_BYTES = 512 << 20  # pre-touched staging, at most (grown on demand beyond)
 _LAYER_INDEX = re.compile(r"\.(\d+)\.")
@@ -49,28 +54,41 @@ def layer_order(names) -> list[str]:
 
 
 class WorkerSide:
-    """The connector in one vLLM worker (one tensor/pipeline rank)."""
+    """The connector in one vLLM worker (one tensor/pipeline rank).
+
+    Args:
+        keys, store: the deployment's KeySpace and the guarded kvpool client.
+        tp_rank, pp_rank: this worker's ranks (each stores its own object per block).
+        log: vLLM's logger.
+        staging_rows: pages of each staging buffer (loads; saves), capped at
+            MAX_STAGING_BYTES; a save batch holds at most that many blocks.
+        segment: the store segment to place saved blocks on first ("" = the master's).
+        max_batches: save batches queued at most; a step whose saves find the queue
+            full does not save them (``kvpool_vllm_saves_skipped{reason="backlog"}``).
+    """
 
     def __init__(self, keys: KeySpace, store: GuardedStore, tp_rank: int, pp_rank: int, log,
-                 staging_rows: int = 128, segment: str = ""):
+                 staging_rows: int = 128, segment: str = "", max_batches: int = 8):
         self.keys, self.store, self.log = keys, store, log
         self.segment = segment  # preferred segment of saves ("" = the master's choice)
         self.staging_rows = staging_rows
         self._staging = torch.empty((0, 0), dtype=torch.uint8)
+        self._save_staging = torch.empty((0, 0), dtype=torch.uint8)
         self.tp_rank, self.pp_rank = tp_rank, pp_rank
         self.views: dict[str, torch.Tensor] = {}
         self.index: dict[str, int] = {}
         self.page_shape: tuple[int, ...] = ()
         self.dtype = torch.float32
+        self.device = torch.device("cpu")
         self.layout = ""
         self._errors: set[int] = set()
         self._bad_keys: list[str] = []  # read but unusable: removed when the load ends
         self._loader = ViewLoader()
-        self._saves: list[BlockRun] = []
-        self._rows: PageRows | None = None
-        self._layers_saved: set[str] = set()
-        self._incomplete_logged = False
+        self.sender = Sender(self._copy_out, self._store, log, max_batches)
+        self._saving: set[str] = set()  # requests with saves handed over, not yet reported
+        self._ended: set[str] = set()  # of those, finished in vLLM: report when none is left
         self._full_logged = False
+        self._backlog_logged = False
 
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
         """Block views of every layer; the stored page is ``[L, 2, H, B, D]``."""
@@ -81,7 +99,7 @@ class WorkerSide:
         self.views = {n: L.block_view(kv_caches[n], self.layout, block_size) for n in names}
         self.index = {n: i for i, n in enumerate(names)}
         self.page_shape = (len(names), *self.views[names[0]].shape[1:])
-        self.dtype = first.dtype
+        self.dtype, self.device = first.dtype, first.device
         row_bytes = PageRows(0, self.page_shape, self.dtype).row_bytes
         self.staging_rows = max(1, min(self.staging_rows, MAX_STAGING_BYTES // row_bytes))
         self._staging = torch.zeros((self.staging_rows, row_bytes), dtype=torch.uint8)
@@ -102,8 +120,8 @@ class WorkerSide:
                       1e3 * (time.perf_counter() - t0))
 
     def _rows_for(self, n: int) -> PageRows:
-        """Staging pages for ``n`` blocks: the worker's buffer, grown when a step needs more.
-        Loads (before the forward) and saves (after it) of one step use it in turn."""
+        """Staging pages for ``n`` blocks to load: the worker's buffer, grown when a step
+        needs more (the step thread's; the sender has its own)."""
         rows = PageRows(n, self.page_shape, self.dtype, self._staging)
         if rows.buf.data_ptr() != self._staging.data_ptr():
             self._staging = rows.buf
@@ -196,9 +214,7 @@ class WorkerSide:
         """Read ``plan``'s pages (granted by ``handles``) into staging pages, check them
         and scatter the good ones into vLLM's blocks (TCP, or no same-host replica);
         returns how many landed."""
-        # saves staged this step (a load after the forward) keep the staging buffer
-        rows = (self._rows_for(len(plan)) if self._rows is None
-                else PageRows(len(plan), self.page_shape, self.dtype))
+        rows = self._rows_for(len(plan))
         got = self.store.call("load", lambda c: c.batch_read_into(handles, rows.rows()))
         got = got or [-1] * len(plan)
         good = []
@@ -237,33 +253,49 @@ class WorkerSide:
 
     # ------------------------------------------------------------ save
 
-    def save_kv_layer(self, meta: KVPoolMetadata, layer_name: str) -> None:
-        """Copy this layer's part of the step's completed blocks into staging pages."""
-        if not meta.saves or layer_name not in self.views:
+    def wait_for_save(self, meta: KVPoolMetadata) -> None:
+        """Hand this step's completed blocks to the sender (batches of at most
+        ``staging_rows`` blocks) and return; nothing is copied on vLLM's thread."""
+        if not meta.saves:
             return
-        if self._rows is None:
-            self._saves = meta.saves
-            self._rows = self._rows_for(sum(len(r.block_ids) for r in self._saves))
-            self._layers_saved = set()
-        payload = self._rows.payload()[:, self.index[layer_name]]
-        ids = [b for run in self._saves for b in run.block_ids]
-        L.gather_blocks(self.views[layer_name], ids, payload)
-        self._layers_saved.add(layer_name)
+        ready = self._step_written()
+        for runs in split_runs(meta.saves, self.staging_rows):
+            batch = Batch(runs, ready)
+            if not self.sender.submit(batch):
+                SAVES_SKIPPED.labels("backlog").inc(batch.blocks)
+                if not self._backlog_logged:
+                    self.log.warning("kvpool: %d save batches are still in flight; %d blocks "
+                                     "of this step are not saved", self.sender.max_batches,
+                                     batch.blocks)
+                    self._backlog_logged = True
+        self._saving.update(r.req_id for r in meta.saves)
 
-    def wait_for_save(self) -> None:
-        """Seal and store the staging pages of this step (one batch put)."""
-        rows, self._rows, saves, self._saves = self._rows, None, self._saves, []
-        if rows is None:
-            return
-        plan = self._plan(saves)
-        if len(self._layers_saved) != len(self.views):
-            if not self._incomplete_logged:
-                self.log.error("kvpool: only %d of %d layers reported their KV this step; "
-                               "nothing saved", len(self._layers_saved), len(self.views))
-                self._incomplete_logged = True
-            SAVES_SKIPPED.labels("incomplete").inc(len(plan))
-            return
+    def _step_written(self):
+        """A wait for the KV this step wrote, for the sender thread: a CUDA event on the
+        current stream for a device cache; None on the CPU (the forward has returned)."""
+        if self.device.type != "cuda":
+            return None
+        event = torch.cuda.Event()
+        event.record()
+        return event.synchronize
+
+    def _copy_out(self, batch: Batch) -> tuple[PageRows, float]:
+        """(Sender thread) the batch's blocks, every layer, into the sender's staging."""
         t0 = time.perf_counter()
+        if self._save_staging.shape[0] < self.staging_rows:  # once: zeroed, pages faulted in
+            self._save_staging = torch.zeros((self.staging_rows, self._staging.shape[1]),
+                                             dtype=torch.uint8)
+        rows = PageRows(batch.blocks, self.page_shape, self.dtype, self._save_staging)
+        payload = rows.payload()
+        ids = [b for run in batch.runs for b in run.block_ids]
+        for name, view in self.views.items():
+            L.gather_blocks(view, ids, payload[:, self.index[name]])
+        return rows, t0
+
+    def _store(self, batch: Batch, copied: tuple[PageRows, float]) -> None:
+        """(Sender thread) seal the staged pages and store them with one batch put."""
+        rows, t0 = copied
+        plan = self._plan(batch.runs)
         for i, (_, header, _) in enumerate(plan):
             rows.seal(i, header)
         keys = [p[2] for p in plan]
@@ -274,8 +306,36 @@ class WorkerSide:
             SAVES_SKIPPED.labels("unavailable").inc(len(keys))
             return
         stored = self._count_saves(codes, rows.row_bytes)
-        self.log.debug("kvpool: saved %d of %d blocks in %.0f ms", stored, len(keys),
-                       1e3 * (time.perf_counter() - t0))
+        self.log.info("kvpool: saved %d of %d blocks (%.1f MB) in %.0f ms", stored, len(keys),
+                      stored * rows.row_bytes / 1e6, 1e3 * (time.perf_counter() - t0))
+
+    def get_finished(self, finished_req_ids: set[str]) -> set[str]:
+        """Requests to name in ``finished_sending``: those vLLM finished (now or earlier)
+        that had saves handed over, once no batch of theirs is left."""
+        ended = (set(finished_req_ids) & self._saving) - self._ended
+        FREES_DELAYED.inc(sum(1 for r in ended if self.sender.pending(r)))
+        self._ended |= ended
+        done = {r for r in self._ended if not self.sender.pending(r)}
+        self._ended -= done
+        self._saving -= done
+        return done
+
+    def saving(self, req_id: str) -> bool:
+        """True while saves of ``req_id`` were handed over and not yet reported done."""
+        return req_id in self._saving
+
+    def handle_preemptions(self, meta: KVPoolMetadata) -> None:
+        """vLLM has freed the blocks of preempted requests and writes them in this step:
+        their blocks still queued are not saved, a copy of them in progress is awaited."""
+        preempted = set(meta.preempted) & self._saving
+        if preempted:
+            SAVES_SKIPPED.labels("preempted").inc(self.sender.drop(preempted))
+
+    def close(self) -> None:
+        """Save what is queued (within the sender's drain time), then stop the sender."""
+        if not self.sender.close(self.sender.drain_s):
+            self.log.warning("kvpool: save batches still in flight after %.0f s at shutdown; "
+                             "they may not be stored", self.sender.drain_s)
 
     def _count_saves(self, codes, row_bytes: int) -> int:
         """Count a batch put's results; returns the blocks stored."""
