@@ -80,9 +80,8 @@ def main() -> dict[str, bool]:
                 # the full group saves blocks 0..5; the window group holds 3..5 only
                 for worker, first in zip(workers, (0, 3)):
                     meta = KVPoolMetadata(saves=[BlockRun("r", "", "", first, hashes[first:], ids[first:])])
-                    for name in FULL_LAYERS + WINDOW_LAYERS:
-                        worker.save_kv_layer(meta, name)
-                    worker.wait_for_save()
+                    worker.wait_for_save(meta)
+                    worker.close()  # the background sender has stored them
                 continue
             held = lookup(store, spaces, hashes, "", "", 0)
             hit = combined_hit(plans, held, 0)

@@ -43,10 +43,9 @@ def run(blocks: list[int]) -> BlockRun:
 
 
 def save(w: WorkerSide, blocks: list[int]) -> None:
-    meta = KVPoolMetadata(saves=[run(blocks)])
-    for name in w.views:
-        w.save_kv_layer(meta, name)
-    w.wait_for_save()
+    """Save as a step does, then wait until the background sender has stored it."""
+    w.wait_for_save(KVPoolMetadata(saves=[run(blocks)]))
+    w.close()
 
 
 def load(w: WorkerSide, blocks: list[int]) -> tuple[set[int], bool]:
