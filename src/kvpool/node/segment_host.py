@@ -6,7 +6,9 @@ segment), so the client imports this module and never the other way round.
 Lifecycle: create the segment (``/dev/shm/kvpool-<id>``), bind the data port, mount with
 the master, heartbeat every ``heartbeat_interval_ms`` the master asked for, and on stop
 unmount, unmap and unlink so nothing is left in /dev/shm. If this process is killed,
-Python's resource tracker (which registered the segment at creation) unlinks it.
+Python's resource tracker (which registered the segment at creation) unlinks it; if the
+tracker dies too, the next node on the host removes it (the owner lock of
+:mod:`kvpool.transfer.segment_files`).
 
 Index and re-mount: the mount connection stays open as the master's index stream
 (:class:`~kvpool.protocol.IndexUpdate`): the host keeps ``index``, the COMPLETE objects
@@ -38,6 +40,7 @@ from kvpool.node.data_server import STALL_S, DataServer
 from kvpool.rpc import RpcChannel
 from kvpool.transfer import local_host_id
 from kvpool.transfer.epoch import EpochWord, shm_bytes
+from kvpool.transfer.segment_files import OwnerLock, sweep_stale
 from kvpool.transfer.shm import register_local_segment, unregister_local_segment
 
 log = logging.getLogger("kvpool.segment")
@@ -94,6 +97,7 @@ class SegmentHost:
         self.word: EpochWord | None = None  # the segment's mount epoch (this host sets it)
         self._writers_word: EpochWord | None = None  # the same word, for this process's writers
         self.info: P.SegmentInfo | None = None
+        self._owner: OwnerLock | None = None
         self.server: DataServer | None = None
         self.segment_size = segment_size
         self.prefault = prefault
@@ -107,7 +111,9 @@ class SegmentHost:
     def start(self) -> None:
         """Reach the master, create the segment, mount it, start the data server."""
         self.master.connect()
+        sweep_stale()
         name = f"kvpool-{uuid.uuid4().hex[:16]}"
+        self._owner = OwnerLock(name)  # before the segment exists: never one without a lock
         self.shm = shared_memory.SharedMemory(name=name, create=True, size=shm_bytes(self.segment_size))
         if self.prefault:
             _touch_pages(self.shm.buf)
@@ -233,6 +239,9 @@ class SegmentHost:
                 pass  # a serving thread still holds a view; unlink frees the name anyway
             self.shm.unlink()
             self.shm = None
+        if self._owner:
+            self._owner.release()
+            self._owner = None
 
 
 def _touch_pages(buf: memoryview) -> None:
