@@ -78,6 +78,26 @@ def test_eviction_walks_objects_in_deadline_order_through_puts_reads_pins_and_re
     assert sorted(walked) == expected and len(svc.queue) == len(expected)
 
 
+def test_a_read_moves_nothing_in_the_eviction_runs_and_the_walk_skips_what_was_read():
+    clock = FakeClock()
+    svc = MasterService(MasterConfig(eviction_high_watermark_ratio=1.0, default_kv_lease_ttl_ms=5000), clock=clock)
+    svc.mount("owner", P.SegmentInfo("seg", "host", "shm", 1 << 24, "127.0.0.1:1"))
+    keys = [f"k{i}" for i in range(10)]
+    for k in keys:
+        batch_put(svc, [k])
+        clock.advance(0.01)
+    t = svc.objects
+    links = (list(t.prev), list(t.next), list(t.run))
+    for _ in range(3):
+        assert svc.batch_get_replica_list(keys[2:5]).results[0].code == OK
+    assert (list(t.prev), list(t.next), list(t.run)) == links  # deadlines moved, links did not
+    clock.advance(1.0)  # the puts' deadlines are due, the reads' are not
+    walked = [o.key for o in svc.queue.pop_due(clock())]
+    assert walked == keys[:2] + keys[5:]
+    clock.advance(10.0)
+    assert [o.key for o in svc.queue.pop_due(clock())] == keys[:2] + keys[5:] + keys[2:5]
+
+
 def test_unmount_drops_exactly_the_objects_whose_replicas_were_all_there():
     svc = MasterService(MasterConfig(eviction_high_watermark_ratio=1.0))
     for name in ("a", "b", "c"):

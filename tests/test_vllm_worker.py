@@ -1,5 +1,7 @@
 """The vLLM connector's worker side on tensors: loads over shared memory (layer by layer,
-straight from the segment) and over TCP (staged) give vLLM's blocks the stored bytes; a
+straight from the segment, beside the forward pass) and over TCP (staged) give vLLM's
+blocks the stored bytes; a forward pass that does not wait for its layers gets load
+errors, never early reads taken as good, and the worker then loads every layer first; a
 corrupt or missing page is a load error, never copied as good, and a page that failed
 its check is removed. Runs tests/vllm_side/check_worker.py in vLLM's environment."""
 
@@ -19,5 +21,5 @@ def test_worker_loads_stored_blocks_and_reports_damaged_ones():
                        timeout=300, env=vllm_env(OMP_NUM_THREADS="1"), cwd=ROOT)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     result = json.loads(r.stdout.strip().splitlines()[-1])
-    assert result == {"shm": "same bytes", "tcp": "same bytes",
+    assert result == {"shm": "same bytes", "tcp": "same bytes", "unwaited": "recomputed, then whole",
                       "damaged_shm": [10, 11], "damaged_tcp": [10, 11]}

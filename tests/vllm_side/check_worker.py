@@ -48,14 +48,20 @@ def save(w: WorkerSide, blocks: list[int]) -> None:
     w.close()
 
 
-def load(w: WorkerSide, blocks: list[int]) -> tuple[set[int], bool]:
-    """Load into ``blocks``, waiting for each layer as vLLM's forward does; returns the
-    load errors and whether pages were copied straight out of shared memory."""
-    viewed = []
-    copy = w._loader.load
-    w._loader.load = lambda *a: viewed.append(len(a[3])) or copy(*a)
+def load(w: WorkerSide, blocks: list[int], wait: bool = True) -> tuple[set[int], str]:
+    """Load into ``blocks``, waiting for each layer as vLLM's forward does (unless not
+    ``wait``); returns the load errors and how pages were copied: "layered" (straight out
+    of shared memory beside the forward), "whole" (out of shared memory, every layer
+    before it) or "staged" (read into staging pages)."""
+    modes = []
+    for name in ("start", "load"):
+        real = getattr(w._loader, name)
+        setattr(w._loader, name, lambda *a, _n=name, _f=real: modes.append(_n) or _f(*a))
     w.start_load_kv(KVPoolMetadata(loads=[run(blocks)]))
-    return w.get_block_ids_with_load_errors(), viewed == [len(blocks)]
+    for name in w.views if wait else ():
+        w.wait_for_layer_load(name)
+    errors = w.get_block_ids_with_load_errors()
+    return errors, {"start": "layered", "load": "whole"}.get(modes[0] if modes else "", "staged")
 
 
 def same(a: dict, b: dict, pairs) -> bool:
@@ -70,10 +76,20 @@ def main() -> None:
         pairs = list(zip([1, 2, 3, 4], [9, 10, 11, 12]))
         for force_tcp in (False, True):
             dst = caches(2)
-            errors, layered = load(worker(cluster.master_addr, dst, force_tcp), [9, 10, 11, 12])
-            assert errors == set() and layered == (not force_tcp), (force_tcp, errors, layered)
+            errors, mode = load(worker(cluster.master_addr, dst, force_tcp), [9, 10, 11, 12])
+            assert errors == set() and mode == ("staged" if force_tcp else "layered"), (force_tcp, errors, mode)
             assert same(src, dst, pairs), f"loaded blocks differ (force_tcp={force_tcp})"
             out["tcp" if force_tcp else "shm"] = "same bytes"
+        # a forward pass that never waits for a layer may have read blocks before they
+        # landed: all are load errors (recomputed), and the worker loads whole from then on
+        w = worker(cluster.master_addr, caches(5))
+        errors, mode = load(w, [9, 10, 11, 12], wait=False)
+        assert (errors, mode, w.layerwise) == ({9, 10, 11, 12}, "layered", False), (errors, mode)
+        dst = caches(6)
+        w.register_kv_caches(dst)
+        errors, mode = load(w, [9, 10, 11, 12], wait=False)
+        assert (errors, mode) == (set(), "whole") and same(src, dst, pairs), (errors, mode)
+        out["unwaited"] = "recomputed, then whole"
         probe = worker(cluster.master_addr, caches(3))
         keys = probe.keys.store_keys(HASHES, 0, 0, "", "")
         client = probe.store.call("probe", lambda c: c)

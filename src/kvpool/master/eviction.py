@@ -6,7 +6,10 @@ the object table's slots (:class:`~kvpool.master.table.ObjectTable`: two int32 l
 a run byte per object, no object of its own), each sorted by deadline. Deadlines come in
 two rising streams: a put's (``now``) and a read's (``now`` + the one lease TTL), so a
 changed object is unlinked and appended, in O(1), to the run whose last deadline is the
-largest not above its own: puts and reads each keep a run. An object restored after a
+largest not above its own: puts and reads each keep a run. A read moves nothing at once:
+it only raises the deadline, and the eviction walk moves an object it finds leased
+(:meth:`EvictionQueue.touch`), so each run stays sorted by the deadline its objects were
+linked by (``order``). An object restored after a
 restart (deadline 0) starts a third; a deadline below every run's last one (rare: an
 object unpinned long after its last use) is inserted into the fourth run by a walk from
 its end. Eviction walks the runs' heads in merged order: O(1) per object it looks at,
@@ -39,53 +42,77 @@ class EvictionQueue:
         return self._t.linked
 
     def push(self, obj: ObjectMeta) -> None:
-        """Record ``obj`` at its current ``lease_deadline`` (call after every change).
-        O(1) unless its deadline is below every append run's last one."""
-        t, s = self._t, obj.slot
+        """Record ``obj`` at its current ``lease_deadline`` (call after every change but
+        a read's, see :meth:`touch`). O(1) unless its deadline is below every append
+        run's last one."""
+        self._push(obj.slot)
+
+    def touch(self, obj: ObjectMeta) -> None:
+        """``obj`` was read and its deadline moved later: O(1), no move in the runs. It
+        stays linked by its older deadline (``order``) until the eviction walk reaches it
+        and, finding it leased, links it where its deadline now is: reads of a hot object
+        cost that move once per eviction walk, not once per read, and touch no neighbour's
+        links (random accesses that grew with the objects held)."""
+        if self._t.run[obj.slot] < 0:
+            self._push(obj.slot)  # not linked (never expected while visible): link it now
+
+    def _push(self, s: int) -> None:
+        t = self._t
         if t.flags[s] & HARD_PIN or (t.seg[s] == NO_SEG and s not in t.more):
             t.unlink(s)  # hard-pinned or invisible: never evicted; pushed again if unpinned
             return
-        lease = t.lease
-        d = lease[s]
+        order = t.order
+        d = t.lease[s]
         if t.run[s] >= 0:
             p, n = t.prev[s], t.next[s]
-            if (p < 0 or lease[p] <= d) and (n < 0 or d <= lease[n]):
+            if (p < 0 or order[p] <= d) and (n < 0 or d <= order[n]):
+                order[s] = d
                 return  # still in order where it is
             t.unlink(s)
+        order[s] = d
         best, best_last = -1, -math.inf  # the append run whose last deadline is the largest <= d
         for run, tail in enumerate(t.tails[:SORTED_RUN]):
             if tail < 0:
                 if best < 0:
                     best = run  # an empty run, unless another one fits
-            elif best_last < lease[tail] <= d:
-                best, best_last = run, lease[tail]
+            elif best_last < order[tail] <= d:
+                best, best_last = run, order[tail]
         if best >= 0:
             t.link_after(best, s, t.tails[best])
             return
         p = t.tails[SORTED_RUN]
-        while p >= 0 and lease[p] > d:
+        while p >= 0 and order[p] > d:
             p = t.prev[p]
         t.link_after(SORTED_RUN, s, p)
 
     def pop_due(self, now: float) -> Iterator[ObjectMeta]:
         """Yield objects whose lease ended by ``now``, oldest first, each once.
 
-        Stops at the first leased one (all later ones are leased too). Objects stay in
-        the order until the caller evicts them; the caller may evict each yielded object
-        but must change no other while iterating.
+        Walks the runs by the deadline each object is linked by; one read since then is
+        moved to where its deadline now is (and met there again if that is still due).
+        Stops where the linked deadlines pass ``now``. Objects stay in the order until the caller evicts
+        them; the caller may evict each yielded object but must change no other while
+        iterating.
         """
         t = self._t
         cursors = list(t.heads)
-        lease, nxt = t.lease, t.next
+        lease, order, nxt = t.lease, t.order, t.next
         while True:
             best, first = -1, math.inf
             for run, c in enumerate(cursors):
-                if c >= 0 and lease[c] < first:
-                    best, first = run, lease[c]
+                if c >= 0 and order[c] < first:
+                    best, first = run, order[c]
             if best < 0 or first > now:
                 return
             s = cursors[best]
             cursors[best] = nxt[s]
+            if lease[s] > order[s]:  # read since it was linked: link it by its deadline
+                t.unlink(s)
+                self._push(s)
+                run = t.run[s]  # met again in this walk if due: before its run's cursor?
+                if run >= 0 and (cursors[run] < 0 or order[cursors[run]] > order[s]):
+                    cursors[run] = s
+                continue
             yield ObjectMeta(t, s, t.keys[s])
 
 

@@ -346,7 +346,7 @@ class MasterService(Eviction, Restore):
         deadline = self.clock() + ttl_ms / 1000
         if deadline > obj.lease_deadline:
             obj.lease_deadline = deadline
-            self.queue.push(obj)
+            self.queue.touch(obj)
         self.counters["leases_granted"] += 1
         return ttl_ms, deadline
 

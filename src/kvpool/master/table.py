@@ -3,14 +3,14 @@
 A master holds millions of keys, so one key's record is not a Python object: it is one
 slot across typed arrays (:mod:`array`), found through one ``dict`` from key to slot.
 The common case (one COMPLETE replica, no put in flight, no read in flight) costs the
-dict entry, the key string, the slot number and 60 bytes of arrays; rarer state sits in
+dict entry, the key string, the slot number and 68 bytes of arrays; rarer state sits in
 side tables by slot: replica lists of other lengths (``more``), puts in flight
 (``pending``) and the read grants of the current version (``grants``, dropped when the
 last of them closes). Segment names are interned as 16-bit ids (at most
 :data:`~kvpool.protocol.MAX_SEGMENTS` are mounted). The arrays also hold the eviction
-order's links (``prev``/``next``/``run``: sorted doubly-linked runs, see
-:mod:`kvpool.master.eviction`), so that order costs 9 bytes per object and no object of
-its own. Measured (``kvpool bench master``): docs/bench.md.
+order's links and keys (``prev``/``next``/``run``/``order``: sorted doubly-linked runs,
+see :mod:`kvpool.master.eviction`), so that order costs 17 bytes per object and no object
+of its own. Measured (``kvpool bench master``): docs/bench.md.
 
 :class:`ObjectMeta` is a short-lived view of one slot with the attributes of a record
 (``size``, ``replicas``, ``pending``, ``lease_deadline``, ...), read and written through
@@ -47,6 +47,7 @@ class ObjectTable:
         self.soft_pin = array("d")  # soft-pin deadline (0: none)
         self.version = array("Q")  # commit version (protocol.IndexEntry.version)
         self.flags = array("B")
+        self.order = array("d")  # the deadline a slot is linked by (reads move ``lease`` only)
         self.prev = array("i")  # eviction-run links (-1: none)
         self.next = array("i")
         self.run = array("b")  # the run a slot is linked in (-1: none)
@@ -89,12 +90,13 @@ class ObjectTable:
             self.keys[slot] = key
             self.size[slot] = self.offset[slot] = self.version[slot] = self.flags[slot] = 0
             self.seg[slot] = NO_SEG
-            self.lease[slot] = self.soft_pin[slot] = 0.0
+            self.lease[slot] = self.soft_pin[slot] = self.order[slot] = 0.0
         else:
             slot = len(self.keys)
             self.keys.append(key)
             for arr, value in ((self.size, 0), (self.seg, NO_SEG), (self.offset, 0), (self.lease, 0.0),
-                               (self.soft_pin, 0.0), (self.version, 0), (self.flags, 0), (self.prev, -1),
+                               (self.soft_pin, 0.0), (self.version, 0), (self.flags, 0), (self.order, 0.0),
+                               (self.prev, -1),
                                (self.next, -1), (self.run, -1)):
                 arr.append(value)
         self.slots[key] = slot

@@ -13,7 +13,9 @@ instance), ``kv_consumer`` only loads (a decode instance). Extra config keys:
 (move bytes over TCP even on one host), ``timeout_s`` (10), ``retry_s`` (seconds
 between reconnection attempts while kvpool is down, 30), ``save_queue`` (save batches
 in flight at most, 8: a step whose saves find it full skips them), ``metrics_port`` (serve
-the ``kvpool_vllm_*`` Prometheus counters of this process; 0 = off), ``segment`` (the
+the ``kvpool_vllm_*`` Prometheus counters of this process; 0 = off), ``layerwise_load``
+(true: same-host pages are copied layer by layer while the forward pass runs; false:
+every layer before it), ``segment`` (the
 store segment to place saved blocks on first: this instance's host, so that the master
 knows which instance computed a block), and the fetch-or-recompute policy's keys
 (:mod:`kvpool.integrations.fetch_policy`: ``skip_slow_fetch``, default on, ``link_gbit``,
@@ -106,7 +108,8 @@ class KVPoolConnector(KVConnectorBase_V1):
             self.worker = WorkerSide(keys, store, get_tp_group().rank_in_group,
                                      get_pp_group().rank_in_group, logger, staging_rows=rows,
                                      segment=str(extra.get("segment", "")),
-                                     max_batches=int(extra.get("save_queue", 8)))
+                                     max_batches=int(extra.get("save_queue", 8)),
+                                     layerwise=bool(extra.get("layerwise_load", True)))
             serve_metrics(int(extra.get("metrics_port", 0)))
         logger.info("kvpool: %s connector (%s) on master %s%s", role.name.lower(), tc.kv_role,
                     self.master, " over TCP" if extra.get("force_tcp") else "")
@@ -122,7 +125,7 @@ class KVPoolConnector(KVConnectorBase_V1):
         self.worker.start_load_kv(meta)
 
     def wait_for_layer_load(self, layer_name: str) -> None:
-        return  # start_load_kv has copied every layer before the forward pass
+        self.worker.wait_for_layer_load(layer_name)
 
     def save_kv_layer(self, layer_name: str, kv_layer, attn_metadata, **kwargs) -> None:
         return  # the sender copies every layer of the step's blocks after the step

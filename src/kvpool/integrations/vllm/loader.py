@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import ctypes
 import mmap
+import threading
 from concurrent.futures import ThreadPoolExecutor
 
 import torch
@@ -97,5 +98,71 @@ class ViewLoader:
                 bad.setdefault(block, "stale")
         return bad
 
+    def start(self, views: dict[str, torch.Tensor], index: dict[str, int], opened, items: list,
+              page_shape: tuple[int, ...], dtype: torch.dtype) -> "LayeredLoad":
+        """Start copying ``items`` (as in :meth:`load`) layer by layer on the loader's
+        thread, so that the forward pass can run layer ``i`` once layer ``i`` landed."""
+        job = LayeredLoad(views, index, opened, items, page_shape, dtype)
+        self._pool.submit(job.run)
+        return job
+
     def close(self) -> None:
         self._pool.shutdown(wait=True)
+
+
+class LayeredLoad:
+    """One step's viewed pages, copied into vLLM's blocks one layer at a time (in the
+    order of ``views``, the model's), then checked against their checksums.
+
+    vLLM waits for layer ``i`` (``wait_for_layer_load``) just before its attention, so
+    the copy of later layers overlaps the forward pass of earlier ones. A block whose
+    checksum fails, or any block of a layer the forward pass did not wait for (it may
+    have read it before it landed), is reported as a load error after the step, and
+    vLLM recomputes it, as it does for a synchronous load's failures.
+    """
+
+    WAIT_S = 60.0  # a layer the thread has not copied by then is read as it is, then failed
+
+    def __init__(self, views, index, opened, items, page_shape, dtype):
+        self.views, self.index, self.opened, self.items = views, index, opened, items
+        self.page_shape, self.dtype = page_shape, dtype
+        self.ready = [threading.Event() for _ in views]
+        self.waited = [False] * len(views)
+        self._done = threading.Event()
+        self._bad: dict[int, str] = {}
+
+    def run(self) -> None:
+        """Copy every layer, then check every page (the loader thread's job)."""
+        blocks = [block for block, _, _ in self.items]
+        try:
+            payloads = [self.opened.views[pos][HEADER_SIZE:] for _, pos, _ in self.items]
+            pages = [torch.frombuffer(p, dtype=self.dtype).view(self.page_shape) for p in payloads]
+            for name, view in self.views.items():
+                layer = self.index[name]
+                torch._foreach_copy_([view[b] for b in blocks], [page[layer] for page in pages])
+                self.ready[layer].set()
+            for (block, _, stored), payload in zip(self.items, payloads):
+                if payload_checksum([payload]) != stored:
+                    self._bad[block] = "checksum"
+        except Exception:  # noqa: BLE001 - a failed copy is a load error, not vLLM's
+            self._bad = {block: "error" for block in blocks}
+        finally:
+            for event in self.ready:
+                event.set()
+            kept = self.opened.close()
+            for block, pos, _ in self.items:
+                if not kept[pos]:
+                    self._bad.setdefault(block, "stale")
+            self._done.set()
+
+    def wait_layer(self, layer: int) -> None:
+        """Block until layer ``layer`` (its position in a stored page) has landed."""
+        self.waited[layer] = self.ready[layer].wait(self.WAIT_S) or self.waited[layer]
+
+    def result(self) -> dict[int, str]:
+        """Wait for the job; {vLLM block id: reason} of the blocks that must be
+        recomputed ("checksum", "stale", "error", "unwaited")."""
+        self._done.wait()
+        if not all(self.waited):
+            return {block: self._bad.get(block, "unwaited") for block, _, _ in self.items}
+        return self._bad

@@ -65,10 +65,14 @@ class WorkerSide:
         segment: the store segment to place saved blocks on first ("" = the master's).
         max_batches: save batches queued at most; a step whose saves find the queue
             full does not save them (``kvpool_vllm_saves_skipped{reason="backlog"}``).
+        layerwise: copy viewed pages layer by layer beside the forward pass
+            (:class:`~kvpool.integrations.vllm.loader.LayeredLoad`); False copies every
+            layer in ``start_load_kv``.
     """
 
     def __init__(self, keys: KeySpace, store: GuardedStore, tp_rank: int, pp_rank: int, log,
-                 staging_rows: int = 128, segment: str = "", max_batches: int = 8):
+                 staging_rows: int = 128, segment: str = "", max_batches: int = 8,
+                 layerwise: bool = True):
         self.keys, self.store, self.log = keys, store, log
         self.segment = segment  # preferred segment of saves ("" = the master's choice)
         self.staging_rows = staging_rows
@@ -84,6 +88,8 @@ class WorkerSide:
         self._errors: set[int] = set()
         self._bad_keys: list[str] = []  # read but unusable: removed when the load ends
         self._loader = ViewLoader()
+        self.layerwise = layerwise
+        self._layered = None  # (LayeredLoad, plan, pages viewed, pages loaded staged, t0)
         self.sender = Sender(self._copy_out, self._store, log, max_batches)
         self._saving: set[str] = set()  # requests with saves handed over, not yet reported
         self._ended: set[str] = set()  # of those, finished in vLLM: report when none is left
@@ -147,8 +153,9 @@ class WorkerSide:
     def start_load_kv(self, meta: KVPoolMetadata) -> None:
         """Load this step's planned blocks (before the forward): one grant query for all
         of them; pages in a segment mapped here are copied straight from it
-        (:mod:`~kvpool.integrations.vllm.loader`), the rest read into staging pages,
-        checked and scattered."""
+        (:mod:`~kvpool.integrations.vllm.loader`; layer by layer while the forward pass
+        runs, unless ``layerwise`` is off), the rest read into staging pages, checked and
+        scattered here."""
         plan = self._plan(meta.loads)
         if not plan:
             return
@@ -170,12 +177,38 @@ class WorkerSide:
                 self._load_failed(plan[i], why, read=True)
             else:
                 items.append((plan[i][0], pos, why))
-        loaded = self._load_viewed(plan, opened, items) if items else 0
-        if opened and not items:
-            opened.close()
+        loaded = 0
         if staged:
             loaded += self._load_staged([plan[i] for i in staged], [handles[i] for i in staged])
+        if items and self.layerwise:
+            job = self._loader.start(self.views, self.index, opened, items, self.page_shape, self.dtype)
+            self._layered = (job, plan, len(items), loaded, t0)
+            return  # ended by get_block_ids_with_load_errors, after the forward pass
+        loaded += self._load_viewed(plan, opened, items) if items else 0
+        if opened and not items:
+            opened.close()
         self._end_load(len(plan), loaded, t0)
+
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        """Block until this step's layered load has copied layer ``layer_name``."""
+        if self._layered is not None and layer_name in self.index:
+            self._layered[0].wait_layer(self.index[layer_name])
+
+    def _finish_layered(self) -> None:
+        """End this step's layered load: count what landed and passed its checks."""
+        if self._layered is None:
+            return
+        job, plan, viewed, loaded, t0 = self._layered
+        self._layered = None
+        bad = job.result()
+        if "unwaited" in bad.values() and not any(job.waited):
+            self.layerwise = False
+            self.log.warning("kvpool: vLLM did not wait for layers to load; loading every "
+                             "layer before the forward pass from now on")
+        planned = {p[0]: p for p in plan}
+        for block, why in bad.items():  # an unwaited page is sound: kept in the store
+            self._load_failed(planned[block], why, read=why != "unwaited")
+        self._end_load(len(plan), loaded + viewed - len(bad), t0)
 
     def _load_viewed(self, plan, opened, items) -> int:
         """Copy the viewed, header-checked pages ``items`` into vLLM's blocks; returns
@@ -248,6 +281,7 @@ class WorkerSide:
                       loaded * row_bytes / 1e6, 1e3 * (time.perf_counter() - t0))
 
     def get_block_ids_with_load_errors(self) -> set[int]:
+        self._finish_layered()
         errors, self._errors = self._errors, set()
         return errors
 
@@ -333,6 +367,7 @@ class WorkerSide:
 
     def close(self) -> None:
         """Save what is queued (within the sender's drain time), then stop the sender."""
+        self._finish_layered()
         if not self.sender.close(self.sender.drain_s):
             self.log.warning("kvpool: save batches still in flight after %.0f s at shutdown; "
                              "they may not be stored", self.sender.drain_s)
