@@ -73,7 +73,9 @@ def main() -> dict[str, bool]:
         store = GuardedStore(cluster.master_addr, False, 10.0, log)
         a, b = caches(True), caches(False)
         for caches_of, reader in ((a, False), (b, True)):
-            workers = [WorkerSide(s, store, 0, 0, log, staging_rows=8, layerwise=False)  # as KVPoolHMAConnector builds them for s in spaces]
+            # built as KVPoolHMAConnector builds them: whole loads
+            workers = [WorkerSide(s, store, 0, 0, log, staging_rows=8, layerwise=False)
+                       for s in spaces]
             for plan, worker in zip(plans, workers):
                 worker.register_kv_caches({n: caches_of[n] for n in plan.layers})
             if not reader:
