@@ -23,6 +23,7 @@ from kvpool.launch import Cluster
 LAYERS, HEADS, BLOCK, HEAD_DIM, NUM_BLOCKS = 4, 2, 32, 16, 16
 HASHES = [bytes([i]) * 32 for i in range(4)]
 log = logging.getLogger("check_worker")
+WAYS = [(False, True, "layered"), (False, False, "whole"), (True, False, "staged")]  # force_tcp, layerwise
 
 
 def caches(seed: int) -> dict[str, torch.Tensor]:
@@ -31,9 +32,10 @@ def caches(seed: int) -> dict[str, torch.Tensor]:
             torch.randn(NUM_BLOCKS, HEADS, BLOCK, 2 * HEAD_DIM, generator=g) for i in range(LAYERS)}
 
 
-def worker(master: str, kv: dict[str, torch.Tensor], force_tcp: bool = False) -> WorkerSide:
+def worker(master: str, kv: dict[str, torch.Tensor], force_tcp: bool = False,
+           layerwise: bool = True) -> WorkerSide:
     w = WorkerSide(KeySpace("tiny", "float32", BLOCK, "cpu"),
-                   GuardedStore(master, force_tcp, 5.0, log), 0, 0, log)
+                   GuardedStore(master, force_tcp, 5.0, log), 0, 0, log, layerwise=layerwise)
     w.register_kv_caches(kv)
     return w
 
@@ -74,12 +76,12 @@ def main() -> None:
         src = caches(1)
         save(worker(cluster.master_addr, src), [1, 2, 3, 4])
         pairs = list(zip([1, 2, 3, 4], [9, 10, 11, 12]))
-        for force_tcp in (False, True):
+        for force_tcp, layerwise, expected in WAYS:
             dst = caches(2)
-            errors, mode = load(worker(cluster.master_addr, dst, force_tcp), [9, 10, 11, 12])
-            assert errors == set() and mode == ("staged" if force_tcp else "layered"), (force_tcp, errors, mode)
-            assert same(src, dst, pairs), f"loaded blocks differ (force_tcp={force_tcp})"
-            out["tcp" if force_tcp else "shm"] = "same bytes"
+            errors, mode = load(worker(cluster.master_addr, dst, force_tcp, layerwise), [9, 10, 11, 12])
+            assert errors == set() and mode == expected, (expected, errors, mode)
+            assert same(src, dst, pairs), f"loaded blocks differ ({expected})"
+            out[expected] = "same bytes"
         # a forward pass that never waits for a layer may have read blocks before they
         # landed: all are load errors (recomputed), and the worker loads whole from then on
         w = worker(cluster.master_addr, caches(5))
@@ -97,13 +99,13 @@ def main() -> None:
         page[HEADER_SIZE + 100] ^= 0xFF  # its checksum no longer matches
         client.upsert(keys[1], bytes(page))
         client.remove(keys[2], force=True)
-        for force_tcp in (False, True):
+        for force_tcp, layerwise, expected in WAYS:
             dst = caches(4)
-            errors, _ = load(worker(cluster.master_addr, dst, force_tcp), [9, 10, 11, 12])
-            # block 10: corrupt (then removed: missing the second time); 11: removed
-            assert errors == {10, 11}, (force_tcp, errors)
+            errors, _ = load(worker(cluster.master_addr, dst, force_tcp, layerwise), [9, 10, 11, 12])
+            # block 10: corrupt (then removed: missing the next times); 11: removed
+            assert errors == {10, 11}, (expected, errors)
             assert same(src, dst, [(1, 9), (4, 12)]), "good blocks beside bad ones differ"
-            out[f"damaged_{'tcp' if force_tcp else 'shm'}"] = sorted(errors)
+            out[f"damaged_{expected}"] = sorted(errors)
         assert not client.is_exist(keys[1]), "a page that failed its check must be removed"
     print(json.dumps(out))
 

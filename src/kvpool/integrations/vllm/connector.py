@@ -14,8 +14,8 @@ instance), ``kv_consumer`` only loads (a decode instance). Extra config keys:
 between reconnection attempts while kvpool is down, 30), ``save_queue`` (save batches
 in flight at most, 8: a step whose saves find it full skips them), ``metrics_port`` (serve
 the ``kvpool_vllm_*`` Prometheus counters of this process; 0 = off), ``layerwise_load``
-(true: same-host pages are copied layer by layer while the forward pass runs; false:
-every layer before it), ``segment`` (the
+(false, the default: same-host pages are copied, every layer, before the forward pass;
+true: layer by layer while it runs, for hosts with a core to spare beside the engine's), ``segment`` (the
 store segment to place saved blocks on first: this instance's host, so that the master
 knows which instance computed a block), and the fetch-or-recompute policy's keys
 (:mod:`kvpool.integrations.fetch_policy`: ``skip_slow_fetch``, default on, ``link_gbit``,
@@ -109,7 +109,7 @@ class KVPoolConnector(KVConnectorBase_V1):
                                      get_pp_group().rank_in_group, logger, staging_rows=rows,
                                      segment=str(extra.get("segment", "")),
                                      max_batches=int(extra.get("save_queue", 8)),
-                                     layerwise=bool(extra.get("layerwise_load", True)))
+                                     layerwise=bool(extra.get("layerwise_load", False)))
             serve_metrics(int(extra.get("metrics_port", 0)))
         logger.info("kvpool: %s connector (%s) on master %s%s", role.name.lower(), tc.kv_role,
                     self.master, " over TCP" if extra.get("force_tcp") else "")

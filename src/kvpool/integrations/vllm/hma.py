@@ -126,10 +126,9 @@ class KVPoolHMAConnector(KVPoolConnector, SupportsHMA):
                                for space, p in zip(self.spaces, self.plans)]
         else:
             w = self.worker
-            # state layers (Mamba) never wait for a layer load: load each group whole
+            # whole loads: state layers (Mamba) never wait for a layer load
             self.workers = [WorkerSide(space, self.store, w.tp_rank, w.pp_rank, w.log,
-                                       staging_rows=w.staging_rows, layerwise=False)
-                            for space in self.spaces]
+                                       staging_rows=w.staging_rows) for space in self.spaces]
         logger.info("kvpool: hybrid allocator on, %d KV cache group(s): %s", len(self.plans),
                     ", ".join(p.tag or "full" for p in self.plans))
 

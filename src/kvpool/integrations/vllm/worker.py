@@ -66,13 +66,15 @@ class WorkerSide:
         max_batches: save batches queued at most; a step whose saves find the queue
             full does not save them (``kvpool_vllm_saves_skipped{reason="backlog"}``).
         layerwise: copy viewed pages layer by layer beside the forward pass
-            (:class:`~kvpool.integrations.vllm.loader.LayeredLoad`); False copies every
-            layer in ``start_load_kv``.
+            (:class:`~kvpool.integrations.vllm.loader.LayeredLoad`) instead of every
+            layer in ``start_load_kv``. Off by default: on vLLM's CPU backend, whose
+            OpenMP threads are pinned one per core, the copy thread shares a core with
+            the forward pass and stalled it (docs/bench.md, "vLLM with kvpool").
     """
 
     def __init__(self, keys: KeySpace, store: GuardedStore, tp_rank: int, pp_rank: int, log,
                  staging_rows: int = 128, segment: str = "", max_batches: int = 8,
-                 layerwise: bool = True):
+                 layerwise: bool = False):
         self.keys, self.store, self.log = keys, store, log
         self.segment = segment  # preferred segment of saves ("" = the master's choice)
         self.staging_rows = staging_rows
