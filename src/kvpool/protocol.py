@@ -48,7 +48,8 @@ import msgspec
 
 from kvpool.errors import ErrorCode
 
-PROTOCOL_VERSION = 3  # 2: GetResp.grant_id, ReadDone, PutStartResp.message; 3: mount epochs, segment index
+PROTOCOL_VERSION = 4  # 2: GetResp.grant_id, ReadDone, PutStartResp.message; 3: mount epochs, segment index;
+# 4: allocation leases (AllocLease, PutCommit, ReturnLease), StatsResp.leased_bytes/open_leases
 MAGIC_PREFIX = b"KVP"
 HEADER = struct.Struct("<4sI")
 MAX_FRAME = 64 << 20  # bytes; a batch of 4096 keys of 4 KiB each still fits
@@ -63,6 +64,7 @@ MAX_INDEX_ENTRIES = 1 << 20  # objects a node reports at a re-mount (the frame l
 MAX_REPLICAS = 1024  # replica_num on the wire (the master's --max-replicas is lower)
 MAX_TTL_MS = 1 << 42  # a soft-pin TTL, ms (about 139 years)
 MAX_PATTERN_LEN = 4096  # characters of a RemoveByRegex pattern
+MAX_LEASE_IDS = 1024  # allocation leases one ReturnLease names (an owner holds a few)
 
 Size = Annotated[int, msgspec.Meta(ge=0, le=MAX_SEGMENT_BYTES)]
 Id = Annotated[int, msgspec.Meta(ge=0, le=MAX_ID)]
@@ -161,6 +163,20 @@ class IndexEntry(msgspec.Struct, array_like=True):
     version: Id
 
 
+class CommitItem(msgspec.Struct, array_like=True):
+    """One object a :class:`PutCommit` makes visible: ``size`` value bytes of ``key``
+    already written at ``offset`` of the lease's segment (64-aligned, inside the lease,
+    overlapping no range committed from it before). The options are PutItem's."""
+
+    key: Key
+    offset: Size
+    size: Size
+    upsert: bool = False
+    soft_pin: Annotated[int, msgspec.Meta(ge=SOFT_PIN_PRESERVE, le=SOFT_PIN_DISABLE)] = SOFT_PIN_PRESERVE
+    hard_pin: bool = False
+    soft_pin_ttl_ms: Annotated[int, msgspec.Meta(ge=-1, le=MAX_TTL_MS)] = -1
+
+
 class PutToken(msgspec.Struct, array_like=True):
     """Identifies one in-flight put: the key and the put id PutStart handed out."""
 
@@ -230,6 +246,38 @@ class PutRevoke(_Msg):
 
 class BatchPutRevoke(_Msg):
     tokens: Annotated[list[PutToken], msgspec.Meta(max_length=MAX_BATCH)]
+
+
+class AllocLease(_Msg):
+    """Ask for an allocation lease: a region of about ``size`` bytes (the master may
+    grant less) on one segment, that ``owner_id`` (a client's random id) allocates
+    values from itself and commits with :class:`PutCommit`. ``segment``: the segment
+    to try first ("" = the strategy's choice); ``host_id`` serves local_first.
+    Reply: :class:`AllocLeaseResp`."""
+
+    owner_id: Name
+    size: Size
+    host_id: Name = ""
+    segment: Name = ""
+
+
+class PutCommit(_Msg):
+    """Make ``items``, written into lease ``lease_id`` of ``owner_id``, visible: one
+    COMPLETE replica each. Reply: :class:`CodesResp`, one code per item (LEASE_EXPIRED
+    for every item when the lease is unknown or expired: put them the PutStart way)."""
+
+    owner_id: Name
+    lease_id: Id
+    items: Annotated[list[CommitItem], msgspec.Meta(max_length=MAX_BATCH)]
+
+
+class ReturnLease(_Msg):
+    """End leases of ``owner_id``: no write into them is in flight, so their uncommitted
+    space is freed at once. Unknown ids are ignored. Reply: :class:`CountResp` (leases
+    ended)."""
+
+    owner_id: Name
+    lease_ids: Annotated[list[Id], msgspec.Meta(max_length=MAX_LEASE_IDS)]
 
 
 class GetReplicaList(_Msg):
@@ -372,6 +420,18 @@ class PutStartResp(_Msg):
     message: str = ""  # why a put failed (NO_AVAILABLE_HANDLE: sizes, space held by reads)
 
 
+class AllocLeaseResp(_Msg):
+    """code OK ⇒ ``region`` is the lease (its ``length`` may be less than asked), valid
+    for ``ttl_ms`` from when the request was sent (the client measures from its own
+    send time); NO_AVAILABLE_HANDLE ⇒ no room without eviction: put the PutStart way."""
+
+    code: int
+    lease_id: int = 0
+    region: ReplicaDesc | None = None
+    ttl_ms: int = 0
+    message: str = ""
+
+
 class BatchPutStartResp(_Msg):
     results: list[PutStartResp]
 
@@ -422,6 +482,8 @@ class StatsResp(_Msg):
     zombie_buffers: int = 0  # freed buffers waiting for reads in flight or a release timeout
     zombie_bytes: int = 0  # their allocated bytes
     open_grants: int = 0  # read grants neither reported done nor expired
+    open_leases: int = 0  # allocation leases neither returned nor expired
+    leased_bytes: int = 0  # their allocated bytes not committed yet (not evictable)
 
 
 class DataResp(_Msg):
@@ -434,11 +496,12 @@ class DataResp(_Msg):
 Request = Union[
     Ping, MountSegment, UnmountSegment, Heartbeat, PutStart, BatchPutStart, PutEnd,
     BatchPutEnd, PutRevoke, BatchPutRevoke, GetReplicaList, BatchGetReplicaList, ReadDone, ExistKey,
-    BatchExistKey, Remove, BatchRemove, RemoveAll, RemoveByRegex, SetPin, GetStats,
+    BatchExistKey, Remove, BatchRemove, RemoveAll, RemoveByRegex, SetPin, GetStats, AllocLease, PutCommit,
+    ReturnLease,
 ]
 Reply = Union[
     Resp, ErrorResp, MountResp, PutStartResp, BatchPutStartResp, GetResp, BatchGetResp,
-    CodesResp, CountResp, StatsResp, IndexUpdate,
+    CodesResp, CountResp, StatsResp, IndexUpdate, AllocLeaseResp,
 ]
 DataRequest = Union[DataWrite, DataWriteMany, DataRead]
 

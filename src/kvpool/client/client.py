@@ -28,6 +28,8 @@ removal, no eviction) is unchanged.
 
 from __future__ import annotations
 
+import os
+import secrets
 import threading
 import time
 from typing import Sequence
@@ -36,6 +38,7 @@ from kvpool import protocol as P
 from kvpool.client.get import GetPath
 from kvpool.client.grants import ReadGrants, ReadHandle
 from kvpool.client.keys import check_key
+from kvpool.client.lease import LocalLeases
 from kvpool.client.put import PutPath
 from kvpool.errors import ErrorCode, InvalidParams, KVPoolError, code_name, code_of, raise_for
 from kvpool.node.segment_host import SegmentHost
@@ -46,6 +49,8 @@ from kvpool.transfer.engine import TransferEngine
 from kvpool.transfer.request import Transport
 from kvpool.transfer.shm import LocalTransport, ShmTransport
 from kvpool.transfer.tcp import TcpTransport
+
+LEASE_BYTES = 64 << 20  # the allocation lease a client asks for (bytes)
 
 
 class Client(ReadGrants, PutPath, GetPath):
@@ -59,6 +64,10 @@ class Client(ReadGrants, PutPath, GetPath):
             (Mooncake's client segment; 0 = none). It is mounted while the client is
             open, heartbeats keep it mounted, and close() unmounts it: objects on it go.
         segment_host: data-server address of that segment (port 0 = a free one).
+        alloc_leases: put small single-replica values through an allocation lease (one
+            master round trip per put or batch instead of two; docs/store.md,
+            "Allocation leases"); None = on unless the env var KVPOOL_ALLOC_LEASES is "0".
+        lease_bytes: the lease size asked for (the master may grant less).
 
     Raises RpcFailed at construction when the master cannot be reached.
 
@@ -69,7 +78,8 @@ class Client(ReadGrants, PutPath, GetPath):
     """
 
     def __init__(self, master_addr: str, force_tcp: bool = False, timeout_s: float = 10.0,
-                 global_segment_size: int = 0, segment_host: str = "127.0.0.1"):
+                 global_segment_size: int = 0, segment_host: str = "127.0.0.1",
+                 alloc_leases: bool | None = None, lease_bytes: int = LEASE_BYTES):
         self.master_addr = master_addr
         self.force_tcp = force_tcp
         self.timeout_s = timeout_s
@@ -88,6 +98,10 @@ class Client(ReadGrants, PutPath, GetPath):
         self._flusher: threading.Thread | None = None
         self._closing = False
         self.segment: SegmentHost | None = None
+        if alloc_leases is None:
+            alloc_leases = os.environ.get("KVPOOL_ALLOC_LEASES", "1") != "0"
+        self.owner_id = f"client-{secrets.token_hex(8)}"  # names this client's allocation leases
+        self.leases = LocalLeases(lease_bytes) if alloc_leases else None
         try:
             self._call(P.Ping())  # fail now, clearly: master not there, another protocol version
         except BaseException:
@@ -207,6 +221,8 @@ class Client(ReadGrants, PutPath, GetPath):
         if flusher is not None:
             self._done_waiting.set()
             flusher.join(self.timeout_s)
+        if self.leases is not None and self._channels:
+            self._return_leases(everything=True)  # no put is in flight once close() is called
         done = self._take_done()
         if done and getattr(self._local, "chan", None) is not None:
             self._local.chan.notify(P.ReadDone(done))

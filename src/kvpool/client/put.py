@@ -1,19 +1,28 @@
-"""The put path of :class:`~kvpool.client.Client`: PutStart, the writes, PutEnd.
+"""The put path of :class:`~kvpool.client.Client`: a lease commit, or PutStart/PutEnd.
 
-A put asks the master for replica places (PutStart / BatchPutStart), writes every
-replica through the transfer engine, straight from the caller's buffers (a value made
-of several parts is a gather write), then commits (PutEnd) or revokes (PutRevoke).
+A put of one replica (no preferred segment, at most half a lease) takes its place in
+the client's allocation lease (:mod:`kvpool.client.lease`), writes it and commits it
+(PutCommit): one master round trip; a batch commits all its items at once. Any other
+put, and one whose lease the master no longer knows or whose write failed (a stale
+mount epoch: the master restarted, the segment was mounted again), goes the other way:
+it asks the master for replica places (PutStart / BatchPutStart), writes every replica,
+then commits (PutEnd) or revokes (PutRevoke). Either way the bytes go through the
+transfer engine straight from the caller's buffers (a value made of several parts is a
+gather write), and put() returns and raises the same.
 """
 
 from __future__ import annotations
 
+import contextlib
+import time
 from typing import Sequence
 
 import msgspec
 
 from kvpool import protocol as P
 from kvpool.client.keys import check_key
-from kvpool.errors import ErrorCode, InvalidParams, TransferFailed, code_name, code_of, raise_for
+from kvpool.client.lease import ClientLease
+from kvpool.errors import ErrorCode, InvalidParams, KVPoolError, TransferFailed, code_name, code_of, raise_for
 from kvpool.transfer import as_byte_view
 from kvpool.transfer.buffers import RegisteredBuffer
 from kvpool.transfer.request import Op, TransferRequest, TransferStatus
@@ -21,7 +30,8 @@ from kvpool.transfer.request import Op, TransferRequest, TransferStatus
 
 class PutPath:
     """The put methods of :class:`~kvpool.client.Client` (a mixin: it uses the client's
-    ``_call``, ``engine`` and ``host_id``)."""
+    ``_call``, ``engine``, ``host_id``, ``owner_id`` and ``leases``, a
+    :class:`~kvpool.client.lease.LocalLeases` or None: no allocation leases)."""
 
     def put(self, key: str, value, replica_num: int = 1, *, soft_pin: bool | None = None,
             soft_pin_ttl_ms: int | None = None, hard_pin: bool = False, preferred_segment: str = "") -> int:
@@ -75,6 +85,11 @@ class PutPath:
         if len(src) == 0:
             raise InvalidParams("empty value (Mooncake refuses it: INVALID_PARAMS)")
         item.size = len(src)
+        if self._leasable(item):
+            code = self._put_leased([item], [[src]])[0]
+            if code is not None:
+                raise_for(code, f"put {key!r}: {code_name(code)}")
+                return 1
         reply = self._call(P.PutStart(item, self.host_id), idempotent=False)
         detail = f": {reply.message}" if reply.message else ""
         raise_for(reply.code, f"put {key!r}: {code_name(reply.code)}{detail}")
@@ -131,12 +146,31 @@ class PutPath:
             return codes
         items = [msgspec.structs.replace(template, key=keys[i], size=sum(map(len, views)))
                  for i, views in zip(sent, srcs)]
+        rest = list(range(len(items)))
+        leased = [k for k in rest if self._leasable(items[k])]
+        if leased:
+            done = self._put_leased([items[k] for k in leased], [srcs[k] for k in leased])
+            for k, code in zip(leased, done):
+                if code is not None:
+                    codes[sent[k]] = code
+            settled = {k for k, code in zip(leased, done) if code is not None}
+            rest = [k for k in rest if k not in settled]
+        if rest:
+            started = self._put_started([items[k] for k in rest], [srcs[k] for k in rest])
+            for k, code in zip(rest, started):
+                codes[sent[k]] = code
+        return codes
+
+    def _put_started(self, items: list[P.PutItem], srcs: list[list[memoryview]]) -> list[ErrorCode]:
+        """Put ``items`` (values: the concatenation of ``srcs[i]``) with one PutStart,
+        one PutEnd and one PutRevoke RPC; one code per item."""
+        codes = [ErrorCode.OK] * len(items)
         results = self._call(P.BatchPutStart(items, self.host_id), idempotent=False).results
         jobs, tokens = [], {}
-        for i, views, res in zip(sent, srcs, results):
+        for i, (item, views, res) in enumerate(zip(items, srcs, results)):
             codes[i] = code_of(res.code)
             if res.code == ErrorCode.OK:
-                tokens[i] = P.PutToken(keys[i], res.put_id)
+                tokens[i] = P.PutToken(item.key, res.put_id)
                 jobs.extend((i, piece, view) for d in res.replicas for piece, view in _pieces(d, views))
         written, _ = self._write_all(jobs)
         good = [i for i in tokens if written[i]]
@@ -150,6 +184,74 @@ class PutPath:
             for i, code in zip(good, ends):
                 codes[i] = code_of(code)
         return codes
+
+    # ------------------------------------------------------------ allocation leases
+
+    def _leasable(self, item: P.PutItem) -> bool:
+        """Whether ``item`` may go through an allocation lease: one replica, no preferred
+        segment, at most half a lease."""
+        leases = self.leases
+        return (leases is not None and item.replica_num == 1 and not item.preferred_segment
+                and item.size <= leases.max_value)
+
+    def _put_leased(self, items: list[P.PutItem], srcs: list[list[memoryview]]) -> list[ErrorCode | None]:
+        """Place ``items`` in the lease, write them, commit them with one PutCommit.
+        One code per item; None: put it the PutStart way (no lease, the lease refused
+        or unknown to the master, the write failed)."""
+        placed = self._place([item.size for item in items])
+        if placed is None:
+            return [None] * len(items)
+        lease, offsets = placed
+        codes: list[ErrorCode | None] = [None] * len(items)
+        try:
+            jobs = []
+            for i, (offset, views) in enumerate(zip(offsets, srcs)):
+                desc = msgspec.structs.replace(lease.region, offset=offset, length=items[i].size)
+                jobs.extend((i, piece, view) for piece, view in _pieces(desc, views))
+            written, _ = self._write_all(jobs)
+            ready = [i for i in range(len(items)) if written[i]]
+            if ready:
+                commit = P.PutCommit(self.owner_id, lease.lease_id, [_commit_item(items[i], offsets[i]) for i in ready])
+                for i, code in zip(ready, self._call(commit, idempotent=False).codes):
+                    codes[i] = None if code == ErrorCode.LEASE_EXPIRED else code_of(code)
+        finally:
+            self.leases.finish(lease, drop=None in codes)
+            self._return_leases()
+        return codes
+
+    def _place(self, sizes: list[int]) -> tuple[ClientLease, list[int]] | None:
+        """Offsets for values of ``sizes`` in the current lease, asking the master for a
+        new lease when it is missing, full or near its end; None: no lease to be had."""
+        leases = self.leases
+        placed = leases.place(sizes)
+        if placed is not None or not leases.wants_lease():
+            return placed
+        with leases.refill:
+            placed = leases.place(sizes)  # another thread may have got one meanwhile
+            if placed is not None:
+                return placed
+            sent = time.monotonic()
+            try:
+                reply = self._call(P.AllocLease(self.owner_id, leases.want, self.host_id), idempotent=False)
+            except KVPoolError:
+                reply = None  # the PutStart way will say what is wrong
+            if reply is None or reply.code != ErrorCode.OK:
+                leases.retire_current()
+                leases.refused()
+                placed = None
+            else:
+                leases.install(reply.lease_id, reply.region, sent, reply.ttl_ms)
+                placed = leases.place(sizes)
+        self._return_leases()
+        return placed
+
+    def _return_leases(self, everything: bool = False) -> None:
+        """Send ReturnLease for the retired leases no write is in flight into (best
+        effort: a lease not returned expires on the master)."""
+        ids = self.leases.take_returns(everything)
+        if ids:
+            with contextlib.suppress(KVPoolError, OSError):
+                self._call(P.ReturnLease(self.owner_id, ids))
 
     def _write_all(self, jobs: list[tuple[int, P.ReplicaDesc, memoryview]]) -> tuple[dict[int, bool], str]:
         """Write every (item index, replica, source) job. Returns ({index: all its
@@ -174,6 +276,12 @@ def _item(key: str, replica_num: int, upsert: bool, soft_pin: bool | None, soft_
     action = P.SOFT_PIN_PRESERVE if soft_pin is None else P.SOFT_PIN_ENABLE if soft_pin else P.SOFT_PIN_DISABLE
     return P.PutItem(key, 0, replica_num, upsert, action, bool(hard_pin), preferred_segment,
                      -1 if soft_pin_ttl_ms is None else int(soft_pin_ttl_ms))
+
+
+def _commit_item(item: P.PutItem, offset: int) -> P.CommitItem:
+    """The PutCommit entry of ``item`` written at ``offset`` of its lease's segment."""
+    return P.CommitItem(item.key, offset, item.size, item.upsert, item.soft_pin, item.hard_pin,
+                        item.soft_pin_ttl_ms)
 
 
 def _source(buf, offset: int, size: int) -> memoryview:

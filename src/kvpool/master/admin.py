@@ -18,6 +18,8 @@ Metrics (Prometheus text format; ``*_total`` are counters since the master start
 ``_in_flight_puts``, ``_zombie_buffers``,  PutStart and PutEnd, buffers (and bytes) of old
 ``_zombie_bytes``, ``_open_read_grants``   versions held for reads in flight or of abandoned
                                            puts, read grants not yet done or expired
+``kvpool_master_open_alloc_leases``,       allocation leases neither returned nor expired,
+``kvpool_master_leased_bytes``             their bytes not committed yet (not evictable)
 ``kvpool_master_requests_total{op}``       RPCs handled, by request type (PutStart, ...;
                                            BadRequest: a body that did not decode)
 ``kvpool_master_errors_total{op,code}``    non-OK results by ErrorCode name; a batch RPC
@@ -106,6 +108,9 @@ class MasterCollector:
              "or the release timeout", s.zombie_buffers),
             ("zombie_bytes", "bytes of those buffers", s.zombie_bytes),
             ("open_read_grants", "read grants neither reported done (ReadDone) nor expired", s.open_grants),
+            ("open_alloc_leases", "allocation leases neither returned nor expired", s.open_leases),
+            ("leased_bytes", "allocated bytes of allocation leases not committed yet (not evictable)",
+             s.leased_bytes),
         ):
             yield GaugeMetricFamily(f"kvpool_master_{name}", doc, value=value)
         labels = ["segment", "owner_id", "data_addr"]

@@ -11,7 +11,7 @@ import signal
 import sys
 
 from kvpool.auth import secret_bytes
-from kvpool.config import Option, add_options, format_addr, parse_addr, parse_host, resolve, write_ready_file
+from kvpool.config import Option, add_options, parse_size, format_addr, parse_addr, parse_host, resolve, write_ready_file
 from kvpool.errors import UserError
 from kvpool.master.config import MasterConfig
 from kvpool.master.segments import STRATEGIES
@@ -54,6 +54,11 @@ OPTIONS = [
     Option("soft-pin-ttl", 1_800_000, _positive(int), "how long a soft pin protects an object, ms"),
     Option("max-soft-pin-ttl", 86_400_000, _positive(int), "largest soft-pin TTL a put may ask for, ms"),
     Option("allocation-strategy", "random", _strategy, f"replica placement: {' | '.join(STRATEGIES)}"),
+    Option("alloc-lease-ttl", 10.0, _positive(float), "seconds a client may allocate from and commit "
+           "into an allocation lease (one-round-trip puts)"),
+    Option("alloc-lease-size", 64 << 20, parse_size, "largest allocation lease, bytes (also at most "
+           "1/16 of its segment; 0 = no leases: every put takes PutStart and PutEnd)"),
+    Option("max-leases-per-owner", 4, _positive(int), "open allocation leases one client may hold"),
     Option("http-port", None, int, "admin HTTP port: /health /metrics /segments /query_key /keys "
            "(0 = a free port; unset = no admin server)", env="MASTER_HTTP_PORT"),
     Option("secret", "", str, "shared secret every client, node and admin request must prove "
@@ -88,6 +93,9 @@ def config_from(values: dict) -> MasterConfig:
         soft_pin_ttl_ms=values["soft_pin_ttl"],
         max_soft_pin_ttl_ms=values["max_soft_pin_ttl"],
         allocation_strategy=values["allocation_strategy"],
+        alloc_lease_ttl_s=values["alloc_lease_ttl"],
+        alloc_lease_size=values["alloc_lease_size"],
+        max_leases_per_owner=values["max_leases_per_owner"],
     )
 
 

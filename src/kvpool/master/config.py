@@ -20,6 +20,12 @@ class MasterConfig:
     max_soft_pin_ttl_ms: the largest per-put soft-pin TTL accepted (Mooncake: 24 h).
     allocation_strategy: random | free_ratio_first | local_first.
     max_replicas: upper bound on replica_num accepted per put.
+    alloc_lease_ttl_s: how long an allocation lease may be allocated from and committed
+        into (seconds); its uncommitted space is then held for put_start_release_timeout_s
+        more (the writer may still be writing) unless it was returned.
+    alloc_lease_size: the most bytes one allocation lease covers (also at most 1/16 of
+        its segment); 0 turns allocation leases off (every AllocLease is refused).
+    max_leases_per_owner: open allocation leases one client may hold.
     """
 
     default_kv_lease_ttl_ms: int = 10_000
@@ -32,3 +38,6 @@ class MasterConfig:
     max_soft_pin_ttl_ms: int = 24 * 60 * 60 * 1000
     allocation_strategy: str = "random"
     max_replicas: int = 16
+    alloc_lease_ttl_s: float = 10.0
+    alloc_lease_size: int = 64 << 20
+    max_leases_per_owner: int = 4

@@ -75,6 +75,9 @@ def _handlers(svc: MasterService) -> dict[type, Callable[[msgspec.Struct], msgsp
         P.RemoveByRegex: lambda r: scans.remove_matching(svc, r.pattern, r.force),
         P.SetPin: lambda r: svc.set_pin(r.key, r.mode),
         P.GetStats: lambda r: svc.stats(),
+        P.AllocLease: lambda r: svc.alloc_lease(r.owner_id, r.size, r.host_id, r.segment),
+        P.PutCommit: lambda r: svc.put_commit(r.owner_id, r.lease_id, r.items),
+        P.ReturnLease: lambda r: svc.return_lease(r.owner_id, r.lease_ids),
     }
 
 

@@ -29,6 +29,7 @@ from collections import Counter
 from typing import Callable
 
 from kvpool.errors import ErrorCode
+from kvpool.master.alloc_leases import AllocLeases, LeaseHandlers
 from kvpool.master.config import MasterConfig
 from kvpool.master.eviction import Eviction, EvictionQueue
 from kvpool.master.leases import ReadGrants
@@ -38,7 +39,7 @@ from kvpool.master.segments import SegmentTable, new_epoch
 from kvpool.master.table import ObjectMeta, ObjectTable
 from kvpool.protocol import (
     MAX_KEY_BYTES, MAX_SEGMENTS, SOFT_PIN_DISABLE, SOFT_PIN_ENABLE, SOFT_PIN_PRESERVE, BatchGetResp,
-    BatchPutStartResp, CodesResp, CountResp, GetResp, IndexEntry, MountResp, PutItem, PutStartResp, PutToken,
+    BatchPutStartResp, CodesResp, CommitItem, CountResp, GetResp, IndexEntry, MountResp, PutItem, PutStartResp, PutToken,
     ReplicaDesc,
     Resp, SegmentInfo, SegmentStats, StatsResp,
 )
@@ -52,8 +53,9 @@ def _key_ok(key: str) -> bool:
     return 0 < len(key.encode("utf-8")) <= MAX_KEY_BYTES  # msgspec decoded it: valid UTF-8
 
 
-class MasterService(Eviction, Restore):
-    """Objects, replicas, leases, pins, in-flight puts and eviction over a SegmentTable.
+class MasterService(Eviction, Restore, LeaseHandlers):
+    """Objects, replicas, leases, pins, in-flight puts, allocation leases and eviction
+    over a SegmentTable.
 
     ``clock()``: the time in seconds (monotonic); every deadline (leases, pins, grants,
     put timeouts, heartbeats) is measured on it.
@@ -78,6 +80,7 @@ class MasterService(Eviction, Restore):
         self._eviction_debt = 0
         self.index_log = IndexLog()  # changes for the nodes' indexes (master/restore.py)
         self._last_version = 0
+        self.alloc_leases = AllocLeases(self.segments.alignment, first_id=new_epoch())
 
     # ------------------------------------------------------------ inspection (admin)
 
@@ -148,6 +151,7 @@ class MasterService(Eviction, Restore):
         self.counters["segments_unmounted"] += 1
         log.info("unmounted segment %s", name)
         self.grants.drop_segment(name)
+        self.alloc_leases.drop_segment(name)
         for obj in self.objects.on_segment(name):
             self._set_replicas(obj, [r for r in obj.replicas if r.segment != name])
             if obj.pending and any(r.segment == name for r in obj.pending.replicas):
@@ -159,8 +163,8 @@ class MasterService(Eviction, Restore):
 
     # ------------------------------------------------------------ put
 
-    def _soft_pin_ttl(self, item: PutItem) -> int | None:
-        """The soft-pin TTL (ms) PutEnd applies, or None when the request is invalid:
+    def _soft_pin_ttl(self, item: PutItem | CommitItem) -> int | None:
+        """The soft-pin TTL (ms) the commit applies, or None when the request is invalid:
         a TTL needs ENABLE, and at most ``max_soft_pin_ttl_ms`` (Mooncake's rules)."""
         if item.soft_pin not in (SOFT_PIN_PRESERVE, SOFT_PIN_ENABLE, SOFT_PIN_DISABLE):
             return None
@@ -170,21 +174,15 @@ class MasterService(Eviction, Restore):
         return ttl if ttl <= self.config.max_soft_pin_ttl_ms else None
 
     def put_start(self, item: PutItem, host_id: str = "") -> PutStartResp:
-        if not _key_ok(item.key) or item.size <= 0 or not 1 <= item.replica_num <= self.config.max_replicas:
+        if item.size <= 0 or not 1 <= item.replica_num <= self.config.max_replicas:
             return PutStartResp(ErrorCode.INVALID_PARAMS)
         soft_pin_ttl = self._soft_pin_ttl(item)
         if soft_pin_ttl is None:
             return PutStartResp(ErrorCode.INVALID_PARAMS)
         now = self.clock()
-        obj = self.objects.get(item.key)
-        if obj is not None:
-            if obj.visible and not item.upsert:
-                return PutStartResp(ErrorCode.OBJECT_ALREADY_EXISTS)
-            if obj.pending is not None:
-                if now - obj.pending.started < self.config.put_start_discard_timeout_s:
-                    code = ErrorCode.REPLICA_IS_NOT_READY if item.upsert else ErrorCode.OBJECT_ALREADY_EXISTS
-                    return PutStartResp(code)
-                self._discard_pending(obj)
+        code = self._admit(item.key, item.upsert, now)
+        if code != OK:
+            return PutStartResp(code)
         replicas = self._allocate(item, host_id)
         obj = self.objects.get(item.key)  # eviction may have taken an upsert's old value
         if not replicas:
@@ -200,6 +198,23 @@ class MasterService(Eviction, Restore):
         self.counters["put_start"] += 1
         return PutStartResp(OK, put_id, [self._desc(r) for r in replicas])
 
+    def _admit(self, key: str, upsert: bool, now: float) -> ErrorCode:
+        """Whether a new version of ``key`` may be written (PutStart, PutCommit):
+        INVALID_PARAMS (bad key), OBJECT_ALREADY_EXISTS (visible and not ``upsert``, or
+        another put in flight), REPLICA_IS_NOT_READY (an upsert while a put is in
+        flight), else OK, having taken over a put in flight past the discard timeout."""
+        if not _key_ok(key):
+            return ErrorCode.INVALID_PARAMS
+        obj = self.objects.get(key)
+        if obj is not None:
+            if obj.visible and not upsert:
+                return ErrorCode.OBJECT_ALREADY_EXISTS
+            if obj.pending is not None:
+                if now - obj.pending.started < self.config.put_start_discard_timeout_s:
+                    return ErrorCode.REPLICA_IS_NOT_READY if upsert else ErrorCode.OBJECT_ALREADY_EXISTS
+                self._discard_pending(obj)
+        return OK
+
     def put_end(self, token: PutToken) -> Resp:
         obj = self.objects.get(token.key)
         if obj is None:
@@ -207,30 +222,37 @@ class MasterService(Eviction, Restore):
         pending = obj.pending
         if pending is None or pending.put_id != token.put_id:
             return Resp(ErrorCode.INVALID_WRITE, "no such put in flight (discarded or ended)")
-        now = self.clock()
-        self._index_drop(obj)
-        self._retire(obj)  # an upsert's old value
-        self._set_replicas(obj, pending.replicas)
-        obj.size = pending.size
-        obj.version = self._next_version()
-        self._index_add(obj)
         self._clear_pending(obj)
-        obj.lease_deadline = max(obj.lease_deadline, now)  # eviction order: put counts as use
-        obj.hard_pin = pending.hard_pin
-        obj.soft_pin_deadline = self._soft_pin_deadline(obj, pending, now)
-        self.queue.push(obj)
+        self._commit(obj, pending.replicas, pending.size, pending.soft_pin, pending.soft_pin_ttl_ms,
+                     pending.hard_pin, self.clock())
         self.counters["put_end"] += 1
-        self._check_watermark()
         return Resp(OK)
 
+    def _commit(self, obj: ObjectMeta, replicas: list[Replica], size: int, soft_pin: int, soft_pin_ttl_ms: int,
+                hard_pin: bool, now: float) -> None:
+        """Make ``replicas`` (``size`` value bytes, written) ``obj``'s COMPLETE version
+        (PutEnd, PutCommit): the old one retired, a new commit version, the index told,
+        the pins applied (``soft_pin_ttl_ms`` resolved), the eviction order updated."""
+        self._index_drop(obj)
+        self._retire(obj)  # an upsert's old value
+        self._set_replicas(obj, replicas)
+        obj.size = size
+        obj.version = self._next_version()
+        self._index_add(obj)
+        obj.lease_deadline = max(obj.lease_deadline, now)  # eviction order: put counts as use
+        obj.hard_pin = hard_pin
+        obj.soft_pin_deadline = self._soft_pin_deadline(obj, soft_pin, soft_pin_ttl_ms, now)
+        self.queue.push(obj)
+        self._check_watermark()
+
     @staticmethod
-    def _soft_pin_deadline(obj: ObjectMeta, pending: PendingPut, now: float) -> float:
+    def _soft_pin_deadline(obj: ObjectMeta, soft_pin: int, soft_pin_ttl_ms: int, now: float) -> float:
         """Mooncake's commit of a put's SoftPinAction: PRESERVE keeps an unexpired pin
         (an upsert keeps it; a new object has none), ENABLE sets now + TTL (a TTL of 0
         clears it), DISABLE clears it."""
-        if pending.soft_pin == SOFT_PIN_ENABLE:
-            return now + pending.soft_pin_ttl_ms / 1000 if pending.soft_pin_ttl_ms else 0.0
-        if pending.soft_pin == SOFT_PIN_PRESERVE and obj.soft_pin_deadline > now:
+        if soft_pin == SOFT_PIN_ENABLE:
+            return now + soft_pin_ttl_ms / 1000 if soft_pin_ttl_ms else 0.0
+        if soft_pin == SOFT_PIN_PRESERVE and obj.soft_pin_deadline > now:
             return obj.soft_pin_deadline
         return 0.0
 
@@ -281,6 +303,7 @@ class MasterService(Eviction, Restore):
             log.warning("owner %s sent no heartbeat for %.1f s: its segments are unmounted",
                         owner, self.config.client_ttl_s)
         self.counters["read_grants_expired"] += self.grants.expire(now)
+        self._expire_leases(now)
         self.grants.free_due(now)
         release = self.config.put_start_release_timeout_s
         stale = [self.objects[k] for k in self.in_flight if now - self.objects[k].pending.started > release]
@@ -407,4 +430,6 @@ class MasterService(Eviction, Restore):
             zombie_buffers=self.grants.zombie_buffers,
             zombie_bytes=self.grants.zombie_bytes,
             open_grants=len(self.grants.open),
+            open_leases=len(self.alloc_leases.open),
+            leased_bytes=self.alloc_leases.leased_bytes,
         )
