@@ -13,9 +13,12 @@ from kvpool.errors import (
 )
 
 
-@pytest.fixture(params=["shm", "tcp"])
+@pytest.fixture(params=["shm", "tcp", "shm-put-start"])
 def any_client(request, module_cluster):
-    with Client(module_cluster.master_addr, force_tcp=request.param == "tcp") as c:
+    """A client over shm, over TCP, or over shm with every put through PutStart/PutEnd
+    (no allocation leases)."""
+    with Client(module_cluster.master_addr, force_tcp=request.param == "tcp",
+                alloc_leases=request.param != "shm-put-start") as c:
         yield c
         c.remove_all(force=True)
 
@@ -52,14 +55,19 @@ def test_batch_put_get_is_exist_remove(any_client):
     assert codes == [ErrorCode.OK, ErrorCode.OK, ErrorCode.OBJECT_NOT_FOUND]
 
 
-def test_batch_of_128_is_a_few_rpcs(client, module_cluster):
+@pytest.mark.parametrize("leases", [True, False])
+def test_batch_of_128_is_a_few_rpcs(module_cluster, leases):
     keys = [f"rpc/{i}" for i in range(128)]
-    before = client.stats().counters
-    client.batch_put(keys, [b"v" * 64] * 128)
-    client.batch_get(keys)
-    after = client.stats().counters
-    # one BatchPutStart, one BatchPutEnd, one BatchGetReplicaList: 128 puts, 128 leases
-    assert after["put_start"] - before.get("put_start", 0) == 128
+    with Client(module_cluster.master_addr, alloc_leases=leases) as client:
+        before = client.stats().counters
+        client.batch_put(keys, [b"v" * 64] * 128)
+        client.batch_get(keys)
+        after = client.stats().counters
+        client.remove_all(force=True)
+    # one AllocLease and one PutCommit, or one BatchPutStart and one BatchPutEnd; one
+    # BatchGetReplicaList: 128 puts, 128 read leases
+    committed = "put_commit" if leases else "put_end"
+    assert after[committed] - before.get(committed, 0) == 128
     assert after["leases_granted"] - before.get("leases_granted", 0) == 128
 
 

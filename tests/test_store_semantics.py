@@ -22,14 +22,19 @@ def cluster_short_lease():
         yield c
 
 
+def _held(stats: P.StatsResp) -> int:
+    """Allocated bytes but the unused space of open allocation leases (the client's)."""
+    return stats.used_bytes - stats.leased_bytes
+
+
 def test_k02_batch_put_duplicates_one_result_each_and_no_leak(client):
-    base = client.stats().used_bytes
+    base = _held(client.stats())
     codes = client.batch_put(["d", "d", "e"], [b"1" * 100, b"2" * 100, b"3" * 100])
     assert codes == [ErrorCode.OK, ErrorCode.OBJECT_ALREADY_EXISTS, ErrorCode.OK]
     assert client.get("d") == b"1" * 100
     assert client.batch_put(["d"], [b"x" * 100]) == [ErrorCode.OBJECT_ALREADY_EXISTS]
     stats = client.stats()
-    assert stats.used_bytes - base == 2 * 128  # two objects, 64-byte aligned: nothing leaked
+    assert _held(stats) - base == 2 * 128  # two objects, 64-byte aligned: nothing leaked
     assert stats.in_flight_puts == 0
 
 
@@ -63,18 +68,23 @@ def test_k05_read_after_the_lease_ran_out_fails_on_handle_paths(cluster):
         assert c.get("k") == b"v" * 1000  # a fresh lease reads fine
 
 
-def test_k07_accounting_returns_to_exactly_zero(cluster):
-    client = Client(cluster.master_addr)
+@pytest.mark.parametrize("leases", [True, False])
+def test_k07_accounting_returns_to_exactly_zero(cluster, leases):
+    client = Client(cluster.master_addr, alloc_leases=leases)
     client.put("eleven", b"hello world")
     stats = client.stats()
-    assert stats.used_bytes > 0
+    assert stats.used_bytes > 0 and stats.object_count == 1
     assert stats.used_bytes == sum(s.used for s in stats.segments)
+    assert (stats.open_leases, stats.leased_bytes > 0) == ((1, True) if leases else (0, False))
     assert client.remove_all() == 1
     stats = client.stats()
-    assert stats.used_bytes == 0 and stats.object_count == 0
-    assert all(s.used == 0 for s in stats.segments)
+    assert stats.used_bytes == stats.leased_bytes and stats.object_count == 0
     assert all(v >= 0 for v in stats.counters.values())
-    client.close()
+    client.close()  # returns the lease
+    with Client(cluster.master_addr, alloc_leases=False) as other:
+        stats = other.stats()
+    assert stats.used_bytes == 0 and stats.open_leases == 0 and stats.leased_bytes == 0
+    assert all(s.used == 0 for s in stats.segments)
 
 
 def test_forced_remove_keeps_an_unreported_read_until_the_lease_ends(cluster_short_lease):
@@ -84,7 +94,7 @@ def test_forced_remove_keeps_an_unreported_read_until_the_lease_ends(cluster_sho
         c.remove("held", force=True)
         assert not c.is_exist("held")
         assert c.stats().zombie_buffers == 1  # not reused while that read may be in flight
-        wait_for(lambda: c.stats().used_bytes == 0, what="buffer freed after lease end")
+        wait_for(lambda: _held(c.stats()) == 0, what="buffer freed after lease end")
 
 
 def test_remove_all_skips_leased_objects_unless_forced(client):

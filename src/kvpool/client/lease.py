@@ -50,6 +50,7 @@ class LocalLeases:
 
     def __init__(self, want: int):
         self.want = want
+        self.granted = want  # bytes of the last lease granted
         self.current: ClientLease | None = None
         self._lock = threading.Lock()
         self.refill = threading.Lock()  # one AllocLease at a time
@@ -59,24 +60,26 @@ class LocalLeases:
 
     @property
     def max_value(self) -> int:
-        lease = self.current
-        return (lease.region.length if lease is not None else self.want) // 2
+        return self.granted // 2
 
     def place(self, sizes: list[int]) -> tuple[ClientLease, list[int]] | None:
-        """Offsets for values of ``sizes`` bytes, in order, in the current lease (one
-        placement: call :meth:`finish` once its writes and commit are over), or None
-        when the lease is missing, past its use, or too full for all of them."""
-        need = sum(map(_rounded, sizes))
+        """Offsets in the current lease for values of ``sizes`` bytes, in order: for as
+        many of them as fit (at least the first; the rest are the caller's to put
+        otherwise). One placement: call :meth:`finish` once its writes and commit are
+        over. None when the lease is missing, past its use, or too full for the first."""
         with self._lock:
             lease = self.current
             if lease is None or time.monotonic() >= lease.use_until:
                 return None
-            if lease.next + need > lease.region.offset + lease.region.length:
-                return None
+            end = lease.region.offset + lease.region.length
             offsets, pos = [], lease.next
             for size in sizes:
+                if pos + _rounded(size) > end:
+                    break
                 offsets.append(pos)
                 pos += _rounded(size)
+            if not offsets:
+                return None
             lease.next, lease.writing = pos, lease.writing + 1
             return lease, offsets
 
@@ -95,6 +98,7 @@ class LocalLeases:
         with self._lock:
             self._retire(self.current)
             self.current = ClientLease(lease_id, region, use_until, region.offset)
+            self.granted = region.length
 
     def retire_current(self, lease: ClientLease | None = None) -> None:
         """Stop placing in the current lease (in ``lease``, if given and still current)."""

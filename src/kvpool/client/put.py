@@ -195,33 +195,36 @@ class PutPath:
                 and item.size <= leases.max_value)
 
     def _put_leased(self, items: list[P.PutItem], srcs: list[list[memoryview]]) -> list[ErrorCode | None]:
-        """Place ``items`` in the lease, write them, commit them with one PutCommit.
-        One code per item; None: put it the PutStart way (no lease, the lease refused
-        or unknown to the master, the write failed)."""
+        """Place ``items`` in the lease (as many as fit), write them, commit them with
+        one PutCommit. One code per item; None: put it the PutStart way (no room in a
+        lease, the lease refused or unknown to the master, the write failed)."""
         placed = self._place([item.size for item in items])
-        if placed is None:
-            return [None] * len(items)
-        lease, offsets = placed
         codes: list[ErrorCode | None] = [None] * len(items)
+        if placed is None:
+            return codes
+        lease, offsets = placed
+        ready: list[int] = []  # placed items written whole
         try:
             jobs = []
             for i, (offset, views) in enumerate(zip(offsets, srcs)):
                 desc = msgspec.structs.replace(lease.region, offset=offset, length=items[i].size)
                 jobs.extend((i, piece, view) for piece, view in _pieces(desc, views))
             written, _ = self._write_all(jobs)
-            ready = [i for i in range(len(items)) if written[i]]
+            ready = [i for i in range(len(offsets)) if written[i]]
             if ready:
                 commit = P.PutCommit(self.owner_id, lease.lease_id, [_commit_item(items[i], offsets[i]) for i in ready])
                 for i, code in zip(ready, self._call(commit, idempotent=False).codes):
                     codes[i] = None if code == ErrorCode.LEASE_EXPIRED else code_of(code)
         finally:
-            self.leases.finish(lease, drop=None in codes)
+            # a failed write (a stale mount epoch?) or an unknown lease: place no more in it
+            self.leases.finish(lease, drop=None in codes[:len(offsets)])
             self._return_leases()
         return codes
 
     def _place(self, sizes: list[int]) -> tuple[ClientLease, list[int]] | None:
-        """Offsets for values of ``sizes`` in the current lease, asking the master for a
-        new lease when it is missing, full or near its end; None: no lease to be had."""
+        """Offsets for (a prefix of) values of ``sizes`` in the current lease, asking
+        the master for a new lease when it is missing, full or near its end; None: no
+        lease to be had, or the first value does not fit in the one granted."""
         leases = self.leases
         placed = leases.place(sizes)
         if placed is not None or not leases.wants_lease():
@@ -238,10 +241,11 @@ class PutPath:
             if reply is None or reply.code != ErrorCode.OK:
                 leases.retire_current()
                 leases.refused()
-                placed = None
             else:
                 leases.install(reply.lease_id, reply.region, sent, reply.ttl_ms)
                 placed = leases.place(sizes)
+                if placed is None:  # a small segment's lease: back at once, not held unused
+                    leases.retire_current()
         self._return_leases()
         return placed
 
