@@ -1,0 +1,273 @@
+"""Allocation leases in MasterService on a fake clock: grants and their bounds, what a
+commit must satisfy, what a commit does (the same as PutEnd), and how a lease ends
+(returned, expired, its segment unmounted, the master restarted), with used bytes
+exact throughout (K07). The wire paths (a killed writer, a master restart mid-lease, a
+full pool) are in test_store_alloc_leases.py."""
+
+from __future__ import annotations
+
+import pytest
+
+from kvpool import protocol as P
+from kvpool.errors import ErrorCode
+from kvpool.master.config import MasterConfig
+from kvpool.master.service import MasterService
+
+MIB = 1 << 20
+OK = ErrorCode.OK
+RELEASE_S = 600.0  # MasterConfig's put_start_release_timeout_s
+
+
+class FakeClock:
+    def __init__(self, start: float = 1000.0):
+        self.now = start
+
+    def __call__(self) -> float:
+        return self.now
+
+    def advance(self, seconds: float) -> None:
+        self.now += seconds
+
+
+def service(segment_size: int = 64 * MIB, **config) -> tuple[MasterService, FakeClock]:
+    clock = FakeClock()
+    svc = MasterService(MasterConfig(**config), clock=clock)
+    assert svc.mount("node", P.SegmentInfo("seg", "host", "shm", segment_size, "127.0.0.1:1")).code == OK
+    return svc, clock
+
+
+def lease(svc: MasterService, owner: str = "c1", size: int = 64 * MIB) -> P.AllocLeaseResp:
+    reply = svc.alloc_lease(owner, size)
+    assert reply.code == OK
+    return reply
+
+
+def commit(svc: MasterService, grant: P.AllocLeaseResp, key: str, at: int, size: int = 1000,
+           owner: str = "c1", **options) -> ErrorCode:
+    """Commit ``size`` bytes of ``key`` at ``at`` bytes past the lease's start."""
+    item = P.CommitItem(key, grant.region.offset + at, size, **options)
+    [code] = svc.put_commit(owner, grant.lease_id, [item]).codes
+    return code
+
+
+def tick(svc: MasterService) -> None:
+    """A tick with the node alive (it heartbeats while the clock jumps)."""
+    assert svc.heartbeat("node").code == OK
+    svc.tick()
+
+
+def visible(svc: MasterService, key: str) -> bool:
+    obj = svc.lookup(key)
+    return obj is not None and obj.visible
+
+
+def test_a_lease_is_bounded_and_counted_as_used_bytes():
+    svc, _ = service(64 * MIB)
+    grant = lease(svc, size=1 << 40)
+    assert grant.region.length == 4 * MIB  # 1/16 of the segment
+    assert grant.region.offset % 64 == 0 and grant.ttl_ms == 10_000
+    assert grant.region.segment.epoch == svc.segments.segments["seg"].info.epoch
+    stats = svc.stats()
+    assert (stats.used_bytes, stats.leased_bytes, stats.open_leases) == (4 * MIB, 4 * MIB, 1)
+    small, _ = service(1 << 30, alloc_lease_size=MIB)
+    assert lease(small).region.length == MIB  # the configured size binds first
+    assert lease(small, "c2", size=1000).region.length == 960  # what was asked, aligned down
+
+
+def test_leases_are_refused_without_room_per_owner_beyond_the_limit_and_when_off():
+    svc, _ = service(64 * MIB, max_leases_per_owner=2)
+    lease(svc)
+    lease(svc)
+    assert svc.alloc_lease("c1", MIB).code == ErrorCode.NO_AVAILABLE_HANDLE
+    assert svc.alloc_lease("c2", MIB).code == OK
+    assert svc.alloc_lease("", MIB).code == ErrorCode.INVALID_PARAMS
+    off, _ = service(alloc_lease_size=0)
+    assert off.alloc_lease("c1", MIB).code == ErrorCode.NO_AVAILABLE_HANDLE
+    # a lease never evicts and never takes used bytes above the high watermark
+    full, _ = service(16 * MIB)
+    for i in range(14):
+        assert full.put_start(P.PutItem(f"f{i}", MIB)).code == OK
+    assert full.alloc_lease("c1", MIB).code == ErrorCode.NO_AVAILABLE_HANDLE
+    assert full.stats().used_bytes == 14 * MIB and full.counters["evicted_objects"] == 0
+
+
+def test_an_object_is_invisible_until_committed_and_then_is_one_complete_replica():
+    svc, _ = service()
+    grant = lease(svc)
+    assert not visible(svc, "k") and svc.get_replica_list("k").code == ErrorCode.OBJECT_NOT_FOUND
+    assert commit(svc, grant, "k", 0, 1000, soft_pin=P.SOFT_PIN_ENABLE, soft_pin_ttl_ms=5000) == OK
+    reply = svc.get_replica_list("k")
+    assert reply.code == OK and reply.size == 1000
+    [replica] = reply.replicas
+    assert (replica.segment.name, replica.offset, replica.length) == ("seg", grant.region.offset, 1000)
+    obj = svc.lookup("k")
+    assert obj.version > 0 and obj.soft_pin_deadline > 0
+    assert svc.stats().object_count == 1
+    assert svc.stats().leased_bytes == 4 * MIB - 1024  # the committed range left the lease
+
+
+@pytest.mark.parametrize("case", ["outside", "past the end", "misaligned", "overlapping", "another owner",
+                                  "unknown lease", "zero size"])
+def test_a_bad_commit_is_refused_and_nothing_becomes_visible(case):
+    svc, _ = service()
+    grant = lease(svc)
+    length = grant.region.length
+    assert commit(svc, grant, "first", 0, 1000) == OK
+    before = svc.stats()
+    at, size, owner, lease_id = {
+        "outside": (-64, 64, "c1", grant.lease_id),
+        "past the end": (length - 64, 65, "c1", grant.lease_id),
+        "misaligned": (1032, 100, "c1", grant.lease_id),
+        "overlapping": (960, 100, "c1", grant.lease_id),
+        "another owner": (1024, 100, "c2", grant.lease_id),
+        "unknown lease": (1024, 100, "c1", grant.lease_id + 1),
+        "zero size": (1024, 0, "c1", grant.lease_id),
+    }[case]
+    item = P.CommitItem("bad", grant.region.offset + at, size)
+    [code] = svc.put_commit(owner, lease_id, [item]).codes
+    assert code != OK
+    assert not visible(svc, "bad")
+    after = svc.stats()
+    assert (after.used_bytes, after.leased_bytes, after.object_count) == (
+        before.used_bytes, before.leased_bytes, before.object_count)
+
+
+def test_a_range_committed_and_freed_since_is_never_committed_again():
+    svc, _ = service()
+    grant = lease(svc)
+    assert commit(svc, grant, "gone", 0, 1000) == OK
+    assert svc.remove("gone").code == OK  # its range is free: it may belong to another now
+    assert commit(svc, grant, "again", 0, 1000) == ErrorCode.INVALID_PARAMS
+    assert commit(svc, grant, "inside", 512, 64) == ErrorCode.INVALID_PARAMS
+    assert commit(svc, grant, "next", 1024, 64) == OK
+    assert not visible(svc, "again") and not visible(svc, "inside")
+
+
+def test_a_commit_checks_the_key_as_put_start_does():
+    svc, _ = service()
+    grant = lease(svc)
+    assert svc.put_start(P.PutItem("taken", 100)).code == OK and svc.lookup("taken").pending is not None
+    assert commit(svc, grant, "taken", 0) == ErrorCode.OBJECT_ALREADY_EXISTS
+    assert commit(svc, grant, "taken", 0, upsert=True) == ErrorCode.REPLICA_IS_NOT_READY
+    assert commit(svc, grant, "", 0) == ErrorCode.INVALID_PARAMS
+    assert commit(svc, grant, "k", 0, soft_pin=P.SOFT_PIN_DISABLE, soft_pin_ttl_ms=5) == ErrorCode.INVALID_PARAMS
+    assert commit(svc, grant, "k", 0) == OK
+    assert commit(svc, grant, "k", 1024) == ErrorCode.OBJECT_ALREADY_EXISTS
+    assert svc.put_start(P.PutItem("k", 100)).code == ErrorCode.OBJECT_ALREADY_EXISTS
+
+
+def test_an_upsert_commit_retires_the_old_version_like_put_end():
+    svc, _ = service()
+    grant = lease(svc)
+    assert commit(svc, grant, "k", 0, 1000) == OK
+    v1 = svc.lookup("k").version
+    held = svc.get_replica_list("k")  # a read in flight on the first version
+    assert commit(svc, grant, "k", 1024, 2000, upsert=True) == OK
+    obj = svc.lookup("k")
+    assert obj.size == 2000 and obj.version > v1 and obj.replicas[0].offset == grant.region.offset + 1024
+    assert svc.stats().zombie_buffers == 1  # the old range waits for that read
+    svc.read_done([held.grant_id])
+    assert svc.stats().zombie_buffers == 0
+    assert svc.return_lease("c1", [grant.lease_id]).count == 1
+    assert svc.stats().used_bytes == 2048  # only the new version
+
+
+def test_a_batch_commit_gives_one_code_per_item():
+    svc, _ = service()
+    grant = lease(svc)
+    base = grant.region.offset
+    items = [P.CommitItem("a", base, 100), P.CommitItem("b", base + 128, 100), P.CommitItem("a", base + 256, 10),
+             P.CommitItem("c", base + 64, 10)]
+    assert svc.put_commit("c1", grant.lease_id, items).codes == [
+        OK, OK, ErrorCode.OBJECT_ALREADY_EXISTS, ErrorCode.INVALID_PARAMS]
+    assert svc.counters["put_commit"] == 2
+
+
+def test_k07_returned_leases_and_removed_objects_bring_used_bytes_to_exactly_zero():
+    svc, _ = service()
+    grants = [lease(svc), lease(svc, "c2")]
+    for n, grant in enumerate(grants):
+        for i in range(10):
+            assert commit(svc, grant, f"{n}/{i}", 4096 * i + 64 * (i % 3), 1000 + i, owner=f"c{n + 1}") == OK
+    assert svc.return_lease("c1", [grants[1].lease_id]).count == 0  # not c1's
+    assert svc.return_lease("c1", [grants[0].lease_id]).count == 1
+    assert svc.return_lease("c2", [grants[1].lease_id, grants[1].lease_id, 12345]).count == 1
+    stats = svc.stats()
+    assert stats.open_leases == 0 and stats.leased_bytes == 0 and stats.used_bytes == 20 * 1024
+    assert svc.batch_remove([f"{n}/{i}" for n in range(2) for i in range(10)]).codes == [OK] * 20
+    stats = svc.stats()
+    assert stats.used_bytes == 0 and all(s.used == 0 for s in stats.segments)
+
+
+def test_k04_an_expired_lease_refuses_commits_and_holds_its_gaps_until_the_release_timeout():
+    """A writer killed (or paused) mid-lease: its uncommitted space is not reused until
+    the lease's deadline plus the release timeout, and then is, exactly."""
+    svc, clock = service()
+    grant = lease(svc)
+    assert commit(svc, grant, "done", 0, 1000) == OK
+    clock.advance(10.0)  # the deadline: no tick yet, the lease is still refused
+    assert commit(svc, grant, "late", 1024) == ErrorCode.LEASE_EXPIRED
+    tick(svc)
+    stats = svc.stats()
+    assert stats.open_leases == 0 and stats.leased_bytes == 0
+    assert stats.used_bytes == 4 * MIB and stats.zombie_bytes == 4 * MIB - 1024  # held, not freed
+    assert commit(svc, grant, "later", 2048) == ErrorCode.LEASE_EXPIRED
+    clock.advance(RELEASE_S - 0.001)
+    tick(svc)
+    assert svc.stats().used_bytes == 4 * MIB  # never before the release timeout
+    clock.advance(0.002)
+    tick(svc)
+    stats = svc.stats()
+    assert stats.used_bytes == 1024 and stats.zombie_bytes == 0
+    assert svc.get_replica_list("done").code == OK and not visible(svc, "late")
+    assert svc.remove("done", force=True).code == OK
+    clock.advance(30.0)
+    tick(svc)
+    assert svc.stats().used_bytes == 0
+
+
+def test_committed_objects_are_evicted_on_their_own_while_the_lease_stays_whole():
+    svc, clock = service(16 * MIB, eviction_high_watermark_ratio=1.0)
+    grant = lease(svc)  # 1 MiB, not evictable
+    assert commit(svc, grant, "in-lease", 0, 1000) == OK
+    for i in range(15):
+        assert svc.put_start(P.PutItem(f"f{i}", MIB)).code == OK
+        assert svc.put_end(P.PutToken(f"f{i}", svc.lookup(f"f{i}").pending.put_id)).code == OK
+    clock.advance(1.0)
+    # the pool is full: a put evicts objects (the committed one among them), never the lease
+    assert svc.put_start(P.PutItem("new", MIB)).code == OK
+    assert svc.counters["evicted_objects"] >= 1
+    stats = svc.stats()
+    assert stats.leased_bytes == MIB - 1024 and stats.open_leases == 1
+    assert commit(svc, grant, "after", 1024, 1000) == OK  # the lease is still good
+    assert svc.stats().used_bytes <= 16 * MIB
+
+
+def test_unmounting_the_segment_drops_its_leases():
+    svc, _ = service()
+    grant = lease(svc)
+    assert commit(svc, grant, "k", 0) == OK
+    assert svc.unmount("node", "seg").code == OK
+    stats = svc.stats()
+    assert (stats.open_leases, stats.leased_bytes, stats.used_bytes, stats.object_count) == (0, 0, 0, 0)
+    assert commit(svc, grant, "k2", 1024) == ErrorCode.LEASE_EXPIRED
+    assert svc.mount("node", P.SegmentInfo("seg", "host", "shm", 64 * MIB, "127.0.0.1:1")).code == OK
+    assert svc.alloc_lease("c1", MIB).code == OK  # the owner's count went with them
+
+
+def test_a_new_master_knows_no_lease_of_the_old_one():
+    old, _ = service()
+    grant = lease(old)
+    new, _ = service()  # a restart: another incarnation, the segment mounted again
+    assert new.alloc_lease("c1", MIB).lease_id != grant.lease_id
+    [code] = new.put_commit("c1", grant.lease_id, [P.CommitItem("k", grant.region.offset, 100)]).codes
+    assert code == ErrorCode.LEASE_EXPIRED and not visible(new, "k")
+
+
+def test_a_commit_on_an_indexed_segment_is_told_to_its_node():
+    svc = MasterService(MasterConfig(), clock=FakeClock())
+    assert svc.mount("node", P.SegmentInfo("seg", "host", "shm", 64 * MIB, "127.0.0.1:1"), index=True).code == OK
+    grant = lease(svc)
+    assert commit(svc, grant, "k", 0, 100) == OK
+    [update] = svc.index_log.take()
+    assert [(e.key, e.offset, e.size) for e in update.adds] == [("k", grant.region.offset, 100)]
