@@ -13,6 +13,8 @@ kvpool in-proc      the client holds the segment itself (no node): same process
 kvpool shm          client and node in different processes on this host: shared-memory mapping
 kvpool tcp          the same, with every byte over the node's TCP port (``force_tcp=True``)
 kvpool veth         client in another network namespace, joined to the node by a veth pair
+kvpool ... put-st.  with ``--put-start-columns``: in-proc and shm with every put through
+                    PutStart/PutEnd (no allocation lease), to measure what leases save
 mooncake in-proc    Mooncake client that holds the segment itself (local copy)
 mooncake x-proc     Mooncake client without segment; another process holds it (TCP)
 redis               redis-server on 127.0.0.1, redis-py
@@ -125,6 +127,8 @@ def add_arguments(p) -> None:
     p.add_argument("--mooncake-master", default=None,
                    help="mooncake_master binary (default: on PATH or in the mooncake package)")
     p.add_argument("--redis-server", default=None, help="redis-server binary (default: on PATH)")
+    p.add_argument("--put-start-columns", action="store_true",
+                   help="add kvpool in-proc and shm columns whose puts skip allocation leases (PutStart/PutEnd)")
     p.add_argument("--no-veth", action="store_true",
                    help="leave out the kvpool column across two network namespaces joined by a "
                         "veth pair (needs root; absent with the reason when refused)")

@@ -91,6 +91,11 @@ def plan_columns(args, log_dir: str) -> list[Column]:
             Column("kvpool tcp", "kvpool.bench.systems.kvpool:KvpoolTarget",
                    {"segment_size": seg, "force_tcp": True, "log_dir": logs("kvpool tcp")},
                    kind="kvpool")]
+    if getattr(args, "put_start_columns", False):  # the same layouts, every put through PutStart/PutEnd
+        for name, cfg in [("kvpool in-proc put-start", {"client_segment": seg}),
+                          ("kvpool shm put-start", {"segment_size": seg, "force_tcp": False})]:
+            cols.append(Column(name, "kvpool.bench.systems.kvpool:KvpoolTarget",
+                               {**cfg, "alloc_leases": False, "log_dir": logs(name)}, kind="kvpool"))
     if not args.no_veth:
         cols.append(Column("kvpool veth", "kvpool.bench.systems.kvpool:VethKvpoolTarget",
                            {"segment_size": seg, "log_dir": logs("kvpool veth")}, kind="kvpool"))

@@ -24,7 +24,8 @@ class KvpoolTarget(Target):
 
     cfg: ``segment_size`` (bytes of the node's segment), ``force_tcp`` (bool),
     ``client_segment`` (bytes: no node; the client contributes its own segment, so
-    every object lives in the measuring process: the "same process" layout), ``log_dir``.
+    every object lives in the measuring process: the "same process" layout), ``log_dir``,
+    ``alloc_leases`` (bool, default True: False puts every value through PutStart/PutEnd).
     """
 
     name = "kvpool"
@@ -40,8 +41,10 @@ class KvpoolTarget(Target):
                                num_nodes=0 if own else 1, log_dir=cfg.get("log_dir")).start()
         self.master_addr = self.cluster.master_addr
         self.force_tcp = bool(cfg.get("force_tcp"))
-        self.client = Client(self.master_addr, force_tcp=self.force_tcp, global_segment_size=own)
-        return {"master": self.master_addr, "force_tcp": self.force_tcp,
+        leases = bool(cfg.get("alloc_leases", True))
+        self.client = Client(self.master_addr, force_tcp=self.force_tcp, global_segment_size=own,
+                             alloc_leases=leases)
+        return {"master": self.master_addr, "force_tcp": self.force_tcp, "alloc_leases": leases,
                 "segment_size": own or self.cluster.segment_size, "nodes": self.cluster.node_addrs,
                 "pids": [self.cluster.master.proc.pid] + [c.proc.pid for c in self.cluster.node_children]}
 
