@@ -203,3 +203,16 @@ def test_a_full_pool_keeps_taking_puts(watermark):
             assert c.get("v199") == values["v199"]
             alive = [k for k in values if c.is_exist(k)]
             assert alive and all(c.get(k) == values[k] for k in alive)
+
+
+@pytest.mark.cluster(extra_master_args=["--alloc-lease-ttl", "1"])
+def test_an_idle_clients_lease_is_returned_before_it_expires(cluster):
+    with Client(cluster.master_addr) as c:
+        c.put("k", b"v" * 1000)
+        assert c.stats().open_leases == 1
+        wait_for(lambda: c.stats().open_leases == 0, what="the keeper to return the idle lease")
+        stats = c.stats()
+        assert stats.counters["leases_returned"] == 1 and stats.counters.get("leases_expired", 0) == 0
+        assert stats.used_bytes == 1024 and stats.zombie_bytes == 0  # freed at once, not held
+        c.put("k2", b"w" * 1000)  # a new lease
+        assert c.get("k2") == b"w" * 1000 and c.stats().open_leases == 1

@@ -102,6 +102,8 @@ class Client(ReadGrants, PutPath, GetPath):
             alloc_leases = os.environ.get("KVPOOL_ALLOC_LEASES", "1") != "0"
         self.owner_id = f"client-{secrets.token_hex(8)}"  # names this client's allocation leases
         self.leases = LocalLeases(lease_bytes) if alloc_leases else None
+        self._keeper: threading.Thread | None = None  # returns leases (PutPath._keep_leases)
+        self._lease_wake = threading.Event()
         try:
             self._call(P.Ping())  # fail now, clearly: master not there, another protocol version
         except BaseException:
@@ -221,6 +223,11 @@ class Client(ReadGrants, PutPath, GetPath):
         if flusher is not None:
             self._done_waiting.set()
             flusher.join(self.timeout_s)
+        with self._lock:
+            keeper = self._keeper
+        if keeper is not None:
+            self._lease_wake.set()
+            keeper.join(self.timeout_s)
         if self.leases is not None and self._channels:
             self._return_leases(everything=True)  # no put is in flight once close() is called
         done = self._take_done()

@@ -5,9 +5,11 @@ client allocates values from itself: each value takes the next 64-aligned range,
 no range is handed out twice and a commit never overlaps an earlier one. A lease is
 used for new values only until its deadline minus a margin, measured on this client's
 clock from when it sent the AllocLease (never later than the master's grant); a value
-that does not fit retires it and a new one is asked for. A retired lease is returned
-(ReturnLease) once no write into it is in flight: the master then frees its unused
-space at once. Every method is thread-safe (one lock, held for no I/O).
+that does not fit retires it and a new one is asked for, and one whose use ended
+retires too (the client's lease keeper thread sees to it when no put comes). A retired
+lease is returned (ReturnLease) once no write into it is in flight: the master then
+frees its unused space at once, instead of holding it for the release timeout as it
+does for an expired lease. Every method is thread-safe (one lock, held for no I/O).
 """
 
 from __future__ import annotations
@@ -100,11 +102,23 @@ class LocalLeases:
             self.current = ClientLease(lease_id, region, use_until, region.offset)
             self.granted = region.length
 
-    def retire_current(self, lease: ClientLease | None = None) -> None:
-        """Stop placing in the current lease (in ``lease``, if given and still current)."""
+    def retire_current(self) -> None:
+        """Stop placing in the current lease."""
         with self._lock:
-            if lease is None or self.current is lease:
-                self._retire(self.current)
+            self._retire(self.current)
+
+    def retire_used_up(self) -> float | None:
+        """Retire the current lease if its use is over; returns the time.monotonic() at
+        which the (remaining) current lease's use ends, None when there is none."""
+        with self._lock:
+            lease = self.current
+            if lease is not None and time.monotonic() >= lease.use_until:
+                self._retire(lease)
+                lease = None
+            return None if lease is None else lease.use_until
+
+    def has_returns(self) -> bool:
+        return bool(self._returns)  # a plain read: a stale answer only delays a return
 
     def finish(self, lease: ClientLease, drop: bool = False) -> None:
         """One placement in ``lease`` is over (written and committed, or given up);

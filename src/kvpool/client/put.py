@@ -14,6 +14,7 @@ gather write), and put() returns and raises the same.
 from __future__ import annotations
 
 import contextlib
+import threading
 import time
 from typing import Sequence
 
@@ -23,6 +24,7 @@ from kvpool import protocol as P
 from kvpool.client.keys import check_key
 from kvpool.client.lease import ClientLease
 from kvpool.errors import ErrorCode, InvalidParams, KVPoolError, TransferFailed, code_name, code_of, raise_for
+from kvpool.rpc import RpcChannel
 from kvpool.transfer import as_byte_view
 from kvpool.transfer.buffers import RegisteredBuffer
 from kvpool.transfer.request import Op, TransferRequest, TransferStatus
@@ -30,8 +32,10 @@ from kvpool.transfer.request import Op, TransferRequest, TransferStatus
 
 class PutPath:
     """The put methods of :class:`~kvpool.client.Client` (a mixin: it uses the client's
-    ``_call``, ``engine``, ``host_id``, ``owner_id`` and ``leases``, a
-    :class:`~kvpool.client.lease.LocalLeases` or None: no allocation leases)."""
+    ``_call``, ``engine``, ``host_id``, ``master_addr``, ``timeout_s``, ``_lock``,
+    ``_closing``, and keeps ``owner_id``, ``leases`` (a
+    :class:`~kvpool.client.lease.LocalLeases`, or None: no allocation leases),
+    ``_keeper`` (the lease keeper thread) and ``_lease_wake`` (wakes it))."""
 
     def put(self, key: str, value, replica_num: int = 1, *, soft_pin: bool | None = None,
             soft_pin_ttl_ms: int | None = None, hard_pin: bool = False, preferred_segment: str = "") -> int:
@@ -218,7 +222,7 @@ class PutPath:
         finally:
             # a failed write (a stale mount epoch?) or an unknown lease: place no more in it
             self.leases.finish(lease, drop=None in codes[:len(offsets)])
-            self._return_leases()
+            self._wake_keeper()
         return codes
 
     def _place(self, sizes: list[int]) -> tuple[ClientLease, list[int]] | None:
@@ -246,17 +250,47 @@ class PutPath:
                 placed = leases.place(sizes)
                 if placed is None:  # a small segment's lease: back at once, not held unused
                     leases.retire_current()
-        self._return_leases()
+                self._start_keeper()
+        self._wake_keeper()
         return placed
 
     def _return_leases(self, everything: bool = False) -> None:
-        """Send ReturnLease for the retired leases no write is in flight into (best
-        effort: a lease not returned expires on the master)."""
+        """Send ReturnLease, on this thread's connection, for the retired leases no write
+        is in flight into (``everything``: all, the client is closing). Best effort: a
+        lease not returned expires on the master."""
         ids = self.leases.take_returns(everything)
         if ids:
             with contextlib.suppress(KVPoolError, OSError):
                 self._call(P.ReturnLease(self.owner_id, ids))
 
+    def _wake_keeper(self) -> None:
+        """Have the lease keeper return retired leases (a put never waits for it)."""
+        if self.leases.has_returns():
+            self._lease_wake.set()
+
+    def _keep_leases(self) -> None:
+        """Lease keeper thread, on a master connection of its own: returns retired
+        leases, and retires the current one when its use ends, so that an idle client's
+        lease is freed at once rather than expiring (the master would hold its unused
+        space for the release timeout)."""
+        chan = RpcChannel(self.master_addr, self.timeout_s)
+        try:
+            while not self._closing:
+                until = self.leases.retire_used_up()
+                ids = self.leases.take_returns()
+                if ids:
+                    with contextlib.suppress(KVPoolError, OSError):
+                        chan.call(P.ReturnLease(self.owner_id, ids))
+                self._lease_wake.wait(None if until is None else max(0.0, until - time.monotonic()) + 0.001)
+                self._lease_wake.clear()
+        finally:
+            chan.close()
+
+    def _start_keeper(self) -> None:
+        with self._lock:
+            if self._keeper is None and not self._closing:
+                self._keeper = threading.Thread(target=self._keep_leases, name="kvpool-lease-keeper", daemon=True)
+                self._keeper.start()
     def _write_all(self, jobs: list[tuple[int, P.ReplicaDesc, memoryview]]) -> tuple[dict[int, bool], str]:
         """Write every (item index, replica, source) job. Returns ({index: all its
         writes OK}, why the failed ones failed: status and the transports' reasons)."""

@@ -11,7 +11,9 @@ import signal
 import sys
 
 from kvpool.auth import secret_bytes
-from kvpool.config import Option, add_options, parse_size, format_addr, parse_addr, parse_host, resolve, write_ready_file
+from kvpool.config import (
+    Option, add_options, format_addr, parse_addr, parse_host, parse_size, resolve, write_ready_file,
+)
 from kvpool.errors import UserError
 from kvpool.master.config import MasterConfig
 from kvpool.master.segments import STRATEGIES

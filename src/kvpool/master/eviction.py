@@ -130,8 +130,9 @@ def _adds_room(obj: ObjectMeta, room: dict[str, int], need: int, segments) -> bo
 class Eviction:
     """Eviction handlers of :class:`~kvpool.master.service.MasterService` (a mixin: it
     uses the service's ``config``, ``segments``, ``objects``, ``queue``, ``counters``,
-    ``clock``, ``grants``, ``_free``, ``_forget`` and ``_index_drop``, and keeps ``wants_eviction`` and
-    ``_eviction_debt``, the objects the current pass still has to free)."""
+    ``clock``, ``grants``, ``alloc_leases``, ``_free``, ``_forget`` and ``_index_drop``,
+    and keeps ``wants_eviction`` and ``_eviction_debt``, the objects the current pass
+    still has to free)."""
 
     def _allocate(self, item: PutItem, host_id: str) -> list[Replica]:
         """Buffers for ``item``; on failure evict, in eviction order, only objects whose
@@ -267,4 +268,8 @@ class Eviction:
                 until = max(z.free_at for z in held) - now
                 text += (f"; {self.grants.nbytes(held)} bytes are held by {len(held)} {kind} "
                          f"(at the latest in {until:.1f} s)")
+        leases = self.alloc_leases
+        if leases.leased_bytes:
+            text += (f"; {leases.leased_bytes} bytes are held unused by {len(leases.open)} allocation "
+                     f"leases, until returned or expired")
         return text

@@ -15,7 +15,10 @@ version is in flight, i.e. neither reported done by its reader (ReadDone) nor ex
 so a reader still copying never sees reused bytes, yet a reader that finished does not
 pin the space for the rest of the lease. Grants never shorten the object's lease: a
 live object stays unremovable (OBJECT_HAS_LEASE) and unevictable until it ends.
-Grants and zombies: :mod:`kvpool.master.leases`; eviction: :mod:`kvpool.master.eviction`.
+Grants and zombies: :mod:`kvpool.master.leases`; eviction: :mod:`kvpool.master.eviction`;
+allocation leases (AllocLease, PutCommit, ReturnLease: a put in one round trip; kvpool's
+addition) in :mod:`kvpool.master.alloc_leases`, committing through the same
+:meth:`MasterService._commit` as PutEnd.
 
 The counts a stats request reports (visible objects, zombie buffers and bytes) are kept
 as they change, so ``stats()`` costs O(segments), not O(objects).
@@ -39,9 +42,8 @@ from kvpool.master.segments import SegmentTable, new_epoch
 from kvpool.master.table import ObjectMeta, ObjectTable
 from kvpool.protocol import (
     MAX_KEY_BYTES, MAX_SEGMENTS, SOFT_PIN_DISABLE, SOFT_PIN_ENABLE, SOFT_PIN_PRESERVE, BatchGetResp,
-    BatchPutStartResp, CodesResp, CommitItem, CountResp, GetResp, IndexEntry, MountResp, PutItem, PutStartResp, PutToken,
-    ReplicaDesc,
-    Resp, SegmentInfo, SegmentStats, StatsResp,
+    BatchPutStartResp, CodesResp, CommitItem, CountResp, GetResp, IndexEntry, MountResp, PutItem, PutStartResp,
+    PutToken, ReplicaDesc, Resp, SegmentInfo, SegmentStats, StatsResp,
 )
 
 MIN_SEGMENT_SIZE = 1 << 10  # bytes; Mooncake's MIN_SEGMENT_SIZE: smaller mounts are refused
