@@ -31,8 +31,9 @@ def admin_cluster():
 
 @pytest.fixture
 def kv(admin_cluster):
-    """A client on an empty cluster: no objects, no buffers held by leases."""
-    with Client(admin_cluster.master_addr) as c:
+    """A client on an empty cluster: no objects, no buffers held by leases; every put
+    through PutStart/PutEnd (no allocation lease: the byte counts below are objects')."""
+    with Client(admin_cluster.master_addr, alloc_leases=False) as c:
         c.remove_all(force=True)
         poll_until(lambda: not c.stats().zombie_buffers, 10 * LEASE_MS / 1000, 0.05)
         assert c.stats().used_bytes == 0
@@ -141,6 +142,20 @@ def test_master_metrics_count_evictions(admin_cluster, kv):
     assert value(after, "kvpool_master_evicted_bytes_total") >= MIB
     assert value(after, "kvpool_master_events_total", event="evicted_objects") == value(
         after, "kvpool_master_evictions_total")
+
+
+def test_master_metrics_count_allocation_leases(admin_cluster, kv):
+    with Client(admin_cluster.master_addr) as c:
+        c.put("lease/0", b"v" * 1000)
+        after = metrics(master_http(admin_cluster))
+        assert value(after, "kvpool_master_open_alloc_leases") == 1
+        leased = value(after, "kvpool_master_leased_bytes")
+        assert leased > 0 and value(after, "kvpool_master_used_bytes") == leased + 1024
+        assert value(after, "kvpool_master_requests_total", op="AllocLease") >= 1
+        assert value(after, "kvpool_master_requests_total", op="PutCommit") >= 1
+    closed = metrics(master_http(admin_cluster))  # close() returned the lease
+    assert value(closed, "kvpool_master_open_alloc_leases") == 0 and value(closed, "kvpool_master_leased_bytes") == 0
+    assert value(closed, "kvpool_master_used_bytes") == 1024
 
 
 def test_segments_endpoint(admin_cluster, kv):

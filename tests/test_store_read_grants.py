@@ -112,7 +112,7 @@ def test_done_reads_do_not_shorten_the_lease_of_a_live_object(cluster):
         assert c.remove_all() == 0
         c.remove("live", force=True)  # no read in flight: freed now, no zombie
         stats = c.stats()
-        assert stats.used_bytes == 0 and stats.zombie_buffers == 0
+        assert stats.used_bytes == stats.leased_bytes and stats.zombie_buffers == 0  # only the put's lease
 
 
 def test_a_read_handle_reads_once(client):

@@ -251,7 +251,8 @@ class PutPath:
                 if placed is None:  # a small segment's lease: back at once, not held unused
                     leases.retire_current()
                 self._start_keeper()
-        self._wake_keeper()
+        # at once, not by the keeper: a put through PutStart may need that space next
+        self._return_leases()
         return placed
 
     def _return_leases(self, everything: bool = False) -> None:
@@ -274,15 +275,18 @@ class PutPath:
         lease is freed at once rather than expiring (the master would hold its unused
         space for the release timeout)."""
         chan = RpcChannel(self.master_addr, self.timeout_s)
+        until = self.leases.retire_used_up()
         try:
-            while not self._closing:
+            while True:
+                self._lease_wake.wait(None if until is None else max(0.0, until - time.monotonic()) + 0.001)
+                self._lease_wake.clear()
+                if self._closing:
+                    return
                 until = self.leases.retire_used_up()
                 ids = self.leases.take_returns()
                 if ids:
                     with contextlib.suppress(KVPoolError, OSError):
                         chan.call(P.ReturnLease(self.owner_id, ids))
-                self._lease_wake.wait(None if until is None else max(0.0, until - time.monotonic()) + 0.001)
-                self._lease_wake.clear()
         finally:
             chan.close()
 
