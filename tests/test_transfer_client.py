@@ -124,7 +124,8 @@ def test_tcp_get_of_a_large_value_is_exact(module_cluster):
         c.remove("large-tcp", force=True)
 
 
-def test_a_batch_costs_one_rpc_per_step(module_cluster, monkeypatch):
+@pytest.mark.parametrize("leases", [True, False])
+def test_a_batch_costs_one_rpc_per_step(module_cluster, monkeypatch, leases):
     sent = []
     real_call = RpcChannel.call
 
@@ -135,10 +136,13 @@ def test_a_batch_costs_one_rpc_per_step(module_cluster, monkeypatch):
     monkeypatch.setattr(RpcChannel, "call", counting_call)
     keys = [f"rpc-{i}" for i in range(128)]
     pages = [np.full(4096, i, np.uint8) for i in range(128)]
-    with Client(module_cluster.master_addr, force_tcp=True) as c:
+    with Client(module_cluster.master_addr, force_tcp=True, alloc_leases=leases) as c:
         sent.clear()
-        assert c.batch_put_from(keys, pages, [4096] * 128) == [ErrorCode.OK] * 128
-        assert sent == ["BatchPutStart", "BatchPutEnd"]
+        assert c.batch_put_from(keys[:64], pages[:64], [4096] * 64) == [ErrorCode.OK] * 64
+        assert sent == (["AllocLease", "PutCommit"] if leases else ["BatchPutStart", "BatchPutEnd"])
+        sent.clear()
+        assert c.batch_put_from(keys[64:], pages[64:], [4096] * 64) == [ErrorCode.OK] * 64
+        assert sent == (["PutCommit"] if leases else ["BatchPutStart", "BatchPutEnd"])  # the same lease
         sent.clear()
         dsts = [np.empty(4096, np.uint8) for _ in keys]
         assert c.batch_get_into(keys, dsts) == [4096] * 128
