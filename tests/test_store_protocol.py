@@ -29,7 +29,9 @@ def test_every_size_and_offset_field_carries_64_bit_values(n):
         P.PutStart(P.PutItem("k", n)), P.PutEnd(P.PutToken("k", n)), P.MountSegment("o", seg),
         P.PutStartResp(0, n, [desc]), P.GetResp(0, n, n, [desc]), P.DataWrite(n, n),
         P.DataRead([n, n], [n, n]), P.DataResp(0, n), P.CountResp(0, n),
-        P.StatsResp(n, n, n, [P.SegmentStats("s", "o", n, n, "a")], {"c": n}),
+        P.StatsResp(n, n, n, [P.SegmentStats("s", "o", n, n, "a")], {"c": n}, leased_bytes=n),
+        P.AllocLease("o", n), P.AllocLeaseResp(0, n, desc, n), P.PutCommit("o", n, [P.CommitItem("k", n, n)]),
+        P.ReturnLease("o", [n]),
     ]
     for msg in messages:
         frame = P.encode_frame(msg)
