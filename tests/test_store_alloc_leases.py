@@ -214,5 +214,7 @@ def test_an_idle_clients_lease_is_returned_before_it_expires(cluster):
         stats = c.stats()
         assert stats.counters["leases_returned"] == 1 and stats.counters.get("leases_expired", 0) == 0
         assert stats.used_bytes == 1024 and stats.zombie_bytes == 0  # freed at once, not held
-        c.put("k2", b"w" * 1000)  # a new lease
+        c.put("k2", b"w" * 1000)  # a new lease, returned in turn
         assert c.get("k2") == b"w" * 1000 and c.stats().open_leases == 1
+        wait_for(lambda: c.stats().open_leases == 0, what="the keeper to return the second lease")
+        assert c.stats().counters["leases_returned"] == 2 and c.stats().used_bytes == 2048

@@ -251,6 +251,7 @@ class PutPath:
                 if placed is None:  # a small segment's lease: back at once, not held unused
                     leases.retire_current()
                 self._start_keeper()
+                self._lease_wake.set()  # the keeper learns the new lease's end of use
         # at once, not by the keeper: a put through PutStart may need that space next
         self._return_leases()
         return placed
@@ -295,6 +296,7 @@ class PutPath:
             if self._keeper is None and not self._closing:
                 self._keeper = threading.Thread(target=self._keep_leases, name="kvpool-lease-keeper", daemon=True)
                 self._keeper.start()
+
     def _write_all(self, jobs: list[tuple[int, P.ReplicaDesc, memoryview]]) -> tuple[dict[int, bool], str]:
         """Write every (item index, replica, source) job. Returns ({index: all its
         writes OK}, why the failed ones failed: status and the transports' reasons)."""
