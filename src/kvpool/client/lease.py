@@ -46,7 +46,7 @@ def _rounded(size: int) -> int:
 class LocalLeases:
     """This client's current lease and the retired ones still being written into.
 
-    ``max_value``: the largest value (bytes) put through a lease: half the last lease
+    ``want``: the lease size to ask the master for (bytes); ``max_value``: the largest value (bytes) put through a lease: half the last lease
     granted, else half of ``want`` (the size asked for).
     """
 
