@@ -3,6 +3,8 @@ nodes), the workloads' prefix structure and arrival times, goodput accounting.""
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import numpy as np
 import pytest
 
@@ -153,3 +155,23 @@ def test_conversation_sample_keeps_whole_multi_turn_conversations():
          TraceRequest(30, 700, (0, 7, 9)), TraceRequest(40, 800, (0, 1, 2, 3, 4))]
     assert conversation_sample(t, 5) == [t[0], t[2], t[3], t[4], t[5]]
     assert conversation_sample(t, 2) == [t[3], t[4]]  # the 3-turn one does not fit
+
+
+def test_a_dead_server_is_named_with_its_last_error(tmp_path):
+    import subprocess
+    import sys
+
+    from kvpool.bench.serve_fleet import Fleet
+
+    fleet = Fleet("example", "model", tmp_path, instances=2, python=Path(sys.executable))
+    script = "import sys; print('INFO fine'); print(\"RuntimeError: Worker failed with error 'No such file'\"); sys.exit(3)"
+    for i, code in enumerate(("import time; time.sleep(60)", script)):
+        with open(fleet.log_path(i), "w") as log:
+            fleet.procs.append(subprocess.Popen([sys.executable, "-c", code], stdout=log,
+                                                start_new_session=True))
+    fleet.procs[1].wait()
+    try:
+        assert fleet.dead() == ["example 1 exited with 3: RuntimeError: Worker failed with error 'No such file'"]
+    finally:
+        fleet.stop()
+    assert fleet.procs == []

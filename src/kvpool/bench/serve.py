@@ -172,6 +172,7 @@ class ServeBench:
         kinds = list(dict.fromkeys(CONFIGS[c][0] for c in self.configs))
         results: dict = {w.name: {c: [] for c in self.configs} for w in self.workloads}
         plan: dict = {}
+        failed: dict[str, str] = {}  # config -> why its runs stopped
         cluster = None
         try:
             for kind in kinds:
@@ -187,18 +188,33 @@ class ServeBench:
                     self.progress(f"  healthy after {fleet.startup_s:.0f} s")
                     if not plan:
                         plan = self.calibrate(fleet, rates, multipliers, slo_ttft_ms, slo_tpot_ms)
-                    for config in (c for c in self.configs if CONFIGS[c][0] == kind):
-                        for w in self.workloads:
-                            for k, rate in enumerate(plan[w.name]["rates"]):
-                                row = self.one_run(fleet, cluster, config, w, k, rate,
-                                                   plan[w.name])
-                                results[w.name][config].append(row)
-                                self.checkpoint({"plan": plan, "results": results})
+                    self._runs(fleet, cluster, kind, plan, results, failed)
         finally:
             if cluster is not None:
                 cluster.stop()
         return {"conditions": self.conditions(), "plan": plan, "results": results,
-                "knee": knee(results, self.configs)}
+                "failed": failed, "knee": knee(results, self.configs)}
+
+    def _runs(self, fleet: Fleet, cluster, kind: str, plan: dict, results: dict,
+              failed: dict) -> None:
+        """Every run of the configurations served by ``fleet``. A server that dies
+        ends them: the configuration's remaining runs are recorded in ``failed`` with
+        the server's last error, and the next kind of servers starts."""
+        for config in (c for c in self.configs if CONFIGS[c][0] == kind):
+            for w in self.workloads:
+                for k, rate in enumerate(plan[w.name]["rates"]):
+                    try:
+                        row = self.one_run(fleet, cluster, config, w, k, rate, plan[w.name])
+                    except OSError:  # URLError too: a server that stopped answering
+                        dead = fleet.dead()
+                        if not dead:
+                            raise
+                        failed[config] = f"from {w.name} at {rate} req/s: " + "; ".join(dead)
+                        self.progress(f"  {config}: a server died, its other runs are skipped "
+                                      f"({failed[config]})")
+                        return
+                    results[w.name][config].append(row)
+                    self.checkpoint({"plan": plan, "results": results, "failed": failed})
 
     def checkpoint(self, partial: dict) -> None:
         """The figures so far, in ``partial.json`` of the log folder (a run that dies
@@ -341,6 +357,7 @@ def format_tables(doc: dict) -> str:
             f"{c} {v:.3f} req/s" for c, v in doc["knee"][w]["peak_goodput_rps"].items())
             + ("; " + ", ".join(f"{k} {v:.2f}x" for k, v in ratios.items()) if ratios else ""),
             ""]
+    lines += [f"{c}: not measured further, a server died {why}" for c, why in doc.get("failed", {}).items()]
     return "\n".join(lines)
 
 

@@ -188,6 +188,19 @@ class Fleet:
             out.append(c)
         return out
 
+    def dead(self) -> list[str]:
+        """One line per server that has exited: its index, exit status and the last
+        error its log names (a server that died mid-run, e.g. of its connector)."""
+        out = []
+        for i, p in enumerate(self.procs):
+            if p.poll() is None:
+                continue
+            lines = [ln for ln in self.log_path(i).read_text(errors="replace").splitlines()
+                     if "Error" in ln and ":" in ln]
+            out.append(f"{self.kind} {i} exited with {p.returncode}"
+                       + (f": {lines[-1].strip()[:300]}" if lines else ""))
+        return out
+
     def stop(self) -> None:
         """SIGTERM each server's process group (API server and engine core), SIGKILL
         after 60 s."""
