@@ -169,9 +169,8 @@ def test_a_dead_server_is_named_with_its_last_error(tmp_path):
         with open(fleet.log_path(i), "w") as log:
             fleet.procs.append(subprocess.Popen([sys.executable, "-c", code], stdout=log,
                                                 start_new_session=True))
-    fleet.procs[1].wait()
     try:
-        assert fleet.dead() == ["example 1 exited with 3: RuntimeError: Worker failed with error 'No such file'"]
+        assert fleet.dead(wait_s=30) == ["example 1 exited with 3: RuntimeError: Worker failed with error 'No such file'"]
     finally:
         fleet.stop()
     assert fleet.procs == []

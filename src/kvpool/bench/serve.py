@@ -206,7 +206,7 @@ class ServeBench:
                     try:
                         row = self.one_run(fleet, cluster, config, w, k, rate, plan[w.name])
                     except OSError:  # URLError too: a server that stopped answering
-                        dead = fleet.dead()
+                        dead = fleet.dead(wait_s=60.0)
                         if not dead:
                             raise
                         failed[config] = f"from {w.name} at {rate} req/s: " + "; ".join(dead)

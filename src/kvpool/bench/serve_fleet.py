@@ -188,9 +188,17 @@ class Fleet:
             out.append(c)
         return out
 
-    def dead(self) -> list[str]:
+    def dead(self, wait_s: float = 0.0) -> list[str]:
         """One line per server that has exited: its index, exit status and the last
-        error its log names (a server that died mid-run, e.g. of its connector)."""
+        error its log names (a server that died mid-run, e.g. of its connector).
+        ``wait_s``: how long to wait for one to exit (an API server outlives its dead
+        engine by a few seconds, refusing connections meanwhile)."""
+        deadline = time.monotonic() + wait_s
+        while all(p.poll() is None for p in self.procs) and time.monotonic() < deadline:
+            try:
+                self.procs[0].wait(timeout=0.5)  # a bounded wait per look at the others
+            except subprocess.TimeoutExpired:
+                pass
         out = []
         for i, p in enumerate(self.procs):
             if p.poll() is None:
