@@ -51,19 +51,22 @@ CONFIGS = {"a": ("plain", "least_loaded", "vLLM local prefix cache"),
            "c": ("kvpool", "prefix", "(b) + prefix-aware routing (master lookup)")}
 INSTANCES = 2
 TRACE_WINDOW = 5000  # trace requests read, to sample whole conversations from
+# --quick: the two workloads and two rates (below and past the knee) that fit in about
+# five minutes here; the trace's saturated runs alone took five more
 QUICK = {"sessions": 5, "turns": 2, "docs": 2, "doc_tokens": 384, "requests": 10,
-         "max_tokens": 12, "trace_limit": 10, "trace_block": 32, "multipliers": "0.5,1.5,4"}
+         "max_tokens": 12, "trace_limit": 10, "trace_block": 32, "multipliers": "1.5,4",
+         "workloads": "chat,system"}
 FULL = {"sessions": 12, "turns": 4, "docs": 4, "doc_tokens": 1536, "requests": 48,
         "max_tokens": 32, "trace_limit": 60, "trace_block": 64,
-        "multipliers": "0.25,0.5,1,1.5,2,3"}
+        "multipliers": "0.25,0.5,1,1.5,2,3", "workloads": ",".join(WORKLOADS)}
 
 
 def add_arguments(p) -> None:
     p.add_argument("--quick", action="store_true",
-                   help="short prompts, few requests, 3 rates (see QUICK in the module)")
+                   help="short prompts, few requests, 2 workloads, 2 rates (see QUICK in the module)")
     p.add_argument("--configs", default="a,a2,b,c", help="configurations (default a,a2,b,c)")
-    p.add_argument("--workloads", default=",".join(WORKLOADS),
-                   help=f"workloads (default {','.join(WORKLOADS)})")
+    p.add_argument("--workloads", default=None,
+                   help=f"workloads (default {FULL['workloads']}; --quick {QUICK['workloads']})")
     p.add_argument("--trace", default=None,
                    help="Mooncake trace for the trace workload (default $KVPOOL_TRACE, else "
                    "shared/traces beside the repository, else a generated one)")
@@ -131,7 +134,7 @@ def run(args) -> int:
 
     size = QUICK if args.quick else FULL
     configs = _names(args.configs, CONFIGS, "--configs")
-    names = _names(args.workloads, WORKLOADS, "--workloads")
+    names = _names(args.workloads or size["workloads"], WORKLOADS, "--workloads")
     rates = parse_list(args.rates, "--rates") if args.rates else None
     multipliers = parse_list(args.rate_multipliers or size["multipliers"], "--rate-multipliers")
     python = vllm_python(args.vllm_python)
