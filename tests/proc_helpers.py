@@ -2,7 +2,8 @@
 
 ``python -m kvpool`` in a child imports whatever kvpool its sys.path finds first (an
 editable install may point at another checkout), so the child gets this checkout's
-``src`` first on PYTHONPATH.
+``src`` first on PYTHONPATH. Also: polls with deadlines, and test bodies run on many
+threads at once (:func:`in_threads`).
 """
 
 from __future__ import annotations
@@ -82,3 +83,26 @@ def wait_ready_file(proc: subprocess.Popen, ready: Path, timeout_s: float = 60.0
         proc.kill()
         pytest.fail(f"{what} did not come up (status {proc.poll()})")
     return json.loads(ready.read_text())
+
+
+def in_threads(body, n: int, timeout_s: float = 120.0) -> list[str]:
+    """Run ``body(t)`` for t in 0..n-1, each on its own thread, all at once; returns what
+    they raised (``"thread t: exc"``), and a line per thread still running after
+    ``timeout_s``: an empty list means every body ran to its end."""
+    import threading
+
+    errors: list[str] = []
+
+    def run(t: int) -> None:
+        try:
+            body(t)
+        except Exception as exc:  # collected and reported by the caller
+            errors.append(f"thread {t}: {exc!r}")
+
+    threads = [threading.Thread(target=run, args=(t,)) for t in range(n)]
+    for th in threads:
+        th.start()
+    deadline = time.monotonic() + timeout_s
+    for th in threads:
+        th.join(max(0.0, deadline - time.monotonic()))
+    return errors + [f"{th.name} still running" for th in threads if th.is_alive()]

@@ -12,28 +12,17 @@ from kvpool import protocol as P
 from kvpool.errors import ErrorCode
 from kvpool.master.config import MasterConfig
 from kvpool.master.service import MasterService
+from test_master_clock import FakeClock
+from test_master_clock import service as clock_service
 
 MIB = 1 << 20
 OK = ErrorCode.OK
 RELEASE_S = 600.0  # MasterConfig's put_start_release_timeout_s
 
 
-class FakeClock:
-    def __init__(self, start: float = 1000.0):
-        self.now = start
-
-    def __call__(self) -> float:
-        return self.now
-
-    def advance(self, seconds: float) -> None:
-        self.now += seconds
-
-
 def service(segment_size: int = 64 * MIB, **config) -> tuple[MasterService, FakeClock]:
-    clock = FakeClock()
-    svc = MasterService(MasterConfig(**config), clock=clock)
-    assert svc.mount("node", P.SegmentInfo("seg", "host", "shm", segment_size, "127.0.0.1:1")).code == OK
-    return svc, clock
+    """A master on a fake clock with one segment "seg" of owner "owner" (64 MiB)."""
+    return clock_service(segment_size, **config)
 
 
 def lease(svc: MasterService, owner: str = "c1", size: int = 64 * MIB) -> P.AllocLeaseResp:
@@ -52,7 +41,7 @@ def commit(svc: MasterService, grant: P.AllocLeaseResp, key: str, at: int, size:
 
 def tick(svc: MasterService) -> None:
     """A tick with the node alive (it heartbeats while the clock jumps)."""
-    assert svc.heartbeat("node").code == OK
+    assert svc.heartbeat("owner").code == OK
     svc.tick()
 
 
@@ -247,11 +236,11 @@ def test_unmounting_the_segment_drops_its_leases():
     svc, _ = service()
     grant = lease(svc)
     assert commit(svc, grant, "k", 0) == OK
-    assert svc.unmount("node", "seg").code == OK
+    assert svc.unmount("owner", "seg").code == OK
     stats = svc.stats()
     assert (stats.open_leases, stats.leased_bytes, stats.used_bytes, stats.object_count) == (0, 0, 0, 0)
     assert commit(svc, grant, "k2", 1024) == ErrorCode.LEASE_EXPIRED
-    assert svc.mount("node", P.SegmentInfo("seg", "host", "shm", 64 * MIB, "127.0.0.1:1")).code == OK
+    assert svc.mount("owner", P.SegmentInfo("seg", "host", "shm", 64 * MIB, "127.0.0.1:1")).code == OK
     assert svc.alloc_lease("c1", MIB).code == OK  # the owner's count went with them
 
 
@@ -266,7 +255,7 @@ def test_a_new_master_knows_no_lease_of_the_old_one():
 
 def test_a_commit_on_an_indexed_segment_is_told_to_its_node():
     svc = MasterService(MasterConfig(), clock=FakeClock())
-    assert svc.mount("node", P.SegmentInfo("seg", "host", "shm", 64 * MIB, "127.0.0.1:1"), index=True).code == OK
+    assert svc.mount("owner", P.SegmentInfo("seg", "host", "shm", 64 * MIB, "127.0.0.1:1"), index=True).code == OK
     grant = lease(svc)
     assert commit(svc, grant, "k", 0, 100) == OK
     [update] = svc.index_log.take()

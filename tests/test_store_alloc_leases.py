@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import contextlib
 import os
-import threading
 
 import numpy as np
 import pytest
@@ -18,7 +17,7 @@ from kvpool.client import Client
 from kvpool.errors import ErrorCode, ObjectExists
 from kvpool.launch import Cluster
 from kvpool.rpc import RpcChannel
-from proc_helpers import wait_for
+from proc_helpers import in_threads, wait_for
 from test_store_faults import kill, start_script
 from test_store_restart import FAST, restart, setup, value
 
@@ -101,25 +100,14 @@ def test_close_returns_the_lease_and_used_bytes_are_exact(module_cluster):
 
 def test_threads_share_a_lease_and_every_value_reads_back():
     with Cluster(segment_size="32MiB", lease_ttl_ms=50) as cluster, Client(cluster.master_addr) as c:
-        errors: list[str] = []
-
         def worker(t: int) -> None:
-            try:
-                for i in range(60):
-                    key, val = f"t{t}/{i}", os.urandom(1000 + 64 * t + i)
-                    c.put(key, val)
-                    if c.get(key) != val:
-                        errors.append(f"{key}: wrong bytes")
-                    c.remove(key, force=True)
-            except Exception as exc:  # reported by the main thread
-                errors.append(f"thread {t}: {exc!r}")
+            for i in range(60):
+                key, val = f"t{t}/{i}", os.urandom(1000 + 64 * t + i)
+                c.put(key, val)
+                assert c.get(key) == val, f"{key}: wrong bytes"
+                c.remove(key, force=True)
 
-        threads = [threading.Thread(target=worker, args=(t,)) for t in range(6)]
-        for th in threads:
-            th.start()
-        for th in threads:
-            th.join()
-        assert errors == []
+        assert in_threads(worker, 6) == []
         stats = c.stats()
         assert stats.object_count == 0 and stats.counters["put_commit"] == 360
         assert stats.counters.get("put_start", 0) == 0

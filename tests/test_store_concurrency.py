@@ -3,12 +3,12 @@
 from __future__ import annotations
 
 import os
-import threading
 
 import pytest
 
 from kvpool.client import Client
 from kvpool.errors import LeaseExpired
+from proc_helpers import in_threads
 
 THREADS, OPS, SIZE = 8, 100, 1 << 20
 
@@ -24,32 +24,22 @@ def _value(base: bytes, t: int, i: int) -> bytes:
 @pytest.mark.parametrize("force_tcp", [False, True])
 def test_8_threads_put_get_remove_1mib_byte_checked(cluster, force_tcp):
     base = os.urandom(SIZE)
-    errors: list[str] = []
     with Client(cluster.master_addr, force_tcp=force_tcp) as c:
 
         def worker(t: int) -> None:
-            try:
-                for i in range(OPS):
-                    key, value = f"t{t}/{i}", _value(base, t, i)
-                    c.put(key, value)
-                    while True:
-                        try:
-                            got = c.get(key)
-                            break
-                        except LeaseExpired:  # a slow copy is a miss, never wrong bytes
-                            continue
-                    if got != value:
-                        errors.append(f"{key}: wrong bytes")
-                    c.remove(key, force=True)
-            except Exception as exc:  # collected and reported by the main thread
-                errors.append(f"thread {t}: {exc!r}")
+            for i in range(OPS):
+                key, value = f"t{t}/{i}", _value(base, t, i)
+                c.put(key, value)
+                while True:
+                    try:
+                        got = c.get(key)
+                        break
+                    except LeaseExpired:  # a slow copy is a miss, never wrong bytes
+                        continue
+                assert got == value, f"{key}: wrong bytes"
+                c.remove(key, force=True)
 
-        threads = [threading.Thread(target=worker, args=(t,)) for t in range(THREADS)]
-        for th in threads:
-            th.start()
-        for th in threads:
-            th.join()
-        assert errors == []
+        assert in_threads(worker, THREADS) == []
         stats = c.stats()
         assert stats.object_count == 0 and stats.in_flight_puts == 0
         # every put committed once: through the allocation lease, or PutStart/PutEnd

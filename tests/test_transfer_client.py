@@ -12,6 +12,7 @@ import pytest
 from kvpool.client import Client
 from kvpool.errors import BufferOverflow, ErrorCode, InvalidParams
 from kvpool.rpc import RpcChannel
+from proc_helpers import in_threads
 
 MODES = ["shm", "tcp", "local"]
 
@@ -170,31 +171,20 @@ def test_cuda_tensor_is_staged_through_pinned_memory(module_cluster):
 def test_threads_sharing_a_client_share_its_connection_pool_safely(cluster):
     """Four threads, small and sliced (≥ 8 MiB) values, one force_tcp client: every
     byte lands where it belongs (no two transfers ever share a socket)."""
-    import threading
-
     sizes = [4096, 300_000, 9 << 20]
-    errors = []
     with Client(cluster.master_addr, force_tcp=True) as c:
         def worker(t):
             rng = random.Random(t)
-            try:
-                for j, size in enumerate(sizes * 2):
-                    value = np.frombuffer(rng.randbytes(size), np.uint8)
-                    key = f"thr-{t}-{j}"
-                    c.put(key, value)
-                    dst = np.empty(size, np.uint8)
-                    assert c.get_into(key, dst) == size and np.array_equal(dst, value)
-                    assert c.get(key) == value.tobytes()
-                    c.remove(key, force=True)
-            except Exception as exc:  # reported to the main thread below
-                errors.append(exc)
+            for j, size in enumerate(sizes * 2):
+                value = np.frombuffer(rng.randbytes(size), np.uint8)
+                key = f"thr-{t}-{j}"
+                c.put(key, value)
+                dst = np.empty(size, np.uint8)
+                assert c.get_into(key, dst) == size and np.array_equal(dst, value)
+                assert c.get(key) == value.tobytes()
+                c.remove(key, force=True)
 
-        threads = [threading.Thread(target=worker, args=(t,)) for t in range(4)]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join(60)
-        assert not errors and not any(t.is_alive() for t in threads)
+        assert in_threads(worker, 4, timeout_s=60) == []
 
 
 def test_warming_maps_same_host_segments_and_allocates_no_holes(cluster, tmp_path):
