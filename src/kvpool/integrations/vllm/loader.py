@@ -78,6 +78,7 @@ class ViewLoader:
                 records) per page whose view exists and whose header checked.
             page_shape, dtype: shape ``[L, 2, H, B, D]`` and dtype of a page's payload.
         """
+        bad: dict[int, str] = {}
         try:
             payloads = [opened.views[pos][HEADER_SIZE:] for _, pos, _ in items]
             layers = [(view, index[name]) for name, view in views.items()]
@@ -90,12 +91,9 @@ class ViewLoader:
             half = len(jobs) // 2
             other = self._pool.submit(lambda: [one(j) for j in jobs[half:]])
             failed = [one(j) for j in jobs[:half]] + other.result()
-            bad = {j[0]: "checksum" for j, f in zip(jobs, failed) if f}
+            bad.update((j[0], "checksum") for j, f in zip(jobs, failed) if f)
         finally:
-            kept = opened.close()
-        for block, pos, _ in items:
-            if not kept[pos]:
-                bad.setdefault(block, "stale")
+            _close_views(opened, items, bad)
         return bad
 
     def start(self, views: dict[str, torch.Tensor], index: dict[str, int], opened, items: list,
@@ -108,6 +106,15 @@ class ViewLoader:
 
     def close(self) -> None:
         self._pool.shutdown(wait=True)
+
+
+def _close_views(opened, items: list, bad: dict[int, str]) -> None:
+    """Close the views of a load; a page whose segment was mounted again meanwhile (its
+    epoch moved: its bytes may be another's) is "stale" in ``bad``."""
+    kept = opened.close()
+    for block, pos, _ in items:
+        if not kept[pos]:
+            bad.setdefault(block, "stale")
 
 
 class LayeredLoad:
@@ -149,10 +156,7 @@ class LayeredLoad:
         finally:
             for event in self.ready:
                 event.set()
-            kept = self.opened.close()
-            for block, pos, _ in self.items:
-                if not kept[pos]:
-                    self._bad.setdefault(block, "stale")
+            _close_views(self.opened, self.items, self._bad)
             self._done.set()
 
     def wait_layer(self, layer: int) -> None:
