@@ -15,7 +15,9 @@ change of leader without a restart. A request whose connection broke after it wa
 is retried only when idempotent; otherwise it fails with RpcFailed (retryable: the
 master that took it either applied it whole or not at all, and a new leader knows only
 what the nodes' indexes say was committed).
-:meth:`RpcChannel.notify` sends a notification (ReadDone), which gets no reply.
+:meth:`RpcChannel.notify` sends a notification (ReadDone), which gets no reply;
+:meth:`RpcChannel.receive_pending` collects what the master sends unasked (a node's
+index stream).
 
 When the master refuses a request (:class:`~kvpool.protocol.ErrorResp`: a body it could
 not decode, a handler failure, another protocol version), the refusal is raised as
@@ -34,7 +36,7 @@ from typing import Sequence
 
 import msgspec
 
-from kvpool import auth
+from kvpool import auth, local_socket
 from kvpool import protocol as P
 from kvpool.config import parse_addr
 from kvpool.errors import ErrorCode, RpcFailed, code_of
@@ -46,6 +48,7 @@ _logged: set[str] = set()
 _logged_lock = threading.Lock()
 NOT_LEADER = ErrorCode.UNAVAILABLE_IN_CURRENT_STATUS  # a standby's (or fenced leader's) refusal
 RETRY_S = 0.05  # pause between rounds over the candidates during a change of leader
+STREAM_RCVBUF = 4 << 20  # bytes of unasked frames the kernel holds between two polls
 
 
 def _log_once(message: str) -> None:
@@ -64,17 +67,20 @@ class RpcChannel:
     thread-safe (one per thread). ``secret``: answer the master's challenge with it
     (:mod:`kvpool.auth`; None: ``KVPOOL_SECRET``, b"": none). ``failover_s``: how long
     a call keeps looking for a leader among several masters (default ``timeout_s``).
+    ``local``: reach a master on this host over its Unix socket (:mod:`kvpool.local_socket`;
+    False: always TCP, as a client on another host would).
     ``addr`` is the address connected to (the spec until the first connection)."""
 
     def __init__(self, addr: str, timeout_s: float = 10.0, secret: bytes | None = None,
-                 failover_s: float | None = None):
+                 failover_s: float | None = None, local: bool = True):
         self.masters = MasterAddrs(addr)
+        self.local = local  # a master on this host is reached over its Unix socket
         self.addr = addr
         self.timeout_s = timeout_s
         self.failover_s = timeout_s if failover_s is None else failover_s
         self.secret = auth.secret_or_env(secret)
         self._sock: socket.socket | None = None
-        self._reader = None  # buffered reader of :meth:`receive`
+        self._inbox: bytearray | None = None  # bytes of unasked frames not yet whole (:meth:`receive_pending`)
         self._answered = False  # the master has answered on this connection
 
     def connect(self) -> None:
@@ -93,12 +99,15 @@ class RpcChannel:
         raise RpcFailed("; ".join(errors) or f"no master leads {self.masters.spec} now")
 
     def _open(self, addr: str) -> None:
-        try:
-            self._sock = socket.create_connection(parse_addr(addr), timeout=self.timeout_s)
-        except OSError as exc:
-            raise RpcFailed(f"cannot reach master at {addr}: {exc.strerror or exc}") from None
+        host, port = parse_addr(addr)
+        self._sock = local_socket.connect(host, port, self.timeout_s) if self.local else None
+        if self._sock is None:
+            try:
+                self._sock = socket.create_connection((host, port), timeout=self.timeout_s)
+            except OSError as exc:
+                raise RpcFailed(f"cannot reach master at {addr}: {exc.strerror or exc}") from None
+            self._sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         self.addr = addr
-        self._sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         if self.secret is not None:
             try:
                 auth.client_handshake(self._sock, self.secret, self.timeout_s, f"master {self.addr}")
@@ -175,7 +184,8 @@ class RpcChannel:
                 hint = " (the master asks for a shared secret: set KVPOOL_SECRET)"
             if not idempotent and self.masters.ha:
                 hint += " (the master may have applied it whole, or not at all: check, then retry)"
-            raise _Broken(RpcFailed(f"master {self.addr}: {exc}{hint}"), broke) from None
+            what = f"the master closed the connection ({exc})" if isinstance(exc, ConnectionError) else exc
+            raise _Broken(RpcFailed(f"master {self.addr}: {what}{hint}"), broke) from None
 
     def notify(self, request: msgspec.Struct) -> bool:
         """Send a notification (a request the master never answers, e.g. ReadDone) without
@@ -190,32 +200,59 @@ class RpcChannel:
             return False
         return True
 
-    def receive(self) -> msgspec.Struct:
-        """The next frame the master sends unasked (an IndexUpdate on a node's index
-        stream), waiting as long as it takes; from the first call on, the connection is
-        read through a buffer (frames that queued up cost one system call) and serves
-        no more calls. Raises RpcFailed when the connection is gone or was
-        :meth:`shutdown`."""
+    def receive_pending(self) -> tuple[list[msgspec.Struct], bool]:
+        """The whole frames the master has sent unasked (IndexUpdates on a node's index
+        stream) that are already here, without waiting: ([frames], ended). ``ended``: the
+        connection is closed (the master went away, or :meth:`shutdown`); the frames
+        before the end are still returned, so none is lost. From the first call on the
+        connection serves no more calls.
+
+        Polled on a timer rather than read by a blocked thread: a write to a socket
+        whose reader sleeps in recv() wakes that reader (on this VM, 25-35 us of the
+        writer's time and a context switch per frame); one to a socket nobody waits on
+        only queues the bytes (measured 16.5 vs 9.3 us per send). The kernel buffer holds
+        the frames meanwhile (:data:`STREAM_RCVBUF`). Raises RpcFailed when not
+        connected or on a frame that does not decode."""
         if self._sock is None:
             raise RpcFailed(f"master {self.addr}: not connected")
+        if self._inbox is None:
+            self._inbox = bytearray()
+            self._sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, STREAM_RCVBUF)
+        ended = False
+        while True:
+            try:
+                chunk = self._sock.recv(STREAM_RCVBUF, socket.MSG_DONTWAIT)
+            except (BlockingIOError, InterruptedError):
+                break
+            except OSError:
+                chunk = b""
+            if not chunk:
+                ended = True
+                break
+            self._inbox += chunk
         try:
-            if self._reader is None:
-                self._sock.settimeout(None)
-                self._reader = self._sock.makefile("rb", buffering=1 << 16)
-            header = self._reader.read(P.HEADER.size)
-            if len(header) < P.HEADER.size:
-                raise P.FrameError("connection closed")
-            length = P.parse_header(header)
-            body = self._reader.read(length)
-            if len(body) < length:
-                raise P.FrameError("connection closed mid-frame")
-            return P.reply_decoder.decode(body)
-        except (OSError, ValueError, P.FrameError, msgspec.MsgspecError) as exc:
+            frames = self._take_frames()
+        except (ValueError, P.FrameError, msgspec.MsgspecError) as exc:
             self.close()
             raise RpcFailed(f"master {self.addr}: {exc}") from None
+        return frames, ended
+
+    def _take_frames(self) -> list[msgspec.Struct]:
+        """Decode and remove the whole frames at the front of the inbox."""
+        inbox, frames, at = self._inbox, [], 0
+        while len(inbox) - at >= P.HEADER.size:
+            length = P.parse_header(bytes(inbox[at : at + P.HEADER.size]))
+            end = at + P.HEADER.size + length
+            if end > len(inbox):
+                break
+            frames.append(P.reply_decoder.decode(memoryview(inbox)[at + P.HEADER.size : end]))
+            at = end
+        del inbox[:at]
+        return frames
 
     def shutdown(self) -> None:
-        """Wake a thread blocked in :meth:`receive` (it raises RpcFailed); thread-safe."""
+        """End the connection for the thread that reads it: its next
+        :meth:`receive_pending` says ``ended``; thread-safe."""
         sock = self._sock
         if sock is not None:
             try:
@@ -233,9 +270,7 @@ class RpcChannel:
         return RpcFailed(message, code)
 
     def close(self) -> None:
-        if self._reader is not None:
-            self._reader.close()
-            self._reader = None
+        self._inbox = None
         if self._sock is not None:
             self._sock.close()
             self._sock = None

@@ -1,6 +1,8 @@
 """``Client``: the native kvpool store API (put/get/remove and batch forms).
 
-Control: one blocking :class:`~kvpool.rpc.RpcChannel` to the master per thread.
+Control: one blocking :class:`~kvpool.rpc.RpcChannel` to the master per thread, over the
+master's Unix socket when it runs on this host (:mod:`kvpool.local_socket`; TCP with
+``force_tcp=True``).
 Data: :class:`~kvpool.transfer.engine.TransferEngine` moves the bytes: a replica on a
 segment this process hosts by one memcpy, on a segment of this host through its mapped
 shared memory (one memcpy), any other, or every one with ``force_tcp=True``, over pooled
@@ -58,7 +60,8 @@ class Client(ReadGrants, PutPath, GetPath):
 
     Args:
         master_addr: "host:port" of the master.
-        force_tcp: move every byte over the nodes' TCP ports even on the same host.
+        force_tcp: move every byte over the nodes' TCP ports, and talk to the master over
+            TCP, even on the same host (as a client on another host would).
         timeout_s: socket timeout of every control and data connection (seconds).
         global_segment_size: bytes of shared memory this client contributes to the pool
             (Mooncake's client segment; 0 = none). It is mounted while the client is
@@ -124,7 +127,7 @@ class Client(ReadGrants, PutPath, GetPath):
     def _channel(self) -> RpcChannel:
         chan = getattr(self._local, "chan", None)
         if chan is None:
-            chan = self._local.chan = RpcChannel(self.master_addr, self.timeout_s)
+            chan = self._local.chan = RpcChannel(self.master_addr, self.timeout_s, local=not self.force_tcp)
             with self._lock:
                 self._channels.append(chan)
         return chan

@@ -56,7 +56,7 @@ class ReadGrants:
     def _flush_done(self) -> None:
         """Flusher thread: sends queued grant ids that found no request to ride on
         within DONE_DELAY_S, on a master connection of its own."""
-        chan = RpcChannel(self.master_addr, self.timeout_s)
+        chan = RpcChannel(self.master_addr, self.timeout_s, local=not self.force_tcp)
         try:
             while not self._closing:
                 self._done_waiting.wait()

@@ -275,7 +275,7 @@ class PutPath:
         leases, and retires the current one when its use ends, so that an idle client's
         lease is freed at once rather than expiring (the master would hold its unused
         space for the release timeout)."""
-        chan = RpcChannel(self.master_addr, self.timeout_s)
+        chan = RpcChannel(self.master_addr, self.timeout_s, local=not self.force_tcp)
         until = self.leases.retire_used_up()
         try:
             while True:

@@ -38,10 +38,10 @@ from typing import Callable, Generator
 
 import msgspec
 
-from kvpool import auth
+from kvpool import auth, local_socket
 from kvpool import protocol as P
 from kvpool.config import format_addr
-from kvpool.errors import ErrorCode
+from kvpool.errors import ErrorCode, UserError
 from kvpool.master import scans
 from kvpool.master.service import MasterService
 
@@ -105,6 +105,7 @@ class MasterServer:
         self._streams: dict[str, tuple[int, asyncio.StreamWriter]] = {}  # segment -> (epoch, index stream)
         self._new_stream: tuple[str, int] | None = None  # set by an index mount, taken by its connection
         self._server: asyncio.base_events.Server | None = None
+        self._local_servers: list[asyncio.base_events.Server] = []  # Unix sockets (same-host clients)
 
     def _mount(self, req: P.MountSegment) -> P.MountResp:
         reply = self.service.mount(req.owner_id, req.segment, req.index, req.objects, req.prev_incarnation)
@@ -256,16 +257,30 @@ class MasterServer:
         return len(stalled)
 
     async def start(self) -> str:
-        """Bind and start serving; returns the bound "host:port" (``[v6]:port``)."""
+        """Bind and start serving, on TCP and, for clients on this host, on the Unix
+        socket of each bound address (:mod:`kvpool.local_socket`); returns the bound
+        "host:port" (``[v6]:port``). Raises OSError when the port cannot be bound,
+        UserError when another process holds the Unix socket's name."""
         self._server = await asyncio.start_server(self._serve_conn, self.host, self.port)
         port = self._server.sockets[0].getsockname()[1]
+        if local_socket.enabled():
+            for sock in self._server.sockets:
+                name = local_socket.listen_name(sock.getsockname()[0], port)
+                try:
+                    self._local_servers.append(await asyncio.start_unix_server(self._serve_conn, path=name))
+                except OSError as exc:
+                    await self.close()
+                    raise UserError(f"the local socket {name[1:]!r} of this master is taken by another "
+                                    f"process ({exc.strerror}); set KVPOOL_LOCAL_SOCKET=0 to serve on "
+                                    "TCP only") from None
         return format_addr(self.host, port)
 
     async def close(self) -> None:
         """Stop accepting connections."""
-        if self._server is not None:
-            self._server.close()
-            self._server = None
+        for server in [self._server, *self._local_servers]:
+            if server is not None:
+                server.close()
+        self._server, self._local_servers = None, []
 
     async def tick_forever(self) -> None:
         while True:

@@ -45,6 +45,7 @@ from kvpool.transfer.shm import register_local_segment, unregister_local_segment
 
 log = logging.getLogger("kvpool.segment")
 FENCE_S = 5.0  # how long a remount waits for transfers of the old mount to end, per try
+INDEX_POLL_S = 0.005  # seconds between two reads of the index stream (its frames wait in the kernel)
 
 
 def bind_listener(host: str, port: int) -> socket.socket:
@@ -154,19 +155,22 @@ class SegmentHost:
         return reply.heartbeat_interval_ms / 1000
 
     def _stream_loop(self) -> None:
-        """Apply the master's index updates; when the stream ends, mount again."""
-        while not self._stop.is_set():
+        """Apply the master's index updates every :data:`INDEX_POLL_S` (polled, not
+        waited for: see :meth:`RpcChannel.receive_pending`); when the stream ends, apply
+        what came before its end, then mount again."""
+        while not self._stop.wait(INDEX_POLL_S):
             try:
-                update = self._stream.receive()
+                updates, ended = self._stream.receive_pending()
             except KVPoolError:
-                if not self._stop.is_set():
-                    self._remount()
-                continue
-            if isinstance(update, P.IndexUpdate) and update.name == self.info.name:
-                for key in update.drops:
-                    self.index.pop(key, None)
-                for entry in update.adds:
-                    self.index[entry.key] = entry
+                updates, ended = [], True
+            for update in updates:
+                if isinstance(update, P.IndexUpdate) and update.name == self.info.name:
+                    for key in update.drops:
+                        self.index.pop(key, None)
+                    for entry in update.adds:
+                        self.index[entry.key] = entry
+            if ended and not self._stop.is_set():
+                self._remount()
 
     def _remount(self) -> None:
         """Fence the old epoch and mount again (index reported), until a master takes it
@@ -224,7 +228,7 @@ class SegmentHost:
             except RpcFailed:
                 pass  # master gone: it will expire us by TTL
         self.master.close()
-        self._stream.shutdown()
+        self._stream.shutdown()  # its thread sees the end at its next poll
         self.listener.close()
         if self.shm:
             unregister_local_segment(self.shm.name)
