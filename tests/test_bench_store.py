@@ -13,7 +13,7 @@ import pytest
 
 from kvpool.bench.harness import Bench, CellSpec, Target
 from kvpool.bench.store_plan import Column, Row
-from kvpool.bench.store_report import Figures, Summary, format_table, verdicts
+from kvpool.bench.store_report import Figures, Summary, format_table, format_verdicts, verdicts
 from kvpool.bench.worker import Worker
 from kvpool.cli import main
 from proc_helpers import poll_until
@@ -176,7 +176,7 @@ def test_ratios_pair_repeats_and_verdicts_follow_them():
     vs = {v.name: v for v in verdicts([big, small], fig, {})}
     assert vs["same host >=1MiB: kvpool shm / mooncake x-proc >= 2.5"].met is True
     assert vs["same host >=1MiB: kvpool shm / memcpy >= 0.6"].measured == pytest.approx(0.75)
-    p50 = vs["4KiB get p50: kvpool shm / mooncake x-proc <= 1.2"]
+    p50 = vs["4KiB get p50: kvpool shm / mooncake x-proc <= 1.0"]
     assert p50.met is True and p50.measured == pytest.approx(0.5)
     assert vs["TCP >=1MiB: kvpool tcp / tcp-stream >= 0.8"].met is None  # column absent
     memory = {"kvpool tcp": {"segment_size": 64 << 20, "node_peak_rss_bytes": 200 << 20,
@@ -184,6 +184,81 @@ def test_ratios_pair_repeats_and_verdicts_follow_them():
     vs = {v.name: v for v in verdicts([], fig, memory)}
     assert vs["node peak RSS <= segment + 100 MiB (MiB)"].met is False
     assert vs["client without segment, own RSS beyond python+numpy <= 150 MiB"].met is True
+
+
+ALL_COLUMNS = [Column("kvpool in-proc", "", kind="kvpool"), Column("kvpool shm", "", kind="kvpool"),
+               Column("kvpool tcp", "", kind="kvpool"), Column("mooncake in-proc", ""),
+               Column("mooncake x-proc", ""), Column("redis", ""), Column("memcpy", "", kind="limit")]
+GET4, PUT4 = Row(4096, "bytes", "get"), Row(4096, "bytes", "put")
+PUT4_ZC, BATCH128 = Row(4096, "zero_copy", "put"), Row(4096, "batch", "get", 128)
+GET1M = Row(1 << 20, "zero_copy", "get")
+
+
+def _verdicts(cells: dict[tuple[str, Row], float]) -> dict[str, list]:
+    """Verdicts by target on canned figures: one repeat per cell, in the row's own metric."""
+    fig = Figures({(col, row): _summary(row.metric, v) for (col, row), v in cells.items()},
+                  ALL_COLUMNS)
+    out: dict[str, list] = {}
+    for v in verdicts([GET4, PUT4, PUT4_ZC, BATCH128, GET1M], fig, {}):
+        out.setdefault(v.name, []).append(v)
+    return out
+
+
+@pytest.mark.parametrize("shm, tcp, met", [(110.0, 100.0, (False, True)),  # 1.1x: missed since 1.0
+                                           (90.0, 130.0, (True, False))])
+def test_4kib_get_p50_is_held_to_mooncake_cross_process(shm, tcp, met):
+    vs = _verdicts({("kvpool shm", GET4): shm, ("kvpool tcp", GET4): tcp,
+                    ("mooncake x-proc", GET4): 100.0})
+    got = [vs[f"4KiB get p50: {col} / mooncake x-proc <= 1.0"] for col in ("kvpool shm", "kvpool tcp")]
+    assert tuple(v.met for [v] in got) == met
+    assert [v.measured for [v] in got] == pytest.approx([shm / 100, tcp / 100])
+
+
+@pytest.mark.parametrize("shm, met", [(120.0, False), (80.0, True), (100.0, True)])
+def test_4kib_put_p50_is_held_to_redis_on_the_rows_redis_has(shm, met):
+    vs = _verdicts({("kvpool shm", PUT4): shm, ("redis", PUT4): 100.0,
+                    ("kvpool shm", PUT4_ZC): 500.0})  # Redis has no zero-copy API: no verdict
+    [v] = vs["4KiB put p50: kvpool shm / redis <= 1.0"]
+    assert v.detail == PUT4.label and v.higher_is_better is False
+    assert v.met is met and v.measured == pytest.approx(shm / 100)
+
+
+@pytest.mark.parametrize("factor, met", [(0.9, (True, False, False)),   # p50, obj/s, GB/s
+                                         (1.1, (False, True, True))])
+def test_in_process_is_held_to_mooncake_in_process_on_every_row(factor, met):
+    mooncake = {GET4: 100.0, PUT4: 100.0, BATCH128: 100e3, GET1M: 4.0}
+    cells = {("mooncake in-proc", r): v for r, v in mooncake.items()}
+    cells |= {("kvpool in-proc", r): v * factor for r, v in mooncake.items() if r != PUT4}
+    vs = _verdicts(cells)
+    p50 = vs["in-proc, p50 rows: kvpool in-proc / mooncake in-proc <= 1.0"]
+    obj = vs["in-proc, obj/s rows: kvpool in-proc / mooncake in-proc >= 1.0"]
+    gbps = vs["in-proc, GB/s rows: kvpool in-proc / mooncake in-proc >= 1.0"]
+    assert [v.detail for v in p50] == [GET4.label, PUT4.label, PUT4_ZC.label]
+    assert [v.measured for v in p50][1:] == [None, None]  # a figure missing: not judged
+    assert (p50[0].met, obj[0].met, gbps[0].met) == met
+    assert [v.measured for v in (p50[0], obj[0], gbps[0])] == pytest.approx([factor] * 3)
+    assert (p50[0].higher_is_better, obj[0].higher_is_better, gbps[0].higher_is_better) == (
+        False, True, True)
+
+
+def test_format_verdicts_prints_the_issue_targets():
+    vs = _verdicts({("kvpool shm", GET4): 110.0, ("kvpool tcp", GET4): 90.0,
+                    ("mooncake x-proc", GET4): 100.0, ("kvpool shm", PUT4): 120.0,
+                    ("redis", PUT4): 100.0, ("kvpool in-proc", GET4): 90.0,
+                    ("mooncake in-proc", GET4): 100.0, ("kvpool in-proc", BATCH128): 90e3,
+                    ("mooncake in-proc", BATCH128): 100e3, ("kvpool in-proc", GET1M): 5.0,
+                    ("mooncake in-proc", GET1M): 4.0})
+    lines = format_verdicts([v for group in vs.values() for v in group]).splitlines()
+    expect = [
+        "  MISS  4KiB get p50: kvpool shm / mooncake x-proc <= 1.0: 0/1 rows; worst 4KiB bytes     get = 1.10 (threshold 1)",
+        "  MET   4KiB get p50: kvpool tcp / mooncake x-proc <= 1.0: 1/1 rows; worst 4KiB bytes     get = 0.90 (threshold 1)",
+        "  MISS  4KiB put p50: kvpool shm / redis <= 1.0: 0/1 rows; worst 4KiB bytes     put = 1.20 (threshold 1)",
+        "  MET   in-proc, p50 rows: kvpool in-proc / mooncake in-proc <= 1.0: 1/1 rows; worst 4KiB bytes     get = 0.90 (threshold 1)",
+        "  MISS  in-proc, obj/s rows: kvpool in-proc / mooncake in-proc >= 1.0: 0/1 rows; worst 4KiB batch128  get = 0.90 (threshold 1)",
+        "  MET   in-proc, GB/s rows: kvpool in-proc / mooncake in-proc >= 1.0: 1/1 rows; worst 1MiB zero_copy get = 1.25 (threshold 1)",
+    ]
+    for line in expect:
+        assert line in lines
 
 
 def test_a_benchmark_module_not_in_the_build_is_a_clear_error():

@@ -193,8 +193,8 @@ def run(args) -> int:
     for w in workers:
         if w.absent:
             print(f"absent: {w.column}: {w.absent}")
-    print("targets (kvpool's goals: speed vs Mooncake x-proc, memcpy and one TCP stream, "
-          "from the medians above; node and client memory):")
+    print("targets (issue 16 and earlier ones: kvpool / anchor within this run, against Mooncake, "
+          "Redis, memcpy and one TCP stream; node and client memory):")
     print(format_verdicts(vs))
     doc = {
         "schema": SCHEMA,
