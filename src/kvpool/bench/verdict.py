@@ -1,7 +1,7 @@
 """One verdict type for every benchmark: a store target or a paper's claim, checked.
 
 ``kvpool bench store`` holds kvpool to performance targets (ratios against Mooncake,
-memcpy and one TCP stream; node and client memory), ``kvpool bench cache`` checks the
+Redis, memcpy and one TCP stream; node and client memory), ``kvpool bench cache`` checks the
 Mooncake FAST'25 claims on prefix caching against its replay. Both report
 :class:`Verdict` records; each benchmark keeps its own JSON keys (:meth:`Verdict.as_target`,
 :meth:`Verdict.as_claim`).
