@@ -34,7 +34,8 @@ class GetPath:
         check_key(key)
         sent = time.monotonic()
         reply = self._call(P.GetReplicaList(key))
-        raise_for(reply.code, f"{key!r}: {code_name(reply.code)}")
+        if reply.code != ErrorCode.OK:
+            raise_for(reply.code, f"{key!r}: {code_name(reply.code)}")
         return ReadHandle(key, reply.size, reply.replicas, sent + reply.lease_ttl_ms / 1000, reply.grant_id)
 
     def batch_query(self, keys: Sequence[str]) -> list[ReadHandle | ErrorCode]:
@@ -243,6 +244,8 @@ class GetPath:
         first (all items of one node in one exchange); the items that failed try their
         next replica, and so on. An item is copied only when all its fragments are.
         """
+        if len(jobs) == 1:
+            return {jobs[0][0]: self._read_one(jobs[0][1], jobs[0][2])}
         routes: dict = {}
         options = {i: self._ranked(replicas, routes) for i, replicas, _ in jobs}
         frags = {i: fragments for i, _, fragments in jobs}
@@ -262,6 +265,15 @@ class GetPath:
             attempt += 1
             pending = [i for i in pending if not done[i] and attempt < len(options[i])]
         return done
+
+    def _read_one(self, replicas: list[P.ReplicaDesc], fragments: list[tuple[int, memoryview]]) -> bool:
+        """:meth:`_read_all` of one item: its fragments from its cheapest replica, else
+        the next one; True once all of them were copied from one replica."""
+        for d, _ in self._ranked(replicas):
+            reqs = [TransferRequest(Op.READ, dst, 0, d.segment, d.offset + src, len(dst)) for src, dst in fragments]
+            if all(status == TransferStatus.COMPLETED for status in self.engine.transfer(reqs)):
+                return True
+        return False
 
     def _read_bytes(self, handle: "ReadHandle") -> bytes:
         """The value behind ``handle`` as bytes, filled by one copy (memcpy out of the

@@ -91,9 +91,10 @@ class PutPath:
         item.size = len(src)
         if self._leasable(item):
             code = self._put_leased([item], [[src]])[0]
+            if code == ErrorCode.OK:
+                return 1
             if code is not None:
                 raise_for(code, f"put {key!r}: {code_name(code)}")
-                return 1
         reply = self._call(P.PutStart(item, self.host_id), idempotent=False)
         detail = f": {reply.message}" if reply.message else ""
         raise_for(reply.code, f"put {key!r}: {code_name(reply.code)}{detail}")

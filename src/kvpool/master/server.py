@@ -34,6 +34,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+from types import GeneratorType
 from typing import Callable, Generator
 
 import msgspec
@@ -175,7 +176,7 @@ class MasterServer:
                     reply = self._refusal(req)
                 else:
                     reply = self._handlers[type(req)](req)
-                    if isinstance(reply, Generator):
+                    if type(reply) is GeneratorType:  # a scan (typing's isinstance costs 2 us)
                         reply = yield from reply
                     if self.gate() is not None:  # the lease ran out meanwhile
                         reply = self._refusal(req)

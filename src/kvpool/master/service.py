@@ -235,8 +235,9 @@ class MasterService(Eviction, Restore, LeaseHandlers):
         """Make ``replicas`` (``size`` value bytes, written) ``obj``'s COMPLETE version
         (PutEnd, PutCommit): the old one retired, a new commit version, the index told,
         the pins applied (``soft_pin_ttl_ms`` resolved), the eviction order updated."""
-        self._index_drop(obj)
-        self._retire(obj)  # an upsert's old value
+        if obj.visible:  # an upsert's old value: out of readers' reach
+            self._index_drop(obj)
+            self._retire(obj)
         self._set_replicas(obj, replicas)
         obj.size = size
         obj.version = self._next_version()

@@ -31,6 +31,7 @@ log = logging.getLogger("kvpool.transfer")
 
 SLICE_BYTES = Transport.slice_bytes  # default smallest slice given a lane of its own
 JOIN_S = 2.0  # after a cancel, how long wait() joins the batch's tasks
+ROUTES_KEPT = 4096  # segment mounts whose route is remembered (then the memory starts afresh)
 
 
 def plan_slices(length: int, lanes: int, min_slice: int = SLICE_BYTES) -> list[tuple[int, int]]:
@@ -63,6 +64,11 @@ def spread(requests: list[tuple[int, TransferRequest]], lanes: int,
         bins[k].append((i, piece))
         load[k] += piece.length
     return [b for b in bins if b]
+
+
+def _sliced(transport: Transport, req: TransferRequest) -> bool:
+    """Whether ``req`` alone would be cut over several of ``transport``'s lanes (:func:`spread`)."""
+    return transport.lanes > 1 and req.length >= 2 * transport.slice_bytes
 
 
 class BatchHandle:
@@ -133,14 +139,23 @@ class TransferEngine:
         self.workers = workers
         self._executor: ThreadPoolExecutor | None = None
         self._lock = threading.Lock()
+        self._routes: dict[tuple[str, int], Transport | None] = {}  # (segment, epoch) -> route
 
     def add_transport(self, transport: Transport) -> None:
         """Plug in a transport (e.g. RDMA); it serves the segments it can reach, by rank."""
         self.transports = sorted([*self.transports, transport], key=lambda t: t.rank)
+        self._routes = {}
 
     def route(self, segment: SegmentInfo) -> Transport | None:
-        """The preferred transport that reaches ``segment``, or None."""
-        return next((t for t in self.transports if t.can_reach(segment)), None)
+        """The preferred transport that reaches ``segment``, or None. Remembered per
+        segment mount (name and epoch): a segment mounted again is routed afresh."""
+        key = (segment.name, segment.epoch)
+        found = self._routes.get(key, False)
+        if found is False:
+            if len(self._routes) >= ROUTES_KEPT:
+                self._routes = {}
+            found = self._routes[key] = next((t for t in self.transports if t.can_reach(segment)), None)
+        return found
 
     def _pool(self) -> ThreadPoolExecutor:
         with self._lock:
@@ -196,6 +211,10 @@ class TransferEngine:
     def transfer(self, requests: list[TransferRequest], timeout_s: float | None = None) -> TransferResult:
         """Run ``requests`` and wait: the first task in the calling thread (no thread
         hand-off for the common one-peer batch), the others on worker threads."""
+        if len(requests) == 1:
+            transport = self.route(requests[0].segment)
+            if transport is None or not _sliced(transport, requests[0]):
+                return self._transfer_one(transport, requests[0], timeout_s)
         handle, tasks = self._plan(requests, timeout_s)
         if len(tasks) == 1:  # the common case: no future, no thread
             transport, lane = tasks[0]
@@ -207,6 +226,21 @@ class TransferEngine:
         if tasks:
             self._start(handle, *tasks[0], inline=True)
         return handle.wait()
+
+    def _transfer_one(self, transport: Transport | None, req: TransferRequest,
+                      timeout_s: float | None) -> TransferResult:
+        """:meth:`transfer` of one request that needs no slicing, over ``transport`` (its
+        route; None: unreachable), in this thread, with none of a batch's bookkeeping (a
+        single get or put pays it on every call)."""
+        problem = req.problem() or (None if transport else f"no transport reaches segment {req.segment.name}")
+        if problem:
+            return TransferResult([TransferStatus.INVALID], [problem])
+        deadline = time.monotonic() + (self.timeout_s if timeout_s is None else timeout_s)
+        cancel = Cancel()
+        if transport.run([req], deadline, cancel)[0]:
+            return TransferResult([TransferStatus.COMPLETED])
+        late = time.monotonic() > deadline
+        return TransferResult([TransferStatus.TIMEOUT if late else TransferStatus.FAILED], cancel.reasons)
 
     def __enter__(self) -> "TransferEngine":
         return self

@@ -48,10 +48,16 @@ def _run(requests: list[TransferRequest], segment: memoryview, word: EpochWord, 
     """Copy ``requests`` (one segment) under their grant's epoch: writes only while it is
     current (holding the segment's writer lock), reads kept only if it still is after."""
     info = requests[0].segment
-    writes = any(r.op == Op.WRITE for r in requests)
-    with word.writing(info.epoch if writes else 0, deadline) as allowed:
-        if allowed:
-            _copy(requests, segment, before_write)
+    if any(r.op == Op.WRITE for r in requests):
+        allowed = word.enter_write(info.epoch, deadline)
+        try:
+            if allowed:
+                _copy(requests, segment, before_write)
+        finally:
+            word.exit_write(info.epoch)
+    else:
+        allowed = True
+        _copy(requests, segment, before_write)
     if not (allowed and word.valid(info.epoch)):
         cancel.note(_stale(info))
         return [False] * len(requests)
@@ -257,6 +263,8 @@ class _Mapping:
         """Fill the page tables of the chunks ``[offset, offset + length)`` touches that
         were not filled yet. Never raises; races only repeat harmless work."""
         first, last = offset // POPULATE_CHUNK, (offset + max(length, 1) - 1) // POPULATE_CHUNK
+        if first == last and first < len(self.populated) and self.populated[first]:
+            return  # the common case: one chunk, filled before
         todo = [c for c in range(first, min(last + 1, len(self.populated))) if not self.populated[c]]
         if not todo:
             return
