@@ -9,10 +9,12 @@ import os
 import socket
 import subprocess
 import sys
+import time
 
 import pytest
 
 from kvpool import local_socket
+from kvpool import protocol as P
 from kvpool.client import Client
 from kvpool.config import parse_addr
 from kvpool.rpc import RpcChannel
@@ -97,3 +99,31 @@ def test_the_node_polls_its_index_stream_and_a_restarted_master_gets_every_commi
 def test_the_master_address_parses_the_same_for_both_transports(module_cluster):
     host, port = parse_addr(module_cluster.master_addr)
     assert local_socket.listen_name(host, port) in local_socket.connect_names(host, port)
+
+
+def test_a_quiet_index_stream_is_not_taken_for_a_dead_one():
+    """receive_pending never waits: a stream silent for longer than the channel's
+    timeout is still open (a node once re-mounted every 5 s of quiet, failing the
+    writes of the old epoch); frames that came are returned; the end is seen, after
+    the frames before it."""
+    listener = socket.create_server(("127.0.0.1", 0))
+    addr = "127.0.0.1:%d" % listener.getsockname()[1]
+    chan = RpcChannel(addr, timeout_s=0.05, local=False)
+    chan.connect()
+    master, _ = listener.accept()
+    try:
+        started = time.monotonic()
+        assert chan.receive_pending() == ([], False)
+        assert time.monotonic() - started < 0.05  # answered at once, no wait for data
+        time.sleep(0.1)  # quiet for twice the channel's timeout
+        assert chan.receive_pending() == ([], False)
+        update = P.IndexUpdate("seg", ["gone"], [])
+        frame = P.encode_frame(update)
+        master.sendall(frame + frame[:5])  # one whole frame and the start of the next
+        assert chan.receive_pending() == ([update], False)
+        master.sendall(frame[5:])
+        master.close()
+        assert chan.receive_pending() == ([update], True)
+    finally:
+        chan.close()
+        listener.close()

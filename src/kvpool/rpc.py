@@ -218,13 +218,16 @@ class RpcChannel:
         if self._inbox is None:
             self._inbox = bytearray()
             self._sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, STREAM_RCVBUF)
+            # non-blocking: with a timeout set, Python waits in poll() before recv even
+            # under MSG_DONTWAIT, and a quiet stream would look like a dead one
+            self._sock.setblocking(False)
         ended = False
         while True:
             try:
-                chunk = self._sock.recv(STREAM_RCVBUF, socket.MSG_DONTWAIT)
+                chunk = self._sock.recv(STREAM_RCVBUF)
             except (BlockingIOError, InterruptedError):
                 break
-            except OSError:
+            except OSError:  # reset, or shut down by shutdown(): the stream is over
                 chunk = b""
             if not chunk:
                 ended = True
