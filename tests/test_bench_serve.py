@@ -58,11 +58,13 @@ def test_prefix_router_picks_the_instance_holding_the_longest_prefix(cluster):
         # nothing stored: the least loaded instance
         router.started(0)
         assert router.pick(other, "s") == 1
-        # the holder is too busy (3 more in flight than the other, balance 2): load wins
+        # the holder has one more in flight: the other loads the prefix instead of
+        # queueing behind it (balance 0: the prefix only breaks ties)
+        assert router.pick(b, "s") == 1
         for _ in range(4):
             router.started(1)
-        assert router.pick(a, "s") == 0
-        assert router.decisions == {"prefix": 2, "load": 2}
+        assert router.pick(a, "s") == 0  # the holder is busier still: load wins
+        assert router.decisions == {"prefix": 2, "load": 3}
 
 
 def test_chat_turns_extend_their_previous_turn(tokenizer):
@@ -139,7 +141,7 @@ def test_bench_serve_end_to_end_on_two_vllm_servers(tmp_path, capsys):
     doc = json.loads(out.read_text())
     b, c = doc["results"]["system"]["b"][0], doc["results"]["system"]["c"][0]
     for row in (b, c):
-        assert row["completed"] == row["requests"] == 10 and not row["errors"]
+        assert row["completed"] == row["requests"] == 12 and not row["errors"]
         assert row["counters"]["kvpool_vllm_bytes_saved_total"] > 0
         assert row["hit_rate"] > 0.3  # the shared system prompt is found again
     assert c["routing"]["prefix"] >= 3 and b["routing"]["prefix"] == 0
@@ -174,3 +176,29 @@ def test_a_dead_server_is_named_with_its_last_error(tmp_path):
     finally:
         fleet.stop()
     assert fleet.procs == []
+
+
+def test_kv_blocks_bound_the_context_and_reach_vllm(tmp_path):
+    """An instance's KV cache (--kv-blocks) sets vLLM's default context and goes to
+    `vllm serve` as --num-gpu-blocks-override; too few blocks for the context is a
+    clear error, before any server starts."""
+    import sys
+
+    from kvpool.bench.serve import kv_capacity
+    from kvpool.bench.serve_fleet import Fleet
+    from kvpool.errors import UserError
+
+    assert kv_capacity(64, None) == (64, 2016)  # 63 blocks of 32 tokens: vLLM keeps one back
+    assert kv_capacity(160, None) == (160, 4096)  # more than the default context
+    assert kv_capacity(0, None) == (0, 4096)  # vLLM's own capacity
+    with pytest.raises(UserError, match="hold 288 tokens of a request, fewer than --max-model-len 4096"):
+        kv_capacity(10, 4096)
+    fleet = Fleet("plain", "model", tmp_path, instances=1, python=Path(sys.executable),
+                  max_model_len=2016, kv_blocks=64)
+    fleet.ports = [8000]
+    cmd = fleet.command(0)
+    assert cmd[cmd.index("--num-gpu-blocks-override") + 1] == "64"
+    assert cmd[cmd.index("--max-model-len") + 1] == "2016"
+    own = Fleet("plain", "model", tmp_path, instances=1, python=Path(sys.executable))
+    own.ports = [8000]
+    assert "--num-gpu-blocks-override" not in own.command(0)  # vLLM's own capacity

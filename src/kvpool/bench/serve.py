@@ -16,11 +16,11 @@ its own ``cache_salt``, so it starts with nothing cached anywhere: no run reuses
 another one computed (ExampleConnector ignores the salt: its folder is emptied
 before each run instead).
 
-SLOs: unless given, twice the TTFT and twice the TPOT of one cold request of the
-workload's median prompt, alone on an idle instance (the calibration, run on the
-first configuration's servers). Offered rates: ``--rates`` (requests/s), else
-``--rate-multipliers`` times the estimated capacity of two instances without any
-cache (2 / the calibration request's end-to-end time). Workloads:
+SLOs: unless given, twice the TTFT and twice the TPOT of the workload's typical
+request (prompt length nearest the mean) run cold, alone on an idle instance (the
+calibration, run on the first configuration's servers). Offered rates: ``--rates``
+(requests/s), else ``--rate-multipliers`` times the estimated capacity of two
+instances without any cache (2 / the calibration request's end-to-end time). Workloads:
 :mod:`kvpool.bench.serve_workloads`; the client: :mod:`kvpool.bench.serve_client`.
 """
 
@@ -50,15 +50,18 @@ CONFIGS = {"a": ("plain", "least_loaded", "vLLM local prefix cache"),
            "b": ("kvpool", "least_loaded", "vLLM + kvpool, shared store"),
            "c": ("kvpool", "prefix", "(b) + prefix-aware routing (master lookup)")}
 INSTANCES = 2
+MAX_MODEL_LEN = 4096  # tokens of vLLM's context, unless an instance's KV cache holds fewer
 TRACE_WINDOW = 5000  # trace requests read, to sample whole conversations from
-# --quick: the two workloads and two rates (below and past the knee) that fit in about
-# five minutes here; the trace's saturated runs alone took five more
-QUICK = {"sessions": 5, "turns": 2, "docs": 2, "doc_tokens": 384, "requests": 10,
-         "max_tokens": 12, "trace_limit": 10, "trace_block": 32, "multipliers": "1.5,4",
-         "workloads": "chat,system"}
-FULL = {"sessions": 12, "turns": 4, "docs": 4, "doc_tokens": 1536, "requests": 48,
-        "max_tokens": 32, "trace_limit": 60, "trace_block": 64,
-        "multipliers": "0.25,0.5,1,1.5,2,3", "workloads": ",".join(WORKLOADS)}
+# Each instance's own KV cache is limited to ``kv_blocks`` blocks of BLOCK_SIZE tokens, as
+# a GPU's HBM limits it, while the store's segments hold several times more: the chat
+# workload's documents and turns do not all fit in one instance. --quick: the two
+# workloads and two rates (near and past the knee) that fit in about five minutes here.
+QUICK = {"sessions": 6, "turns": 2, "docs": 4, "doc_tokens": 512, "requests": 12,
+         "max_tokens": 12, "trace_limit": 10, "trace_block": 32, "multipliers": "1.5,3",
+         "workloads": "chat,system", "kv_blocks": 64}
+FULL = {"sessions": 12, "turns": 3, "docs": 8, "doc_tokens": 1024, "requests": 24,
+        "max_tokens": 16, "trace_limit": 12, "trace_block": 32,
+        "multipliers": "1.5,3", "workloads": ",".join(WORKLOADS), "kv_blocks": 160}
 
 
 def add_arguments(p) -> None:
@@ -76,7 +79,12 @@ def add_arguments(p) -> None:
                    f"{FULL['multipliers']}; --quick {QUICK['multipliers']})")
     p.add_argument("--slo-ttft-ms", type=float, default=None, help="TTFT SLO in ms")
     p.add_argument("--slo-tpot-ms", type=float, default=None, help="TPOT (mean ITL) SLO in ms")
-    p.add_argument("--max-model-len", type=int, default=4096, help="vLLM context (4096)")
+    p.add_argument("--max-model-len", type=int, default=None,
+                   help=f"vLLM context (default {MAX_MODEL_LEN}, or what --kv-blocks holds if less)")
+    p.add_argument("--kv-blocks", type=int, default=None,
+                   help="KV cache blocks of 32 tokens each vLLM instance holds itself (default "
+                   f"{FULL['kv_blocks']}; --quick {QUICK['kv_blocks']}; 0: all that "
+                   "VLLM_CPU_KVCACHE_SPACE=1 GiB holds)")
     p.add_argument("--segment-size", default="512MiB",
                    help="each kvpool node's segment (512MiB)")
     p.add_argument("--vllm-python", default=None,
@@ -137,12 +145,14 @@ def run(args) -> int:
     names = _names(args.workloads or size["workloads"], WORKLOADS, "--workloads")
     rates = parse_list(args.rates, "--rates") if args.rates else None
     multipliers = parse_list(args.rate_multipliers or size["multipliers"], "--rate-multipliers")
+    kv_blocks, max_model_len = kv_capacity(size["kv_blocks"] if args.kv_blocks is None else args.kv_blocks,
+                                           args.max_model_len)
     python = vllm_python(args.vllm_python)
     model = str(model_folder("smollm2"))
-    workloads = build_workloads(names, size, model, args.trace, args.max_model_len)
+    workloads = build_workloads(names, size, model, args.trace, max_model_len)
     log_dir = Path(args.log_dir or tempfile.mkdtemp(prefix="kvpool-bench-serve-"))
-    bench = ServeBench(model, workloads, configs, python, log_dir, args.max_model_len,
-                       parse_size(args.segment_size), args.seed)
+    bench = ServeBench(model, workloads, configs, python, log_dir, max_model_len,
+                       parse_size(args.segment_size), args.seed, kv_blocks=kv_blocks or None)
     doc = bench.run(rates, multipliers, args.slo_ttft_ms, args.slo_tpot_ms)
     doc["command"] = "kvpool bench serve" + (" --quick" if args.quick else "")
     doc["size"] = size
@@ -157,15 +167,31 @@ def run(args) -> int:
     return 0
 
 
+def kv_capacity(kv_blocks: int, max_model_len: int | None) -> tuple[int, int]:
+    """(blocks each instance holds, vLLM's context in tokens): ``max_model_len`` given,
+    else MAX_MODEL_LEN or what ``kv_blocks`` holds if fewer (0 blocks: vLLM's own
+    capacity). vLLM keeps one block back (its null block), so ``kv_blocks`` hold
+    ``(kv_blocks - 1) * BLOCK_SIZE`` tokens of one request. Raises UserError when that
+    is less than the context."""
+    usable = max(kv_blocks - 1, 0) * BLOCK_SIZE
+    if max_model_len is None:
+        max_model_len = min(MAX_MODEL_LEN, usable) if kv_blocks else MAX_MODEL_LEN
+    if kv_blocks < 0 or (kv_blocks and usable < max_model_len):
+        raise UserError(f"--kv-blocks {kv_blocks} hold {usable} tokens of a request, fewer than "
+                        f"--max-model-len {max_model_len}")
+    return kv_blocks, max_model_len
+
+
 class ServeBench:
     """One benchmark run over configurations, workloads and rates (module docstring)."""
 
     def __init__(self, model: str, workloads: list[Workload], configs: list[str],
                  python: Path, log_dir: Path, max_model_len: int, segment_size: int,
-                 seed: int = 0, progress=print):
+                 seed: int = 0, progress=print, kv_blocks: int | None = None):
         self.model, self.workloads, self.configs = model, workloads, configs
         self.python, self.log_dir, self.max_model_len = python, log_dir, max_model_len
         self.segment_size, self.seed, self.progress = segment_size, seed, progress
+        self.kv_blocks = kv_blocks
         self.nonce = f"{int(time.time())}-{os.getpid()}"
         self.example_dir = log_dir / "example-connector"
 
@@ -185,7 +211,7 @@ class ServeBench:
                               master=cluster.master_addr if cluster else "",
                               segments=[n["segment"] for n in cluster.nodes] if cluster else [],
                               example_dir=self.example_dir, max_model_len=self.max_model_len,
-                              python=self.python)
+                              python=self.python, kv_blocks=self.kv_blocks)
                 self.progress(f"starting {INSTANCES} vLLM servers ({kind}) ...")
                 with fleet:
                     self.progress(f"  healthy after {fleet.startup_s:.0f} s")
@@ -228,17 +254,18 @@ class ServeBench:
         return {"model": Path(self.model).name, "instances": INSTANCES,
                 "engine": "vllm serve (vllm-cpu), fp32, block 32, one core per instance",
                 "configs": {c: CONFIGS[c][2] for c in self.configs},
+                "kv_blocks_per_instance": self.kv_blocks, "max_model_len": self.max_model_len,
                 "cpus": os.cpu_count(), "load_average_end": os.getloadavg()}
 
     def _salt(self, *parts) -> str:
         return "-".join(str(p) for p in (*parts, self.nonce))
 
     def calibrate(self, fleet: Fleet, rates, multipliers, slo_ttft_ms, slo_tpot_ms) -> dict:
-        """Per workload: one cold request of the median prompt, alone (after a warm-up
+        """Per workload: one cold request of the typical prompt, alone (after a warm-up
         request); the SLOs and rates that follow from it (module docstring)."""
         plan = {}
         for w in self.workloads:
-            req = dataclasses.replace(w.median_prompt(), after=None)  # alone
+            req = dataclasses.replace(w.typical_request(), after=None)  # alone
             one = Router(1)
             url = fleet.urls[:1]
             for tag in ("warmup", "cold"):

@@ -86,18 +86,22 @@ class Fleet:
         master, segments: the kvpool store (kind ``kvpool``).
         example_dir: ExampleConnector's shared folder (kind ``example``).
         max_model_len: vLLM's context limit; python: vLLM's interpreter.
+        kv_blocks: blocks of KV cache each instance holds (``--num-gpu-blocks-override``,
+            ``BLOCK_SIZE`` tokens each: the HBM a GPU would give it); None: what
+            ``VLLM_CPU_KVCACHE_SPACE`` (1 GiB) holds.
     """
 
     def __init__(self, kind: str, model: str, log_dir: Path, instances: int = 2,
                  master: str = "", segments: list[str] = (), example_dir: Path | None = None,
                  max_model_len: int = 4096, python: Path | None = None,
-                 startup_timeout_s: float = 900.0):
+                 startup_timeout_s: float = 900.0, kv_blocks: int | None = None):
         if kind not in KINDS:
             raise UserError(f"server kind must be one of {', '.join(KINDS)}, got {kind!r}")
         self.kind, self.model, self.log_dir, self.n = kind, model, Path(log_dir), instances
         self.master, self.segments, self.example_dir = master, list(segments), example_dir
         self.max_model_len, self.python = max_model_len, python or vllm_python(None)
         self.startup_timeout_s = startup_timeout_s
+        self.kv_blocks = kv_blocks
         self.procs: list[subprocess.Popen] = []
         self.ports: list[int] = []
         self.metrics_ports: list[int] = []
@@ -136,16 +140,9 @@ class Fleet:
         self.metrics_ports = [free_port() for _ in range(self.n)]
         t0 = time.monotonic()
         for i in range(self.n):
-            cmd = [str(self.python.parent / "vllm"), "serve", self.model, "--dtype", "float32",
-                   "--block-size", str(BLOCK_SIZE), "--enforce-eager", "--max-model-len", str(self.max_model_len),
-                   "--port", str(self.ports[i]), "--host", "127.0.0.1",
-                   "--enable-prompt-tokens-details", "--prefix-caching-hash-algo", HASH_ALGO]
-            conn = self._connector(i)
-            if conn:
-                cmd += ["--kv-transfer-config", json.dumps(conn)]
             with open(self.log_path(i), "w") as log:
                 self.procs.append(subprocess.Popen(
-                    cmd, stdout=log, stderr=subprocess.STDOUT, env=self._env(i),
+                    self.command(i), stdout=log, stderr=subprocess.STDOUT, env=self._env(i),
                     start_new_session=True, preexec_fn=child_preexec()))
         try:
             self._wait_healthy(t0 + self.startup_timeout_s)
@@ -154,6 +151,19 @@ class Fleet:
             raise
         self.startup_s = time.monotonic() - t0
         return self
+
+    def command(self, i: int) -> list[str]:
+        """The ``vllm serve`` command line of instance ``i`` (its port assigned)."""
+        cmd = [str(self.python.parent / "vllm"), "serve", self.model, "--dtype", "float32",
+               "--block-size", str(BLOCK_SIZE), "--enforce-eager", "--max-model-len", str(self.max_model_len),
+               "--port", str(self.ports[i]), "--host", "127.0.0.1",
+               "--enable-prompt-tokens-details", "--prefix-caching-hash-algo", HASH_ALGO]
+        if self.kv_blocks:
+            cmd += ["--num-gpu-blocks-override", str(self.kv_blocks)]
+        conn = self._connector(i)
+        if conn:
+            cmd += ["--kv-transfer-config", json.dumps(conn)]
+        return cmd
 
     def log_path(self, i: int) -> Path:
         return self.log_dir / f"{self.kind}-{i}.log"

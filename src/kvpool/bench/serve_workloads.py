@@ -71,9 +71,12 @@ class Workload:
         gaps[0] = 0.0
         return np.cumsum(gaps).tolist()
 
-    def median_prompt(self) -> ServeRequest:
-        """The request of median prompt length (the SLO calibration request)."""
-        return sorted(self.requests, key=lambda r: len(r.prompt))[len(self.requests) // 2]
+    def typical_request(self) -> ServeRequest:
+        """The request whose prompt length is nearest the mean (the calibration request):
+        a request's cost grows with its prompt, so the mean, not the median, sizes what
+        the workload asks of the servers (a trace's long turns pull the mean up)."""
+        mean = sum(len(r.prompt) for r in self.requests) / len(self.requests)
+        return min(self.requests, key=lambda r: abs(len(r.prompt) - mean))
 
 
 def _documents(tokenizer, docs: int, doc_tokens: int) -> list[str]:
