@@ -254,10 +254,9 @@ class GetPath:
         while pending:
             owners, reqs = [], []
             for i in pending:
-                d = options[i][attempt][0]
-                for src, dst in frags[i]:
-                    owners.append(i)
-                    reqs.append(TransferRequest(Op.READ, dst, 0, d.segment, d.offset + src, len(dst)))
+                item_reqs = _fragment_reads(options[i][attempt][0], frags[i])
+                owners.extend([i] * len(item_reqs))
+                reqs.extend(item_reqs)
             ok = dict.fromkeys(pending, True)
             for i, status in zip(owners, self.engine.transfer(reqs)):
                 ok[i] = ok[i] and status == TransferStatus.COMPLETED
@@ -270,8 +269,8 @@ class GetPath:
         """:meth:`_read_all` of one item: its fragments from its cheapest replica, else
         the next one; True once all of them were copied from one replica."""
         for d, _ in self._ranked(replicas):
-            reqs = [TransferRequest(Op.READ, dst, 0, d.segment, d.offset + src, len(dst)) for src, dst in fragments]
-            if all(status == TransferStatus.COMPLETED for status in self.engine.transfer(reqs)):
+            if all(status == TransferStatus.COMPLETED
+                   for status in self.engine.transfer(_fragment_reads(d, fragments))):
                 return True
         return False
 
@@ -285,6 +284,13 @@ class GetPath:
             if value is not None:
                 return value
         raise TransferFailed(f"get {handle.key!r}: no replica could be read ({'; '.join(why.reasons) or 'none reachable'})")
+
+
+def _fragment_reads(replica: P.ReplicaDesc, fragments: list[tuple[int, memoryview]]) -> list[TransferRequest]:
+    """The READ requests of ``fragments`` ((offset in the value, destination) pairs) out
+    of ``replica``: each reads len(destination) bytes."""
+    return [TransferRequest(Op.READ, dst, 0, replica.segment, replica.offset + src, len(dst))
+            for src, dst in fragments]
 
 
 def _plan_fragments(size: int, wanted) -> tuple[list[int], list[tuple[int, memoryview]]]:

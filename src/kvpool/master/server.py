@@ -35,7 +35,7 @@ import asyncio
 import contextlib
 import logging
 from types import GeneratorType
-from typing import Callable, Generator
+from typing import Callable
 
 import msgspec
 

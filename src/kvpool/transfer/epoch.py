@@ -94,34 +94,28 @@ class EpochWord:
     @contextlib.contextmanager
     def writing(self, epoch: int, deadline: float) -> Iterator[bool]:
         """Hold the segment for a write under a grant of ``epoch``; yields whether the
-        write may go ahead (:meth:`enter_write` and :meth:`exit_write` around the body)."""
-        allowed = self.enter_write(epoch, deadline)
-        try:
-            yield allowed
-        finally:
-            self.exit_write(epoch)
-
-    def enter_write(self, epoch: int, deadline: float) -> bool:
-        """Begin a write under a grant of ``epoch``: True when it may go ahead. Always
-        pair with :meth:`exit_write` (same ``epoch``), also when False. A grant of a new
-        epoch may reach a writer just before the node finishes mounting (the word still
-        NO_EPOCH): it waits for that, at most MOUNT_WAIT_S and until ``deadline``."""
+        write may go ahead. A grant of a new epoch may reach a writer just before the
+        node finishes mounting (the word still NO_EPOCH): it waits for that, at most
+        MOUNT_WAIT_S and until ``deadline``."""
         if epoch == NO_EPOCH:
-            return True
-        if self._word[0] == NO_EPOCH:
-            limit = min(deadline, time.monotonic() + MOUNT_WAIT_S)
-            while self._word[0] == NO_EPOCH and time.monotonic() < limit:
-                time.sleep(0.001)
+            yield True
+            return
+        limit = min(deadline, time.monotonic() + MOUNT_WAIT_S)
+        while self._word[0] == NO_EPOCH and time.monotonic() < limit:
+            time.sleep(0.001)
+        self._enter()
+        try:
+            yield self._word[0] == epoch
+        finally:
+            self._exit()
+
+    def _enter(self) -> None:
         with self._lock:
             if self._writers == 0:
                 fcntl.flock(self._fd, fcntl.LOCK_SH)
             self._writers += 1
-        return self._word[0] == epoch
 
-    def exit_write(self, epoch: int) -> None:
-        """End a write begun by :meth:`enter_write`."""
-        if epoch == NO_EPOCH:
-            return
+    def _exit(self) -> None:
         with self._lock:
             self._writers -= 1
             if self._writers == 0:

@@ -48,16 +48,10 @@ def _run(requests: list[TransferRequest], segment: memoryview, word: EpochWord, 
     """Copy ``requests`` (one segment) under their grant's epoch: writes only while it is
     current (holding the segment's writer lock), reads kept only if it still is after."""
     info = requests[0].segment
-    if any(r.op == Op.WRITE for r in requests):
-        allowed = word.enter_write(info.epoch, deadline)
-        try:
-            if allowed:
-                _copy(requests, segment, before_write)
-        finally:
-            word.exit_write(info.epoch)
-    else:
-        allowed = True
-        _copy(requests, segment, before_write)
+    writes = any(r.op == Op.WRITE for r in requests)
+    with word.writing(info.epoch if writes else 0, deadline) as allowed:
+        if allowed:
+            _copy(requests, segment, before_write)
     if not (allowed and word.valid(info.epoch)):
         cancel.note(_stale(info))
         return [False] * len(requests)
