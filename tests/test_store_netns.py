@@ -13,7 +13,6 @@ import json
 import os
 import subprocess
 import sys
-import tempfile
 from pathlib import Path
 
 import proc_helpers
@@ -49,10 +48,10 @@ class Remote:
 
 
 @pytest.fixture
-def pool():
+def pool(tmp_path):
     """(hosts, master child, {host index: node child}, remote client)."""
     tag = f"kvt{os.getpid() % 100000}"
-    work = Path(tempfile.mkdtemp(prefix="kvpool-netns-"))
+    work = tmp_path
     with Hosts(tag, 4, net=20 + os.getpid() % 200) as hosts:
         children = []
         try:

@@ -38,6 +38,7 @@ from kvpool.errors import UserError
 HELP = "benchmark the master: bytes per object and ops/s from 1e4 to 1e7 objects; a simulated pool"
 SCHEMA = "kvpool.bench.master/1"
 BATCH = 1000  # keys per request
+FILL_STEP = 1_000_000  # objects between two progress lines of a fill
 MIN_KEY_BYTES = 16
 DEFAULT_SIZES, QUICK_SIZES = "1e4,1e5,1e6", "1e4,1e5"
 DEFAULT_SEGMENTS, QUICK_SEGMENTS = "10,100,1000", "10,100,1000"
@@ -138,7 +139,11 @@ def run_objects(args, log_dir: str) -> list[dict]:
             for size in args.sizes:
                 tail = max(held, size - args.window)
                 _say(args, f"  filling to {size:,} objects ({time.time() - began:.0f} s so far)")
-                stored = _put_range(client, keys, held, tail)
+                stored = 0
+                for lo in range(held, tail, FILL_STEP):  # a long fill shows progress
+                    stored += _put_range(client, keys, lo, min(tail, lo + FILL_STEP))
+                    if lo + FILL_STEP < tail:
+                        _say(args, f"    {lo + FILL_STEP:,} objects ({time.time() - began:.0f} s)")
                 put = Meter(master)
                 stored += _put_range(client, keys, tail, size, put)
                 if stored != size - held:
