@@ -8,7 +8,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from kvpool.bench.serve import knee
+from kvpool.bench.serve import knee, rates_to_run
 from kvpool.bench.serve_client import Outcome, summarize
 from kvpool.bench.serve_router import Router
 from kvpool.bench.serve_workloads import chat_workload, system_workload, trace_workload
@@ -116,11 +116,28 @@ def test_goodput_counts_requests_meeting_both_slos():
     outs = [o(0, 0.1, 0.01), o(1, 0.5, 0.01), o(2, 0.1, 0.2), o(3, 0.1, 0.01, error="HTTP 500")]
     s = summarize(outs, duration_s=2.0, slo_ttft_s=0.2, slo_tpot_s=0.05)
     assert (s["completed"], s["good"]) == (3, 1)
+    assert (s["missed_ttft"], s["missed_tpot"]) == (1, 1)
     assert s["goodput_rps"] == 0.5 and s["throughput_rps"] == 1.5
     assert s["hit_rate"] == 0.5 and s["per_instance"] == [2, 2]
     results = {"chat": {"a": [{"goodput_rps": 1.0}, {"goodput_rps": 0.5}],
                         "c": [{"goodput_rps": 1.6}, {"goodput_rps": 2.0}]}}
     assert knee(results, ["a", "c"])["chat"]["ratios"] == {"c/a": 2.0}
+
+
+def test_a_configuration_still_rising_at_its_highest_rate_gets_another_rate():
+    """Past the planned rates, one more (1.5x) while goodput still rose by > 10%; none
+    for a configuration that peaked below its highest rate, nor beyond ``extend``."""
+    def ran(goodputs, extend):
+        rows, rates = [], []
+        for rate in rates_to_run([1.0, 2.0], rows, extend):
+            rates.append(rate)
+            rows.append({"goodput_rps": goodputs[len(rows)]})
+        return rates
+
+    assert ran([0.5, 0.9, 1.2, 1.5], extend=2) == [1.0, 2.0, 3.0, 4.5]
+    assert ran([0.5, 0.9, 0.95], extend=2) == [1.0, 2.0, 3.0]  # 0.95 < 1.1 x 0.9
+    assert ran([0.5, 0.4], extend=2) == [1.0, 2.0]  # peaked at the first rate
+    assert ran([0.5, 0.9, 1.2], extend=0) == [1.0, 2.0]
 
 
 @pytest.mark.slow

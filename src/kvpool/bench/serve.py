@@ -16,11 +16,13 @@ its own ``cache_salt``, so it starts with nothing cached anywhere: no run reuses
 another one computed (ExampleConnector ignores the salt: its folder is emptied
 before each run instead).
 
-SLOs: unless given, twice the TTFT and twice the TPOT of the workload's typical
-request (prompt length nearest the mean) run cold, alone on an idle instance (the
-calibration, run on the first configuration's servers). Offered rates: ``--rates``
-(requests/s), else ``--rate-multipliers`` times the estimated capacity of two
-instances without any cache (2 / the calibration request's end-to-end time). Workloads:
+SLOs: unless given, SLO_TTFT_SCALE times the TTFT and SLO_TPOT_SCALE times the TPOT
+of the workload's typical request (prompt length nearest the mean) run cold, alone on
+an idle instance (medians of the preset's ``calibration_runs`` such runs: the
+calibration, run on the first configuration's servers). Offered rates: ``--rates`` (requests/s), else
+``--rate-multipliers`` times the estimated capacity of two instances without any cache
+(2 / the calibration request's end-to-end time); then up to ``--extend-rates`` more
+for a configuration still short of its knee (:func:`rates_to_run`). Workloads:
 :mod:`kvpool.bench.serve_workloads`; the client: :mod:`kvpool.bench.serve_client`.
 """
 
@@ -31,8 +33,10 @@ import dataclasses
 import json
 import os
 import shutil
+import statistics
 import tempfile
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 from kvpool.bench.links import parse_list
@@ -50,18 +54,37 @@ CONFIGS = {"a": ("plain", "least_loaded", "vLLM local prefix cache"),
            "b": ("kvpool", "least_loaded", "vLLM + kvpool, shared store"),
            "c": ("kvpool", "prefix", "(b) + prefix-aware routing (master lookup)")}
 INSTANCES = 2
+# A configuration whose goodput at its highest rate beats its best below by RISE has not
+# reached its knee: it runs again at EXTEND_STEP times that rate (up to --extend-rates
+# times). The planned rates are placed from the cold capacity estimate, which a cache
+# raises: in a chat run (3 rates, 1.5-4.5x the estimate), (a) peaked at the lowest rate
+# while (b) and (c) still rose at the highest.
+RISE, EXTEND_STEP = 1.1, 1.5
+# Default SLOs as multiples of the calibration's TTFT and TPOT. The calibration request
+# decodes alone; under load each step also carries other requests' decodes and prefill
+# chunks, which on a CPU stretch it: at 2x TPOT (108 ms) the loaded ITL p50 of every
+# configuration (70-120 ms) sat at the SLO, and goodput measured that noise, not the
+# cache. At 3x a request still misses when a whole cold prefill stalls its decode.
+SLO_TTFT_SCALE, SLO_TPOT_SCALE = 2.0, 3.0
 MAX_MODEL_LEN = 4096  # tokens of vLLM's context, unless an instance's KV cache holds fewer
 TRACE_WINDOW = 5000  # trace requests read, to sample whole conversations from
 # Each instance's own KV cache is limited to ``kv_blocks`` blocks of BLOCK_SIZE tokens, as
-# a GPU's HBM limits it, while the store's segments hold several times more: the chat
-# workload's documents and turns do not all fit in one instance. --quick: the two
-# workloads and two rates (near and past the knee) that fit in about five minutes here.
+# a GPU's HBM limits it, while the store's segments hold several times more. Full: 96
+# blocks (3,040 tokens) hold about a third of the chat documents, so (a) misses them
+# at every rate; at 160 blocks (5,120) (a) kept 45-75% hits when few sessions overlapped,
+# and goodput followed how its router happened to place sessions (b/a 0.84-2.22x over
+# six runs). --quick: the two workloads and two rates (near and past the knee) that
+# fit in about five minutes here; its documents nearly fit one instance. Calibration:
+# the median of 3 cold runs (one run's TPOT varied 54-97 ms between benchmark runs
+# here), 1 in --quick (3 took it to 5 min 28 s).
 QUICK = {"sessions": 6, "turns": 2, "docs": 4, "doc_tokens": 512, "requests": 12,
          "max_tokens": 12, "trace_limit": 10, "trace_block": 32, "multipliers": "1.5,3",
-         "workloads": "chat,system", "kv_blocks": 64}
+         "workloads": "chat,system", "kv_blocks": 64, "extend": 0,
+         "calibration_runs": 1}
 FULL = {"sessions": 12, "turns": 3, "docs": 8, "doc_tokens": 1024, "requests": 24,
         "max_tokens": 16, "trace_limit": 12, "trace_block": 32,
-        "multipliers": "1.5,3", "workloads": ",".join(WORKLOADS), "kv_blocks": 160}
+        "multipliers": "1.5,3", "workloads": ",".join(WORKLOADS), "kv_blocks": 96,
+        "extend": 1, "calibration_runs": 3}
 
 
 def add_arguments(p) -> None:
@@ -77,8 +100,13 @@ def add_arguments(p) -> None:
     p.add_argument("--rate-multipliers", default=None,
                    help="rates as multiples of the cold capacity estimate (default "
                    f"{FULL['multipliers']}; --quick {QUICK['multipliers']})")
-    p.add_argument("--slo-ttft-ms", type=float, default=None, help="TTFT SLO in ms")
-    p.add_argument("--slo-tpot-ms", type=float, default=None, help="TPOT (mean ITL) SLO in ms")
+    p.add_argument("--extend-rates", type=int, default=None,
+                   help="more rates, each 1.5x the last, for a configuration whose goodput "
+                   f"still rises at its highest (default {FULL['extend']}; --quick {QUICK['extend']})")
+    p.add_argument("--slo-ttft-ms", type=float, default=None,
+                   help="TTFT SLO in ms (default: 2x the calibration's cold TTFT)")
+    p.add_argument("--slo-tpot-ms", type=float, default=None,
+                   help="TPOT (mean ITL) SLO in ms (default: 3x the calibration's cold TPOT)")
     p.add_argument("--max-model-len", type=int, default=None,
                    help=f"vLLM context (default {MAX_MODEL_LEN}, or what --kv-blocks holds if less)")
     p.add_argument("--kv-blocks", type=int, default=None,
@@ -152,7 +180,9 @@ def run(args) -> int:
     workloads = build_workloads(names, size, model, args.trace, max_model_len)
     log_dir = Path(args.log_dir or tempfile.mkdtemp(prefix="kvpool-bench-serve-"))
     bench = ServeBench(model, workloads, configs, python, log_dir, max_model_len,
-                       parse_size(args.segment_size), args.seed, kv_blocks=kv_blocks or None)
+                       parse_size(args.segment_size), args.seed, kv_blocks=kv_blocks or None,
+                       extend=size["extend"] if args.extend_rates is None else args.extend_rates,
+                       calibration_runs=size["calibration_runs"])
     doc = bench.run(rates, multipliers, args.slo_ttft_ms, args.slo_tpot_ms)
     doc["command"] = "kvpool bench serve" + (" --quick" if args.quick else "")
     doc["size"] = size
@@ -187,11 +217,13 @@ class ServeBench:
 
     def __init__(self, model: str, workloads: list[Workload], configs: list[str],
                  python: Path, log_dir: Path, max_model_len: int, segment_size: int,
-                 seed: int = 0, progress=print, kv_blocks: int | None = None):
+                 seed: int = 0, progress=print, kv_blocks: int | None = None, extend: int = 0,
+                 calibration_runs: int = 1):
         self.model, self.workloads, self.configs = model, workloads, configs
         self.python, self.log_dir, self.max_model_len = python, log_dir, max_model_len
         self.segment_size, self.seed, self.progress = segment_size, seed, progress
-        self.kv_blocks = kv_blocks
+        self.kv_blocks, self.extend = kv_blocks, extend
+        self.calibration_runs = calibration_runs
         self.nonce = f"{int(time.time())}-{os.getpid()}"
         self.example_dir = log_dir / "example-connector"
 
@@ -226,12 +258,16 @@ class ServeBench:
 
     def _runs(self, fleet: Fleet, cluster, kind: str, plan: dict, results: dict,
               failed: dict) -> None:
-        """Every run of the configurations served by ``fleet``. A server that dies
-        ends them: the configuration's remaining runs are recorded in ``failed`` with
-        the server's last error, and the next kind of servers starts."""
+        """Every run of the configurations served by ``fleet``: the planned rates, then
+        up to ``extend`` more (each EXTEND_STEP times the last) while the configuration's
+        goodput still rises at its highest rate, so each one's knee is reached
+        (:func:`rates_to_run`). A server that dies ends them: the configuration's
+        remaining runs are recorded in ``failed`` with the server's last error, and the
+        next kind of servers starts."""
         for config in (c for c in self.configs if CONFIGS[c][0] == kind):
             for w in self.workloads:
-                for k, rate in enumerate(plan[w.name]["rates"]):
+                rows, planned = results[w.name][config], plan[w.name]["rates"]
+                for k, rate in enumerate(rates_to_run(planned, rows, self.extend)):
                     try:
                         row = self.one_run(fleet, cluster, config, w, k, rate, plan[w.name])
                     except OSError:  # URLError too: a server that stopped answering
@@ -242,7 +278,8 @@ class ServeBench:
                         self.progress(f"  {config}: a server died, its other runs are skipped "
                                       f"({failed[config]})")
                         return
-                    results[w.name][config].append(row)
+                    row["extended"] = k >= len(planned)
+                    rows.append(row)
                     self.checkpoint({"plan": plan, "results": results, "failed": failed})
 
     def checkpoint(self, partial: dict) -> None:
@@ -261,34 +298,41 @@ class ServeBench:
         return "-".join(str(p) for p in (*parts, self.nonce))
 
     def calibrate(self, fleet: Fleet, rates, multipliers, slo_ttft_ms, slo_tpot_ms) -> dict:
-        """Per workload: one cold request of the typical prompt, alone (after a warm-up
-        request); the SLOs and rates that follow from it (module docstring)."""
+        """Per workload: the typical prompt run cold, alone, ``calibration_runs`` times
+        (after one warm-up request); the SLOs and rates that follow from the medians
+        (module docstring)."""
         plan = {}
-        for w in self.workloads:
+        for k, w in enumerate(self.workloads):
             req = dataclasses.replace(w.typical_request(), after=None)  # alone
-            one = Router(1)
-            url = fleet.urls[:1]
-            for tag in ("warmup", "cold"):
-                (out,), _ = asyncio.run(run_load(url, self.model, [req], [0.0], one,
-                                                 self._salt("calibrate", w.name, tag)))
-                if out.error:
-                    raise UserError(f"calibration request failed: {out.error}")
-            e2e = out.chunk_s[-1]
+            if k == 0:  # the servers' first request pays their warm-up
+                self._alone(fleet, req, w.name, "warmup")
+            runs = [self._alone(fleet, req, w.name, f"cold{i}")
+                    for i in range(self.calibration_runs)]
+            ttft, tpot, e2e = (statistics.median(v) for v in zip(*runs))
             capacity = INSTANCES / e2e
             plan[w.name] = {
-                "cold_ttft_ms": out.ttft_s * 1e3, "cold_tpot_ms": (out.tpot_s or 0) * 1e3,
+                "cold_ttft_ms": ttft * 1e3, "cold_tpot_ms": tpot * 1e3,
                 "cold_e2e_ms": e2e * 1e3, "cold_prompt_tokens": len(req.prompt),
                 "capacity_estimate_rps": capacity,
-                "slo_ttft_ms": slo_ttft_ms or 2 * out.ttft_s * 1e3,
-                "slo_tpot_ms": slo_tpot_ms or 2 * (out.tpot_s or out.ttft_s) * 1e3,
+                "slo_ttft_ms": slo_ttft_ms or SLO_TTFT_SCALE * ttft * 1e3,
+                "slo_tpot_ms": slo_tpot_ms or SLO_TPOT_SCALE * (tpot or ttft) * 1e3,
                 "rates": rates or [round(m * capacity, 3) for m in multipliers],
                 "requests": len(w.requests),
                 "mean_prompt_tokens": sum(len(r.prompt) for r in w.requests) / len(w.requests)}
-            self.progress(f"  {w.name}: cold TTFT {out.ttft_s * 1e3:.0f} ms, TPOT "
-                          f"{(out.tpot_s or 0) * 1e3:.0f} ms -> SLO TTFT "
+            self.progress(f"  {w.name}: cold TTFT {ttft * 1e3:.0f} ms, TPOT "
+                          f"{tpot * 1e3:.0f} ms (median of {self.calibration_runs}) -> SLO TTFT "
                           f"{plan[w.name]['slo_ttft_ms']:.0f} ms, TPOT "
                           f"{plan[w.name]['slo_tpot_ms']:.0f} ms; rates {plan[w.name]['rates']}")
         return plan
+
+    def _alone(self, fleet: Fleet, req, workload: str, tag: str) -> tuple[float, float, float]:
+        """``req`` alone on the first instance, with a salt of its own (cold): its TTFT,
+        TPOT (0 with fewer than 2 tokens) and end-to-end time, seconds."""
+        (out,), _ = asyncio.run(run_load(fleet.urls[:1], self.model, [req], [0.0], Router(1),
+                                         self._salt("calibrate", workload, tag)))
+        if out.error:
+            raise UserError(f"calibration request failed: {out.error}")
+        return out.ttft_s, out.tpot_s or 0.0, out.chunk_s[-1]
 
     def _router(self, config: str, fleet: Fleet, client) -> Router:
         policy = CONFIGS[config][1]
@@ -343,6 +387,29 @@ def _ms(v) -> str:
     return "-" if v is None else f"{v:.0f} ms"
 
 
+def rates_to_run(planned: list[float], rows: list[dict], extend: int) -> Iterator[float]:
+    """The offered rates of one configuration and workload: ``planned``, then up to
+    ``extend`` more, each EXTEND_STEP times the last, while :func:`still_rising` holds
+    for ``rows`` (the runs so far, which the caller appends to between rates)."""
+    rate = 0.0
+    for rate in planned:
+        yield rate
+    for _ in range(extend):
+        if not still_rising(rows):
+            return
+        rate = round(rate * EXTEND_STEP, 3)
+        yield rate
+
+
+def still_rising(rows: list[dict]) -> bool:
+    """Whether the goodput at the highest rate run so far (the last row) beats the best
+    at the rates below it by RISE: the knee is not reached yet."""
+    if not rows:
+        return False
+    below = max((r["goodput_rps"] for r in rows[:-1]), default=0.0)
+    return rows[-1]["goodput_rps"] > RISE * below
+
+
 def knee(results: dict, configs: list[str]) -> dict:
     """Per workload: each configuration's peak goodput over the offered rates (the
     knee: where goodput stops rising), and its ratio to (a) and (a2)."""
@@ -367,9 +434,10 @@ def format_tables(doc: dict) -> str:
         lines += [f"### {w}: {p['requests']} requests, mean prompt "
                   f"{p['mean_prompt_tokens']:.0f} tokens; SLO TTFT {p['slo_ttft_ms']:.0f} ms, "
                   f"TPOT {p['slo_tpot_ms']:.0f} ms", "",
-                  "| config | offered req/s | throughput | goodput | TTFT p50/p90/p99 ms "
-                  "| ITL p50/p90/p99 ms | hit rate (local / connector) | MB moved |",
-                  "|---|---:|---:|---:|---:|---:|---:|---:|"]
+                  "| config | offered req/s | throughput | goodput | missed TTFT / TPOT SLO "
+                  "| TTFT p50/p90/p99 ms | ITL p50/p90/p99 ms | hit rate (local / connector) "
+                  "| MB moved |",
+                  "|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
         for c, rows in by_config.items():
             for r in rows:
                 cnt = r["counters"]
@@ -378,11 +446,15 @@ def format_tables(doc: dict) -> str:
                 ext = cnt.get("vllm:external_prefix_cache_hits_total", 0) / q
                 t, i = r["ttft_ms"], r["itl_ms"]
                 lines.append(
-                    f"| {c} | {r['rate_rps']:.3f} | {r['throughput_rps']:.3f} | "
-                    f"{r['goodput_rps']:.3f} | {_triple(t)} | {_triple(i)} | "
+                    f"| {c} | {r['rate_rps']:.3f}{'+' if r.get('extended') else ''} | "
+                    f"{r['throughput_rps']:.3f} | "
+                    f"{r['goodput_rps']:.3f} | {r.get('missed_ttft', '–')} / "
+                    f"{r.get('missed_tpot', '–')} of {r['requests']} | {_triple(t)} | {_triple(i)} | "
                     f"{r['hit_rate']:.0%} ({local:.0%} / {ext:.0%}) | "
                     f"{r['bytes_moved'] / 1e6:.0f} |")
         ratios = doc["knee"][w]["ratios"]
+        if any(r.get("extended") for rows in by_config.values() for r in rows):
+            lines += ["", "+: a rate added because that configuration's goodput still rose"]
         lines += ["", "knee (peak goodput): " + ", ".join(
             f"{c} {v:.3f} req/s" for c, v in doc["knee"][w]["peak_goodput_rps"].items())
             + ("; " + ", ".join(f"{k} {v:.2f}x" for k, v in ratios.items()) if ratios else ""),

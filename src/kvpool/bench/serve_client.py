@@ -147,6 +147,9 @@ def summarize(outcomes: list[Outcome], duration_s: float, slo_ttft_s: float,
     prompt = sum(o.prompt_tokens for o in ok)
     return {
         "requests": len(outcomes), "completed": len(ok), "good": len(good),
+        # why the others were not good (a request may miss both)
+        "missed_ttft": sum(1 for o in ok if o.ttft_s > slo_ttft_s),
+        "missed_tpot": sum(1 for o in ok if (o.tpot_s or 0.0) > slo_tpot_s),
         "errors": sorted({o.error for o in outcomes if o.error})[:3],
         "duration_s": duration_s, "throughput_rps": len(ok) / duration_s,
         "goodput_rps": len(good) / duration_s,
