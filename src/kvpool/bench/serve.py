@@ -320,7 +320,7 @@ class ServeBench:
                 "requests": len(w.requests),
                 "mean_prompt_tokens": sum(len(r.prompt) for r in w.requests) / len(w.requests)}
             self.progress(f"  {w.name}: cold TTFT {ttft * 1e3:.0f} ms, TPOT "
-                          f"{tpot * 1e3:.0f} ms (median of {self.calibration_runs}) -> SLO TTFT "
+                          f"{tpot * 1e3:.0f} ms ({_runs_text(self.calibration_runs)}) -> SLO TTFT "
                           f"{plan[w.name]['slo_ttft_ms']:.0f} ms, TPOT "
                           f"{plan[w.name]['slo_tpot_ms']:.0f} ms; rates {plan[w.name]['rates']}")
         return plan
@@ -381,6 +381,10 @@ def _bytes_moved(fleet: Fleet, counters: dict, example_dir: Path) -> int:
     if fleet.kind == "example":
         return sum(f.stat().st_size for f in example_dir.rglob("*") if f.is_file())
     return 0
+
+
+def _runs_text(n: int) -> str:
+    return "1 run" if n == 1 else f"median of {n} runs"
 
 
 def _ms(v) -> str:
