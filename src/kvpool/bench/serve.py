@@ -19,10 +19,11 @@ before each run instead).
 SLOs: unless given, SLO_TTFT_SCALE times the TTFT and SLO_TPOT_SCALE times the TPOT
 of the workload's typical request (prompt length nearest the mean) run cold, alone on
 an idle instance (medians of the preset's ``calibration_runs`` such runs: the
-calibration, run on the first configuration's servers). Offered rates: ``--rates`` (requests/s), else
-``--rate-multipliers`` times the estimated capacity of two instances without any cache
-(2 / the calibration request's end-to-end time); then up to ``--extend-rates`` more
-for a configuration still short of its knee (:func:`rates_to_run`). Workloads:
+calibration, run on the first configuration's servers). Offered rates: ``--rates``
+(requests/s), else ``--rate-multipliers`` times the estimated capacity of two
+instances without any cache (2 / the calibration request's end-to-end time); then up
+to ``--extend-rates`` more for a configuration still short of its knee
+(:func:`rates_to_run`). Workloads:
 :mod:`kvpool.bench.serve_workloads`; the client: :mod:`kvpool.bench.serve_client`.
 """
 
@@ -101,12 +102,12 @@ def add_arguments(p) -> None:
                    help="rates as multiples of the cold capacity estimate (default "
                    f"{FULL['multipliers']}; --quick {QUICK['multipliers']})")
     p.add_argument("--extend-rates", type=int, default=None,
-                   help="more rates, each 1.5x the last, for a configuration whose goodput "
+                   help=f"more rates, each {EXTEND_STEP}x the last, for a configuration whose goodput "
                    f"still rises at its highest (default {FULL['extend']}; --quick {QUICK['extend']})")
     p.add_argument("--slo-ttft-ms", type=float, default=None,
-                   help="TTFT SLO in ms (default: 2x the calibration's cold TTFT)")
+                   help=f"TTFT SLO in ms (default: {SLO_TTFT_SCALE:g}x the calibration's cold TTFT)")
     p.add_argument("--slo-tpot-ms", type=float, default=None,
-                   help="TPOT (mean ITL) SLO in ms (default: 3x the calibration's cold TPOT)")
+                   help=f"TPOT (mean ITL) SLO in ms (default: {SLO_TPOT_SCALE:g}x the calibration's cold TPOT)")
     p.add_argument("--max-model-len", type=int, default=None,
                    help=f"vLLM context (default {MAX_MODEL_LEN}, or what --kv-blocks holds if less)")
     p.add_argument("--kv-blocks", type=int, default=None,

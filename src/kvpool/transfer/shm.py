@@ -21,7 +21,7 @@ import time
 
 from kvpool.protocol import ReplicaDesc, SegmentInfo
 from kvpool.transfer import local_host_id
-from kvpool.transfer.epoch import SHM_DIR, EpochWord
+from kvpool.transfer.epoch import NO_EPOCH, SHM_DIR, EpochWord
 from kvpool.transfer.request import Cancel, Op, Transport, TransferRequest
 
 # shm name -> (writable view, epoch word) of a segment hosted by this process
@@ -49,7 +49,7 @@ def _run(requests: list[TransferRequest], segment: memoryview, word: EpochWord, 
     current (holding the segment's writer lock), reads kept only if it still is after."""
     info = requests[0].segment
     writes = any(r.op == Op.WRITE for r in requests)
-    with word.writing(info.epoch if writes else 0, deadline) as allowed:
+    with word.writing(info.epoch if writes else NO_EPOCH, deadline) as allowed:
         if allowed:
             _copy(requests, segment, before_write)
     if not (allowed and word.valid(info.epoch)):
