@@ -13,6 +13,7 @@ from kvpool.client import Client
 from kvpool.launch import Cluster
 from kvpool.errors import ErrorCode, InvalidParams, LeaseExpired, ObjectNotFound, RpcFailed
 from kvpool.rpc import RpcChannel
+from kvpool.transfer.shm import _data_ranges
 from proc_helpers import wait_for
 
 
@@ -276,3 +277,16 @@ def test_client_contributed_segment_serves_others_and_leaves_with_its_client(mod
         assert not os.path.exists(shm_path)
         assert not reader.is_exist("on-client")
         assert all(s.name != seg for s in reader.stats().segments)
+
+
+def test_client_contributed_segment_is_allocated_behind_its_puts_keeping_their_bytes(module_cluster):
+    # its pages are allocated on a thread after start; values written before and while
+    # that runs must keep their bytes (MADV_POPULATE_WRITE keeps content)
+    with Client(module_cluster.master_addr, global_segment_size=64 << 20) as owner:
+        seg = owner.segment.info
+        values = {f"behind-{i}": os.urandom(100_000) for i in range(40)}
+        for key, value in values.items():
+            owner.put(key, value, preferred_segment=seg.name)
+        path = f"/dev/shm/{seg.shm_name}"
+        wait_for(lambda: _data_ranges(path, seg.size) == [(0, seg.size)], what="the whole segment allocated")
+        assert {k: owner.get(k) for k in values} == values

@@ -66,6 +66,8 @@ class Client(ReadGrants, PutPath, GetPath):
         global_segment_size: bytes of shared memory this client contributes to the pool
             (Mooncake's client segment; 0 = none). It is mounted while the client is
             open, heartbeats keep it mounted, and close() unmounts it: objects on it go.
+            Its pages are allocated on a thread after start (resident, as memory given
+            to a pool is), so that puts into it do not pay first-touch page faults.
         segment_host: data-server address of that segment (port 0 = a free one).
         alloc_leases: put small single-replica values through an allocation lease (one
             master round trip per put or batch instead of two; docs/store.md,
@@ -114,7 +116,7 @@ class Client(ReadGrants, PutPath, GetPath):
             raise
         if global_segment_size > 0:
             host = SegmentHost(master_addr, segment_host, 0, global_segment_size, prefault=False,
-                               owner_prefix="client")
+                               owner_prefix="client", populate_behind=True)
             try:
                 host.start()
             except BaseException:

@@ -24,14 +24,17 @@ from kvpool.transfer import local_host_id
 from kvpool.transfer.epoch import NO_EPOCH, SHM_DIR, EpochWord
 from kvpool.transfer.request import Cancel, Op, Transport, TransferRequest
 
-# shm name -> (writable view, epoch word) of a segment hosted by this process
-_IN_PROCESS: dict[str, tuple[memoryview, EpochWord]] = {}
+# shm name -> (writable view, epoch word, before_write or None) of a segment hosted here
+_IN_PROCESS: dict[str, tuple[memoryview, EpochWord, object]] = {}
 
 
-def register_local_segment(shm_name: str, view: memoryview, word: EpochWord) -> None:
+def register_local_segment(shm_name: str, view: memoryview, word: EpochWord,
+                           before_write=None) -> None:
     """Make ``view`` (a segment this process hosts) reachable by :class:`LocalTransport`;
-    ``word``: its epoch word, opened for this process's writers (not the host's own)."""
-    _IN_PROCESS[shm_name] = (view, word)
+    ``word``: its epoch word, opened for this process's writers (not the host's own);
+    ``before_write(offset, length)``: runs before each write into the segment (a
+    :class:`Populator`'s ``populate`` for a segment not prefaulted), or None."""
+    _IN_PROCESS[shm_name] = (view, word, before_write)
 
 
 def unregister_local_segment(shm_name: str) -> None:
@@ -127,9 +130,8 @@ class LocalTransport(_MemoryTransport):
     def can_reach(self, segment: SegmentInfo) -> bool:
         return segment.shm_name in _IN_PROCESS
 
-    def _find(self, segment: SegmentInfo) -> tuple[memoryview, EpochWord, None] | None:
-        hosted = _IN_PROCESS.get(segment.shm_name)
-        return None if hosted is None else (*hosted, None)
+    def _find(self, segment: SegmentInfo) -> tuple[memoryview, EpochWord, object] | None:
+        return _IN_PROCESS.get(segment.shm_name)
 
     def _missing(self, segment: SegmentInfo) -> str:
         return f"local segment {segment.name} is no longer hosted here"
@@ -220,42 +222,47 @@ class ShmTransport(_MemoryTransport):
                 entry.close()
 
 
-# madvise(2) MADV_POPULATE_READ (Linux >= 5.14): fault a range's pages in at once.
-MADV_POPULATE_READ = 22
+# madvise(2) advice (Linux >= 5.14): fault a range's pages in at once, for reading /
+# for writing (the latter also allocates a shared-memory file's holes, writable).
+MADV_POPULATE_READ, MADV_POPULATE_WRITE = 22, 23
 POPULATE_CHUNK = 2 << 20  # granularity of "populated once" (bytes; a multiple of the page size)
 
 
-class _Mapping:
-    """One mapped segment, whose page tables are filled lazily: before the first write
-    into a ``POPULATE_CHUNK``, once, by MADV_POPULATE_READ over that chunk.
+class Populator:
+    """Fills a mapping's page tables lazily, a ``POPULATE_CHUNK`` at a time, once: call
+    :meth:`populate` before the first write into a range.
 
-    Why lazily, and only for writes (measured with a fresh client on a node's prefaulted
-    segment, 100 MB copies, Linux 6.18): populating costs what faulting does, ~65 ms per
-    GiB, so populating the whole segment at map time (MAP_POPULATE, as before) put that
-    on each client's first request whatever it touched: the first 100 MB read after
-    mapping a 1 GiB segment took 73 ms with it, 18 ms without (11 ms once faulted).
-    Reads fault 16 pages at a time (fault-around); populating a read's range first gains
-    nothing. Writes fault one page at a time: a first 100 MB write takes ~42 ms
-    unpopulated, ~15 ms with its range populated first (8 ms once populated). The
-    read-populated PTEs of a shared shmem mapping are writable; MADV_POPULATE_WRITE
-    costs 2-3x as much for the same result. Without the advice (Linux < 5.14), pages
-    fault as they are touched.
+    Why, measured here (Linux 6.18, 100 MB written in 1 MiB copies):
+
+    - A client's mapping of a node's segment (pages allocated at the node's start):
+      ``MADV_POPULATE_READ``. Populating costs what faulting does, ~65 ms per GiB, so
+      populating the whole segment at map time (MAP_POPULATE, as before) put that on
+      each client's first request whatever it touched: the first 100 MB read after
+      mapping a 1 GiB segment took 73 ms with it, 18 ms without (11 ms once faulted).
+      Reads fault 16 pages at a time (fault-around); populating a read's range first
+      gains nothing. Writes fault one page at a time: a first 100 MB write takes ~42 ms
+      unpopulated, ~15 ms with its range populated first (8 ms once populated). The
+      read-populated PTEs of a shared shmem mapping are writable; MADV_POPULATE_WRITE
+      costs 2-3x as much for the same result.
+    - The host's own mapping of a segment it did not prefault (a client's contributed
+      segment: its pages are holes until written): ``MADV_POPULATE_WRITE``, which
+      allocates them too: 43 ms per 100 MB in all, against 51-73 ms faulting page by
+      page and 57 ms with POPULATE_READ (whose pages fault again on the write).
+
+    Without the advice (Linux < 5.14), pages fault as they are touched.
+
+    Args:
+        mm: the mapping (an :class:`mmap.mmap`).
+        advice: MADV_POPULATE_READ or MADV_POPULATE_WRITE.
     """
 
-    def __init__(self, mm: mmap.mmap, shm_name: str):
-        self.mm, self.view, self.shm_name = mm, memoryview(mm), shm_name
+    def __init__(self, mm: mmap.mmap, advice: int = MADV_POPULATE_READ):
+        self.mm, self.advice = mm, advice
         self.populated = bytearray(-(-len(mm) // POPULATE_CHUNK))  # 1 per populated chunk
-        self._word: EpochWord | None = None
-
-    def word(self, size: int) -> EpochWord:
-        """The segment's epoch word (``size``: its value bytes), opened at first use."""
-        if self._word is None:
-            self._word = EpochWord(self.view, size, self.shm_name)
-        return self._word
 
     def populate(self, offset: int, length: int) -> None:
-        """Fill the page tables of the chunks ``[offset, offset + length)`` touches that
-        were not filled yet. Never raises; races only repeat harmless work."""
+        """Fill the page tables of the chunks ``[offset, offset + length)`` (bytes)
+        touches that were not filled yet. Never raises; races only repeat harmless work."""
         first, last = offset // POPULATE_CHUNK, (offset + max(length, 1) - 1) // POPULATE_CHUNK
         if first == last and first < len(self.populated) and self.populated[first]:
             return  # the common case: one chunk, filled before
@@ -264,12 +271,28 @@ class _Mapping:
             return
         start = todo[0] * POPULATE_CHUNK
         try:
-            self.mm.madvise(MADV_POPULATE_READ, start, min((todo[-1] + 1) * POPULATE_CHUNK, len(self.mm)) - start)
+            self.mm.madvise(self.advice, start, min((todo[-1] + 1) * POPULATE_CHUNK, len(self.mm)) - start)
         except (OSError, ValueError):
             self.populated[:] = b"\1" * len(self.populated)  # not supported here: stop asking
             return
         for c in todo:
             self.populated[c] = 1
+
+
+class _Mapping:
+    """One mapped segment of another process, whose page tables are filled lazily
+    before writes (:class:`Populator`, MADV_POPULATE_READ)."""
+
+    def __init__(self, mm: mmap.mmap, shm_name: str):
+        self.mm, self.view, self.shm_name = mm, memoryview(mm), shm_name
+        self.populate = Populator(mm).populate
+        self._word: EpochWord | None = None
+
+    def word(self, size: int) -> EpochWord:
+        """The segment's epoch word (``size``: its value bytes), opened at first use."""
+        if self._word is None:
+            self._word = EpochWord(self.view, size, self.shm_name)
+        return self._word
 
     def close(self) -> None:
         if self._word is not None:

@@ -25,9 +25,7 @@ from concurrent.futures import ThreadPoolExecutor
 import torch
 
 from kvpool.cache.codec import HEADER_SIZE, payload_checksum
-
-
-MADV_POPULATE_WRITE = 23  # madvise(2), Linux >= 5.14: fault pages in writable, content kept
+from kvpool.transfer.shm import MADV_POPULATE_WRITE
 
 
 def prefault(tensors) -> int:
