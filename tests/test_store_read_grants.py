@@ -121,8 +121,15 @@ def test_a_read_handle_reads_once(client):
     assert client.read(handle) == b"abc" * 100
     with pytest.raises(LeaseExpired, match="already used"):
         client.read(handle)
+    with pytest.raises(LeaseExpired, match="already used"):
+        client.read_into(handle, bytearray(300))
     assert client.batch_read_into([handle], [bytearray(300)]) == [ErrorCode.LEASE_EXPIRED]
     assert client.batch_read_ranges([handle], [[(0, bytearray(3))]]) == [[ErrorCode.LEASE_EXPIRED]]
+    into = client.query("once")
+    buf = bytearray(300)
+    assert client.read_into(into, buf) == 300 and buf == b"abc" * 100
+    with pytest.raises(LeaseExpired, match="already used"):
+        client.read_into(into, buf)
     twice = client.query("once")  # the same handle twice in one batch is one read
     a, b = bytearray(300), bytearray(300)
     assert client.batch_read_into([twice, twice], [a, b]) == [300, 300] and a == b

@@ -77,11 +77,22 @@ class GetPath:
         Raises BufferOverflow (the message gives the value's and the buffer's sizes),
         LeaseExpired (buf content then undefined), TransferFailed.
         """
-        n = self.batch_read_into([handle], [buf])[0]
-        if n == ErrorCode.BUFFER_OVERFLOW:
+        dst = _destination(buf)
+        if len(dst) < handle.size:
             raise BufferOverflow(f"read of {handle.key!r}: the value is {handle.size} bytes, "
-                                 f"the buffer {len(_destination(buf))} bytes")
-        return self._check_read(n, handle)
+                                 f"the buffer {len(dst)} bytes")
+        if not self._begin([handle])[0]:
+            raise LeaseExpired(f"read handle of {handle.key!r} was already used: query again")
+        try:  # one engine read in this thread: none of batch_read_into's bookkeeping
+            copied = self._read_one(handle.replicas, [(0, dst[: handle.size])])
+        finally:
+            self._finish([handle])
+        if not copied:
+            raise TransferFailed(f"read of {handle.key!r}: no replica could be read")
+        handle.check_lease()
+        if isinstance(buf, RegisteredBuffer):
+            buf.after_read(0, handle.size)
+        return handle.size
 
     def batch_read_into(self, handles: Sequence[ReadHandle], bufs: Sequence) -> list[int]:
         """Copy each handle's value into its buffer: same-host replicas by memcpy, the
@@ -215,12 +226,6 @@ class GetPath:
             out[i] = n
         return out
 
-    @staticmethod
-    def _check_read(n: int, handle: ReadHandle) -> int:
-        if n < 0:
-            raise_for(n, f"read of {handle.key!r}: {code_name(n)}")
-        return n
-
     def _ranked(self, replicas: list[P.ReplicaDesc], routes: dict | None = None) -> list[tuple[P.ReplicaDesc, Transport]]:
         """Reachable replicas with their transport, cheapest first (local, shm, tcp).
         ``routes`` caches segment name -> transport across the items of one batch."""
@@ -267,10 +272,15 @@ class GetPath:
 
     def _read_one(self, replicas: list[P.ReplicaDesc], fragments: list[tuple[int, memoryview]]) -> bool:
         """:meth:`_read_all` of one item: its fragments from its cheapest replica, else
-        the next one; True once all of them were copied from one replica."""
-        for d, _ in self._ranked(replicas):
-            if all(status == TransferStatus.COMPLETED
-                   for status in self.engine.transfer(_fragment_reads(d, fragments))):
+        the next one; True once all of them were copied from one replica. A single
+        fragment (a whole value: get_into) is one engine read, no request batch."""
+        for d, transport in self._ranked(replicas):
+            if len(fragments) == 1:
+                src, dst = fragments[0]
+                if self.engine.read_into(transport, d.segment, d.offset + src, dst):
+                    return True
+            elif all(status == TransferStatus.COMPLETED
+                     for status in self.engine.transfer(_fragment_reads(d, fragments))):
                 return True
         return False
 

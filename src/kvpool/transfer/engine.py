@@ -25,7 +25,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import wait as wait_futures
 
 from kvpool.protocol import SegmentInfo
-from kvpool.transfer.request import Cancel, TransferRequest, TransferResult, TransferStatus, Transport
+from kvpool.transfer.request import Cancel, Op, TransferRequest, TransferResult, TransferStatus, Transport
 
 log = logging.getLogger("kvpool.transfer")
 
@@ -66,9 +66,10 @@ def spread(requests: list[tuple[int, TransferRequest]], lanes: int,
     return [b for b in bins if b]
 
 
-def _sliced(transport: Transport, req: TransferRequest) -> bool:
-    """Whether ``req`` alone would be cut over several of ``transport``'s lanes (:func:`spread`)."""
-    return transport.lanes > 1 and req.length >= 2 * transport.slice_bytes
+def _sliced(transport: Transport, length: int) -> bool:
+    """Whether a request of ``length`` bytes alone would be cut over several of
+    ``transport``'s lanes (:func:`spread`)."""
+    return transport.lanes > 1 and length >= 2 * transport.slice_bytes
 
 
 class BatchHandle:
@@ -213,7 +214,7 @@ class TransferEngine:
         hand-off for the common one-peer batch), the others on worker threads."""
         if len(requests) == 1:
             transport = self.route(requests[0].segment)
-            if transport is None or not _sliced(transport, requests[0]):
+            if transport is None or not _sliced(transport, requests[0].length):
                 return self._transfer_one(transport, requests[0], timeout_s)
         handle, tasks = self._plan(requests, timeout_s)
         if len(tasks) == 1:  # the common case: no future, no thread
@@ -226,6 +227,18 @@ class TransferEngine:
         if tasks:
             self._start(handle, *tasks[0], inline=True)
         return handle.wait()
+
+    def read_into(self, transport: Transport, segment: SegmentInfo, offset: int, dst: memoryview,
+                  timeout_s: float | None = None) -> bool:
+        """Copy ``len(dst)`` bytes at ``offset`` of ``segment`` into ``dst`` over
+        ``transport`` (a route of :meth:`route`), in this thread; True when copied. The
+        path of a single get: no request status, no batch; a read large enough to be
+        sliced over several lanes goes through :meth:`transfer`."""
+        if _sliced(transport, len(dst)):
+            req = TransferRequest(Op.READ, dst, 0, segment, offset, len(dst))
+            return self.transfer([req], timeout_s)[0] == TransferStatus.COMPLETED
+        deadline = time.monotonic() + (self.timeout_s if timeout_s is None else timeout_s)
+        return transport.read_into(segment, offset, dst, deadline)
 
     def _transfer_one(self, transport: Transport | None, req: TransferRequest,
                       timeout_s: float | None) -> TransferResult:

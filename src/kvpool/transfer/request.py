@@ -157,6 +157,15 @@ class Transport:
         req = TransferRequest(Op.READ, memoryview(buf), 0, segment, offset, length)
         return bytes(buf) if self.run([req], deadline, cancel or Cancel())[0] else None
 
+    def read_into(self, segment: SegmentInfo, offset: int, dst: memoryview, deadline: float,
+                  cancel: "Cancel | None" = None) -> bool:
+        """Copy ``len(dst)`` bytes at ``offset`` of ``segment`` into the writable byte
+        view ``dst``; False on failure (why: noted on ``cancel`` when given; ``dst`` is
+        then undefined). Same-host transports override this with a path that builds no
+        request; this default runs one READ."""
+        req = TransferRequest(Op.READ, dst, 0, segment, offset, len(dst))
+        return self.run([req], deadline, cancel or Cancel())[0]
+
     def value_view(self, segment: SegmentInfo, offset: int, length: int):
         """A view of ``length`` bytes at ``offset`` of a segment mapped in this process,
         and a callable telling whether bytes copied out of it under the grant's epoch

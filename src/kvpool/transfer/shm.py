@@ -55,20 +55,20 @@ def _run(requests: list[TransferRequest], segment: memoryview, word: EpochWord, 
     with word.writing(info.epoch if writes else NO_EPOCH, deadline) as allowed:
         if allowed:
             _copy(requests, segment, before_write)
-    if not (allowed and word.valid(info.epoch)):
+    if not allowed:
         cancel.note(_stale(info))
         return [False] * len(requests)
-    return [True] * len(requests)
+    return [_kept(info, word, cancel)] * len(requests)
 
 
-def _read_bytes(segment: SegmentInfo, view: memoryview, word: EpochWord, offset: int, length: int,
-                cancel: Cancel | None) -> bytes | None:
-    out = bytes(view[offset : offset + length])
+def _kept(segment: SegmentInfo, word: EpochWord, cancel: Cancel | None) -> bool:
+    """Whether bytes just copied out of ``segment`` under its grant may be kept: its
+    mount epoch is still the grant's (else the reason is noted on ``cancel``)."""
     if word.valid(segment.epoch):
-        return out
+        return True
     if cancel is not None:
         cancel.note(_stale(segment))
-    return None
+    return False
 
 
 def _copy(requests: list[TransferRequest], segment: memoryview, before_write=None) -> None:
@@ -104,14 +104,33 @@ class _MemoryTransport(Transport):
         view, word, before_write = found
         return _run(requests, view, word, deadline, cancel, before_write)
 
+    def _found(self, segment: SegmentInfo, cancel: Cancel | None):
+        """:meth:`_find`, noting on ``cancel`` why there is no view."""
+        found = self._find(segment)
+        if found is None and cancel is not None:
+            cancel.note(self._missing(segment))
+        return found
+
     def read_bytes(self, segment: SegmentInfo, offset: int, length: int, deadline: float,
                    cancel: Cancel | None = None) -> bytes | None:
-        found = self._find(segment)
+        found = self._found(segment, cancel)
         if found is None:
-            if cancel is not None:
-                cancel.note(self._missing(segment))
             return None
-        return _read_bytes(segment, found[0], found[1], offset, length, cancel)
+        out = bytes(found[0][offset : offset + length])
+        return out if _kept(segment, found[1], cancel) else None
+
+    def read_into(self, segment: SegmentInfo, offset: int, dst: memoryview, deadline: float,
+                  cancel: Cancel | None = None) -> bool:
+        """One memcpy, then the epoch check (a single get's copy: no request, no batch)."""
+        if offset < 0 or offset + len(dst) > segment.size:
+            if cancel is not None:
+                cancel.note(f"range {offset}+{len(dst)} outside segment {segment.name}")
+            return False
+        found = self._found(segment, cancel)
+        if found is None:
+            return False
+        dst[:] = found[0][offset : offset + len(dst)]
+        return _kept(segment, found[1], cancel)
 
 
     def value_view(self, segment: SegmentInfo, offset: int, length: int):

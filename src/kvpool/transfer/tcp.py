@@ -170,24 +170,38 @@ class TcpTransport(Transport):
             return [False] * len(requests)
         return [ok_w if r.op == Op.WRITE else ok_r for r in requests]
 
-    def read_bytes(self, segment: SegmentInfo, offset: int, length: int, deadline: float,
-                   cancel: Cancel | None = None) -> bytes | None:
-        """One read into a new bytes object that the kernel fills directly (one copy)."""
-        cancel = cancel or Cancel()
-
+    def _read_value(self, segment: SegmentInfo, offset: int, length: int, deadline: float,
+                    cancel: Cancel, receive):
+        """One DataRead of ``length`` bytes at ``offset``; ``receive(sock)`` takes its
+        payload and returns the result. None when refused or failed (noted on ``cancel``)."""
         def work(sock):
             send_views(sock, [P.encode_frame(P.DataRead([offset], [length], segment.epoch))], deadline)
             code = read_reply(sock, deadline).code
             if code != ErrorCode.OK:
                 cancel.note(f"tcp {segment.data_addr}: {NodeRefused(code, 'read')}")
                 return None
-            return recv_bytes(sock, length, deadline)
+            return receive(sock)
 
         try:
             return self._with_conn(segment.data_addr, deadline, cancel, work)
         except _FAILURES as exc:
             cancel.note(f"tcp {segment.data_addr}: {describe_failure(exc)}")
             return None
+
+    def read_bytes(self, segment: SegmentInfo, offset: int, length: int, deadline: float,
+                   cancel: Cancel | None = None) -> bytes | None:
+        """One read into a new bytes object that the kernel fills directly (one copy)."""
+        return self._read_value(segment, offset, length, deadline, cancel or Cancel(),
+                                lambda sock: recv_bytes(sock, length, deadline))
+
+    def read_into(self, segment: SegmentInfo, offset: int, dst: memoryview, deadline: float,
+                  cancel: Cancel | None = None) -> bool:
+        """One read received straight into ``dst`` (one copy, no request batch)."""
+        def receive(sock) -> bool:
+            recv_views(sock, [dst], deadline)
+            return True
+
+        return self._read_value(segment, offset, len(dst), deadline, cancel or Cancel(), receive) is True
 
     def close(self) -> None:
         self._pool.close()
