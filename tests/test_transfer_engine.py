@@ -17,7 +17,7 @@ from kvpool.transfer import local_host_id
 from kvpool.transfer.engine import SLICE_BYTES, TransferEngine, plan_slices, spread
 from kvpool.transfer.request import Op, TransferRequest, TransferStatus, Transport
 from kvpool.transfer.shm import LocalTransport, ShmTransport
-from kvpool.transfer.tcp import TcpTransport
+from kvpool.transfer.tcp import LANES, LOOPBACK_LANES, TcpTransport
 
 SEGMENT = 64 << 20
 
@@ -92,10 +92,12 @@ def test_large_tcp_transfer_is_sliced_over_parallel_lanes(node_segment):
     size = 6 * SLICE_BYTES + 12345
     src = np.frombuffer(random.Random(3).randbytes(size), np.uint8)
     write = TransferRequest(Op.WRITE, memoryview(src), 0, node_segment, 4096, size)
-    lanes = spread([(0, write)], TcpTransport.lanes)
-    assert len(lanes) == TcpTransport.lanes  # four connections, one slice each
+    lanes = spread([(0, write)], 4)
+    assert len(lanes) == 4  # four connections, one slice each
     assert sum(r.length for lane in lanes for _, r in lane) == size
-    with _engine("tcp") as engine:
+    tcp = TcpTransport()
+    tcp.loopback_lanes = 4  # as to another host, or to this one with 8 cores or more
+    with TransferEngine([tcp], timeout_s=10.0) as engine:
         assert engine.transfer([write]) == [TransferStatus.COMPLETED]
         dst = np.zeros(size + 1, np.uint8)
         read = TransferRequest(Op.READ, memoryview(dst), 1, node_segment, 4096, size)
@@ -197,3 +199,17 @@ def test_a_batch_wider_than_one_sendmsg_is_byte_exact_over_tcp(node_segment):
                  for i in range(n)]
         assert engine.transfer(reads) == [TransferStatus.COMPLETED] * n
         assert np.array_equal(dst, src)
+
+
+def test_tcp_lanes_follow_the_peer():
+    # peers at this namespace's own addresses share its cores: one lane per two of
+    # them; others (another host, another namespace) get LANES
+    tcp = TcpTransport()
+
+    def at(addr: str) -> P.SegmentInfo:
+        return P.SegmentInfo("s", "h", "shm", 1 << 20, addr)
+
+    assert tcp.lanes_to(at("127.0.0.1:9")) == tcp.lanes_to(at("[::1]:9")) == LOOPBACK_LANES
+    assert tcp.lanes_to(at("localhost:9")) == LOOPBACK_LANES
+    assert tcp.lanes_to(at("203.0.113.77:9")) == LANES == 4  # TEST-NET-3: held by no one here
+    assert 1 <= LOOPBACK_LANES <= LANES

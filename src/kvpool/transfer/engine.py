@@ -66,10 +66,10 @@ def spread(requests: list[tuple[int, TransferRequest]], lanes: int,
     return [b for b in bins if b]
 
 
-def _sliced(transport: Transport, length: int) -> bool:
-    """Whether a request of ``length`` bytes alone would be cut over several of
-    ``transport``'s lanes (:func:`spread`)."""
-    return transport.lanes > 1 and length >= 2 * transport.slice_bytes
+def _sliced(transport: Transport, segment: SegmentInfo, length: int) -> bool:
+    """Whether a request of ``length`` bytes to ``segment`` alone would be cut over
+    several of ``transport``'s lanes (:func:`spread`)."""
+    return length >= 2 * transport.slice_bytes and transport.lanes_to(segment) > 1
 
 
 class BatchHandle:
@@ -181,7 +181,8 @@ class TransferEngine:
                 handle._cancel.note(problem)
                 continue
             groups.setdefault((routes[name].name, name), (routes[name], []))[1].append((i, req))
-        tasks = [(t, lane) for t, group in groups.values() for lane in spread(group, t.lanes, t.slice_bytes)]
+        tasks = [(t, lane) for t, group in groups.values()  # a group: one transport, one segment
+                 for lane in spread(group, t.lanes_to(group[0][1].segment), t.slice_bytes)]
         return handle, tasks
 
     def _start(self, handle: BatchHandle, transport: Transport, lane: list, inline: bool) -> None:
@@ -214,7 +215,7 @@ class TransferEngine:
         hand-off for the common one-peer batch), the others on worker threads."""
         if len(requests) == 1:
             transport = self.route(requests[0].segment)
-            if transport is None or not _sliced(transport, requests[0].length):
+            if transport is None or not _sliced(transport, requests[0].segment, requests[0].length):
                 return self._transfer_one(transport, requests[0], timeout_s)
         handle, tasks = self._plan(requests, timeout_s)
         if len(tasks) == 1:  # the common case: no future, no thread
@@ -234,7 +235,7 @@ class TransferEngine:
         ``transport`` (a route of :meth:`route`), in this thread; True when copied. The
         path of a single get: no request status, no batch; a read large enough to be
         sliced over several lanes goes through :meth:`transfer`."""
-        if _sliced(transport, len(dst)):
+        if _sliced(transport, segment, len(dst)):
             req = TransferRequest(Op.READ, dst, 0, segment, offset, len(dst))
             return self.transfer([req], timeout_s)[0] == TransferStatus.COMPLETED
         deadline = time.monotonic() + (self.timeout_s if timeout_s is None else timeout_s)

@@ -1,7 +1,7 @@
 """Vectored socket I/O on blocking sockets with a deadline: payloads move between the
 kernel and the caller's memoryviews with ``sendmsg`` (gather) and ``recvmsg_into`` /
-``recv_into`` with ``MSG_WAITALL`` (scatter), one Python iteration per system call,
-never per byte or per small chunk, and no intermediate buffer.
+``recv_into`` with ``MSG_WAITALL`` (scatter), one Python iteration per system call of
+at most :data:`CALL_BYTES`, never per byte or per small chunk, and no intermediate buffer.
 
 Sockets used here are in blocking mode with a short kernel timeout
 (``SO_RCVTIMEO`` / ``SO_SNDTIMEO`` = :data:`POLL_S`): a call that waits longer returns
@@ -19,6 +19,11 @@ import struct
 import time
 
 IOV_MAX = 1024  # buffers per sendmsg/recvmsg_into call (Linux UIO_MAXIOV)
+# Bytes one call moves at most. One sendmsg of 128 MiB gathered from 128 views moved
+# 3.2-3.3 GB/s over loopback here, the same bytes in calls of 1 MiB 5.4-5.8 (the
+# kernel holds the socket for a whole call, so the peer's ACKs wait and the window
+# stalls); 64 KiB calls cost more in calls than they gain (1.7), 4 MiB ones 4.2.
+CALL_BYTES = 1 << 20
 POLL_S = 0.2  # seconds a single blocking call may wait before the deadline is checked
 _WAITALL = getattr(socket, "MSG_WAITALL", 0)
 _AGAIN = (errno.EAGAIN, errno.EWOULDBLOCK, errno.EINTR)
@@ -35,6 +40,20 @@ def set_kernel_timeouts(sock: socket.socket, seconds: float = POLL_S) -> None:
 def _check(deadline: float | None, what: str) -> None:
     if deadline is not None and time.monotonic() > deadline:
         raise TimeoutError(f"{what} did not finish before its deadline")
+
+
+def _first(views: list[memoryview]) -> list[memoryview]:
+    """The leading views one call moves: at most IOV_MAX of them and CALL_BYTES in
+    all (the first view cut to CALL_BYTES when longer)."""
+    if len(views[0]) >= CALL_BYTES:
+        return [views[0][:CALL_BYTES]]
+    out, total = [], 0
+    for view in views[:IOV_MAX]:
+        if total + len(view) > CALL_BYTES:
+            break
+        out.append(view)
+        total += len(view)
+    return out
 
 
 def _advance(views: list[memoryview], n: int) -> list[memoryview]:
@@ -86,7 +105,7 @@ def send_views(sock: socket.socket, views: list, deadline: float | None = None,
     gone).
     """
     pending = [v if isinstance(v, memoryview) else memoryview(v) for v in views if len(v)]
-    _pump(pending, lambda p: sock.sendmsg(p[:IOV_MAX]), deadline, stall_s, "send")
+    _pump(pending, lambda p: sock.sendmsg(_first(p)), deadline, stall_s, "send")
 
 
 def recv_views(sock: socket.socket, views: list[memoryview], deadline: float | None = None,
@@ -99,10 +118,11 @@ def recv_views(sock: socket.socket, views: list[memoryview], deadline: float | N
     deadline; the views' content is then undefined.
     """
     def receive(pending: list[memoryview]) -> int:
-        if len(pending) == 1:
-            n = sock.recv_into(pending[0], len(pending[0]), _WAITALL)
+        views = _first(pending)
+        if len(views) == 1:
+            n = sock.recv_into(views[0], len(views[0]), _WAITALL)
         else:
-            n = sock.recvmsg_into(pending[:IOV_MAX], 0, _WAITALL)[0]
+            n = sock.recvmsg_into(views, 0, _WAITALL)[0]
         if n == 0:
             raise ConnectionError("peer closed the connection mid-transfer")
         return n

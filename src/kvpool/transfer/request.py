@@ -145,6 +145,11 @@ class Transport:
     def can_reach(self, segment: SegmentInfo) -> bool:
         raise NotImplementedError
 
+    def lanes_to(self, segment: SegmentInfo) -> int:
+        """Lanes the engine may use for one large batch to ``segment`` (``lanes``
+        unless a transport knows better for that peer)."""
+        return self.lanes
+
     def run(self, requests: list[TransferRequest], deadline: float, cancel: Cancel) -> list[bool]:
         raise NotImplementedError
 
