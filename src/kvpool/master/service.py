@@ -42,7 +42,7 @@ from kvpool.master.segments import SegmentTable, new_epoch
 from kvpool.master.table import ObjectMeta, ObjectTable
 from kvpool.protocol import (
     MAX_KEY_BYTES, MAX_SEGMENTS, SOFT_PIN_DISABLE, SOFT_PIN_ENABLE, SOFT_PIN_PRESERVE, BatchGetResp,
-    BatchPutStartResp, CodesResp, CommitItem, CountResp, GetResp, IndexEntry, MountResp, PutItem, PutStartResp,
+    BatchPutStartResp, CodesResp, CommitItem, GetResp, IndexEntry, MountResp, PutItem, PutStartResp,
     PutToken, ReplicaDesc, Resp, SegmentInfo, SegmentStats, StatsResp,
 )
 
@@ -346,35 +346,47 @@ class MasterService(Eviction, Restore, LeaseHandlers):
     # ------------------------------------------------------------ reads
 
     def get_replica_list(self, key: str) -> GetResp:
+        return self._get(key, *self._lease_terms())
+
+    def batch_get_replica_list(self, keys: list[str]) -> BatchGetResp:
+        ttl_ms, deadline = self._lease_terms()  # one clock read for the whole batch
+        return BatchGetResp([self._get(k, ttl_ms, deadline) for k in keys])
+
+    def _get(self, key: str, ttl_ms: int, deadline: float) -> GetResp:
+        """A read grant on ``key``: its replicas, under a lease extended to ``deadline``."""
         obj = self.objects.get(key)
         if obj is None or not obj.visible:
             return GetResp(ErrorCode.OBJECT_NOT_FOUND)
-        ttl_ms, deadline = self._grant_lease(obj)
+        self._extend_lease(obj, deadline)
         grant_id = self.grants.grant(obj.grants, deadline)
         return GetResp(OK, obj.size, ttl_ms, [self._desc(r) for r in obj.replicas], grant_id)
 
-    def batch_get_replica_list(self, keys: list[str]) -> BatchGetResp:
-        return BatchGetResp([self.get_replica_list(k) for k in keys])
-
     def exist_key(self, key: str) -> Resp:
-        obj = self.objects.get(key)
-        if obj is None or not obj.visible:
-            return Resp(ErrorCode.OBJECT_NOT_FOUND)
-        self._grant_lease(obj)
-        return Resp(OK)
+        return Resp(self._exists(key, self._lease_terms()[1]))
 
     def batch_exist_key(self, keys: list[str]) -> CodesResp:
-        return CodesResp([self.exist_key(k).code for k in keys])
+        deadline = self._lease_terms()[1]
+        return CodesResp([self._exists(k, deadline) for k in keys])
 
-    def _grant_lease(self, obj: ObjectMeta) -> tuple[int, float]:
-        """Extend ``obj``'s read lease; returns (TTL in ms, the new deadline)."""
+    def _exists(self, key: str, deadline: float) -> int:
+        """OK (its lease extended to ``deadline``) or OBJECT_NOT_FOUND."""
+        obj = self.objects.get(key)
+        if obj is None or not obj.visible:
+            return ErrorCode.OBJECT_NOT_FOUND
+        self._extend_lease(obj, deadline)
+        return OK
+
+    def _lease_terms(self) -> tuple[int, float]:
+        """The read lease a get or exist grants now: (TTL in ms, deadline in monotonic s)."""
         ttl_ms = self.config.default_kv_lease_ttl_ms
-        deadline = self.clock() + ttl_ms / 1000
+        return ttl_ms, self.clock() + ttl_ms / 1000
+
+    def _extend_lease(self, obj: ObjectMeta, deadline: float) -> None:
+        """Extend ``obj``'s read lease to ``deadline`` (never shorten it)."""
         if deadline > obj.lease_deadline:
             obj.lease_deadline = deadline
             self.queue.touch(obj)
         self.counters["leases_granted"] += 1
-        return ttl_ms, deadline
 
     def _desc(self, r: Replica) -> ReplicaDesc:
         return ReplicaDesc(self.segments.segments[r.segment].info, r.offset, r.length)
