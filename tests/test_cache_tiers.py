@@ -148,3 +148,22 @@ def test_pages_waiting_for_their_backup_are_not_evicted(caches, tmp_path):
     assert cache.insert(seq(2), kv(2, 2)) == 2
     cache.flush()
     assert cache.metrics["pages_written_l3"] == 4
+
+
+def test_reserved_l3_rows_take_the_first_read_without_growing(caches, tmp_path):
+    # reserve() touches the rows an L3 read lands in at start; a read of up to that
+    # many pages then uses them as they are (no fresh memory on a request's path)
+    writer = caches(l1_pages=4, l2_pages=0, l3=DiskBackend(tmp_path, max_bytes=1 << 20))
+    writer.insert(seq(1, pages=3), kv(3, 1))
+    writer.flush()
+    reader = caches(l1_pages=4, l2_pages=0, l3=DiskBackend(tmp_path, max_bytes=1 << 20))
+    reader.reserve(3)
+    rows = reader.l3_tier._load_rows._raw
+    assert rows.shape[0] == 3 and not rows.any()  # touched: written with zeros
+    m = reader.match(seq(1, pages=3))
+    try:
+        got = reader.load(m)
+    finally:
+        reader.release(m)
+    assert m.num_pages == 3 and torch.equal(got, kv(3, 1))
+    assert reader.l3_tier._load_rows._raw is rows

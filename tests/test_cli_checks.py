@@ -22,6 +22,7 @@ REFUSED = [
     ([*GEN, "--l1-size", "banana"], "not a size: 'banana'"),
     ([*GEN, "--l1-size", "0"], "--l1-size 0: the L1 pool must hold at least one page"),
     ([*GEN, "--page-size", "0"], "--page-size must be >= 1, got 0"),
+    ([*GEN, "--reserve-tokens", "-1"], "--reserve-tokens must be >= 0, got -1"),
     ([*GEN, "--threads", "0"], "--threads must be >= 1, got 0"),
     ([*GEN, "--max-new-tokens", "0"], "--max-new-tokens must be >= 1, got 0"),
     ([*GEN, "--master", "host:port"], "host:port"),

@@ -57,6 +57,17 @@ def test_cache_layers_write_new_tokens_in_place(tiny):
     assert keys.shape[-2] == 12 and torch.equal(keys[..., 10:, :], new)
 
 
+def test_reserve_allocates_the_kv_buffer_the_first_request_uses(tiny):
+    engine = Engine(tiny)
+    engine.reserve(0)
+    assert engine._seq is None  # nothing reserved, nothing allocated
+    engine.reserve(100)
+    reserved = engine._seq
+    assert reserved.shape[4] >= 100 and not reserved.any()  # touched: written with zeros
+    engine.generate(list(range(5, 60)), max_new_tokens=2, use_cache=False)
+    assert engine._seq is reserved  # the request found it large enough
+
+
 def test_local_hf_folder_loads_with_the_same_weights(tiny, tmp_path):
     tiny.model.save_pretrained(tmp_path)
     tiny.tokenizer.save_pretrained(tmp_path)

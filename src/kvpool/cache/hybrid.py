@@ -356,6 +356,12 @@ class HybridCache:
         parts = [p.l3_tier for p in (self.windows, self.states) if p is not None]
         return [t for t in [self.full, *parts] if t is not None]
 
+    def reserve(self, pages: int) -> None:
+        """:meth:`PrefixCache.reserve` of the full-attention pages (the bulk of a long
+        prefix's bytes); the window and state parts read a few objects per match."""
+        if self.full is not None:
+            self.full.reserve(pages)
+
     def flush(self) -> None:
         """Wait until every queued L3 backup of every part is written."""
         for tier in self._tiers():

@@ -238,6 +238,12 @@ class PrefixCache:
         thread (no L3, synchronous backups, or closed)."""
         return self.l3_tier.backup_queue_depth if self.l3_tier is not None else 0
 
+    def reserve(self, pages: int) -> None:
+        """Make the first L3 read of up to ``pages`` pages land in memory touched now
+        (:meth:`L3Tier.reserve`); nothing without L3."""
+        if self.l3_tier is not None:
+            self.l3_tier.reserve(pages)
+
     def flush(self) -> None:
         """Wait until every L3 backup queued so far is written."""
         if self.l3_tier is not None:

@@ -23,6 +23,10 @@ def add_cache_arguments(parser: argparse.ArgumentParser) -> None:
     by ``generate`` and ``demo`` (whose engines are ``generate --worker`` processes)."""
     parser.add_argument("--page-size", type=int, default=16, help="tokens per KV page (16)")
     parser.add_argument("--l1-size", default="512MiB", help="each engine's L1 page pool (512MiB)")
+    parser.add_argument("--reserve-tokens", type=int, default=4096,
+                        help="memory touched at start for a request of up to this many tokens: "
+                        "the KV buffer and the L3 read rows (4096; 0: none), so that the "
+                        "first request does not pay its page faults in its time to first token")
     parser.add_argument("--force-tcp", action="store_true",
                         help="move store data over TCP instead of mapping shared memory")
     parser.add_argument("--threads", type=int, default=1,
@@ -66,6 +70,7 @@ def check_cache_arguments(args) -> None:
     from kvpool.engine.models import resolve_source
 
     check_at_least(args, 1, "page_size", "threads")
+    check_at_least(args, 0, "reserve_tokens")
     if parse_size(args.l1_size) == 0:
         raise UserError(f"--l1-size {args.l1_size}: the L1 pool must hold at least one page")
     if getattr(args, "master", None):

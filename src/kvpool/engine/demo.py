@@ -156,7 +156,7 @@ def _start_engines(args, master: str, logs: Path, engines: dict, say) -> None:
 
     worker_args = ["--model", args.model, "--master", master, "--page-size", str(args.page_size),
                    "--l1-size", args.l1_size, "--threads", str(args.threads),
-                   "--attention", args.attention]
+                   "--attention", args.attention, "--reserve-tokens", str(args.reserve_tokens)]
     if args.force_tcp:
         worker_args.append("--force-tcp")
 

@@ -58,6 +58,7 @@ def start_engine(args, progress):
     loaded = load_model(args.model, args.dtype, progress=progress)
     engine = Engine(loaded, attention=args.attention)
     engine.build_cache(args.page_size, parse_size(args.l1_size), l3=l3)
+    engine.reserve(args.reserve_tokens)
     if warming is not None:
         warming.join()
     return engine, {**model_summary(loaded), "attention": engine.attention}
