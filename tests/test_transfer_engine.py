@@ -17,7 +17,7 @@ from kvpool.transfer import local_host_id
 from kvpool.transfer.engine import SLICE_BYTES, TransferEngine, plan_slices, spread
 from kvpool.transfer.request import Op, TransferRequest, TransferStatus, Transport
 from kvpool.transfer.shm import LocalTransport, ShmTransport
-from kvpool.transfer.tcp import LANES, LOOPBACK_LANES, TcpTransport
+from kvpool.transfer.tcp import LANES, LOCAL_LANES, TcpTransport
 
 SEGMENT = 64 << 20
 
@@ -96,7 +96,7 @@ def test_large_tcp_transfer_is_sliced_over_parallel_lanes(node_segment):
     assert len(lanes) == 4  # four connections, one slice each
     assert sum(r.length for lane in lanes for _, r in lane) == size
     tcp = TcpTransport()
-    tcp.loopback_lanes = 4  # as to another host, or to this one with 8 cores or more
+    tcp.local_lanes = 4  # as to another host, or to this one with 8 cores or more
     with TransferEngine([tcp], timeout_s=10.0) as engine:
         assert engine.transfer([write]) == [TransferStatus.COMPLETED]
         dst = np.zeros(size + 1, np.uint8)
@@ -209,7 +209,7 @@ def test_tcp_lanes_follow_the_peer():
     def at(addr: str) -> P.SegmentInfo:
         return P.SegmentInfo("s", "h", "shm", 1 << 20, addr)
 
-    assert tcp.lanes_to(at("127.0.0.1:9")) == tcp.lanes_to(at("[::1]:9")) == LOOPBACK_LANES
-    assert tcp.lanes_to(at("localhost:9")) == LOOPBACK_LANES
+    assert tcp.lanes_to(at("127.0.0.1:9")) == tcp.lanes_to(at("[::1]:9")) == LOCAL_LANES
+    assert tcp.lanes_to(at("localhost:9")) == LOCAL_LANES
     assert tcp.lanes_to(at("203.0.113.77:9")) == LANES == 4  # TEST-NET-3: held by no one here
-    assert 1 <= LOOPBACK_LANES <= LANES
+    assert 1 <= LOCAL_LANES <= LANES

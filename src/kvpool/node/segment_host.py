@@ -130,6 +130,7 @@ class SegmentHost:
                                  self.stall_s, self.secret)
         # same-process clients memcpy; into a segment not prefaulted, after populating
         # each 2 MiB chunk once (a page fault per 4 KiB page otherwise)
+        # (SharedMemory keeps its mapping in _mmap, 3.8 onwards: the one whose pages we fill)
         populate = None if self.prefault else Populator(self.shm._mmap, MADV_POPULATE_WRITE).populate
         register_local_segment(self.shm.name, self.shm.buf, self._writers_word, populate)
         if self.populate_behind:

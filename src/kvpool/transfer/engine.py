@@ -158,6 +158,11 @@ class TransferEngine:
             found = self._routes[key] = next((t for t in self.transports if t.can_reach(segment)), None)
         return found
 
+    def _deadline_after(self, timeout_s: float | None) -> float:
+        """time.monotonic() seconds by which a transfer given ``timeout_s`` (None: the
+        engine's own) must end."""
+        return time.monotonic() + (self.timeout_s if timeout_s is None else timeout_s)
+
     def _pool(self) -> ThreadPoolExecutor:
         with self._lock:
             if self._executor is None:
@@ -166,7 +171,7 @@ class TransferEngine:
 
     def _plan(self, requests: list[TransferRequest], timeout_s: float | None):
         """A handle with INVALID statuses set, and the tasks: (transport, [(parent, req)])."""
-        deadline = time.monotonic() + (self.timeout_s if timeout_s is None else timeout_s)
+        deadline = self._deadline_after(timeout_s)
         statuses: list[TransferStatus | None] = [None] * len(requests)
         groups: dict[tuple[str, str], tuple[Transport, list]] = {}
         routes: dict[str, Transport | None] = {}
@@ -238,7 +243,7 @@ class TransferEngine:
         if _sliced(transport, segment, len(dst)):
             req = TransferRequest(Op.READ, dst, 0, segment, offset, len(dst))
             return self.transfer([req], timeout_s)[0] == TransferStatus.COMPLETED
-        deadline = time.monotonic() + (self.timeout_s if timeout_s is None else timeout_s)
+        deadline = self._deadline_after(timeout_s)
         return transport.read_into(segment, offset, dst, deadline)
 
     def _transfer_one(self, transport: Transport | None, req: TransferRequest,
@@ -249,7 +254,7 @@ class TransferEngine:
         problem = req.problem() or (None if transport else f"no transport reaches segment {req.segment.name}")
         if problem:
             return TransferResult([TransferStatus.INVALID], [problem])
-        deadline = time.monotonic() + (self.timeout_s if timeout_s is None else timeout_s)
+        deadline = self._deadline_after(timeout_s)
         cancel = Cancel()
         if transport.run([req], deadline, cancel)[0]:
             return TransferResult([TransferStatus.COMPLETED])

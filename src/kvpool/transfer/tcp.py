@@ -39,7 +39,7 @@ SOCKET_BUFFER = 4 << 20  # bytes; larger kernel buffers keep loopback/LAN transf
 LANES = 4  # connections per peer the engine may use in parallel for one large batch
 
 
-def _loopback_lanes() -> int:
+def _local_lanes() -> int:
     """:data:`LANES` to a peer whose address is this network namespace's own (its
     traffic stays on the loopback device): one per two cores this process may run on
     (sender and receiver share them), 1 to 4.
@@ -56,7 +56,7 @@ def _loopback_lanes() -> int:
     return max(1, min(LANES, cores // 2))
 
 
-LOOPBACK_LANES = _loopback_lanes()
+LOCAL_LANES = _local_lanes()
 _FAILURES = (OSError, P.FrameError, msgspec.MsgspecError)  # OSError covers timeouts and EOF
 
 
@@ -149,19 +149,19 @@ class TcpTransport(Transport):
         self.timeout_s = timeout_s
         self.secret = auth.secret_or_env(secret)
         self._pool = _Pool()
-        self.loopback_lanes = LOOPBACK_LANES
+        self.local_lanes = LOCAL_LANES
         self._local: dict[str, bool] = {}  # data address -> whether this namespace holds it
 
     def can_reach(self, segment: SegmentInfo) -> bool:
         return bool(segment.data_addr)
 
     def lanes_to(self, segment: SegmentInfo) -> int:
-        """``loopback_lanes`` (:data:`LOOPBACK_LANES`) to a node at an address of this
+        """``local_lanes`` (:data:`LOCAL_LANES`) to a node at an address of this
         network namespace, else ``lanes`` (:data:`LANES`); decided once per address."""
         local = self._local.get(segment.data_addr)
         if local is None:
             local = self._local[segment.data_addr] = _is_local_address(segment.data_addr)
-        return self.loopback_lanes if local else self.lanes
+        return self.local_lanes if local else self.lanes
 
     def _connect(self, addr: str, deadline: float) -> socket.socket:
         limit = max(0.001, min(self.timeout_s, deadline - time.monotonic()))
@@ -221,12 +221,7 @@ class TcpTransport(Transport):
         """One DataRead of ``length`` bytes at ``offset``; ``receive(sock)`` takes its
         payload and returns the result. None when refused or failed (noted on ``cancel``)."""
         def work(sock):
-            send_views(sock, [P.encode_frame(P.DataRead([offset], [length], segment.epoch))], deadline)
-            code = read_reply(sock, deadline).code
-            if code != ErrorCode.OK:
-                cancel.note(f"tcp {segment.data_addr}: {NodeRefused(code, 'read')}")
-                return None
-            return receive(sock)
+            return receive(sock) if _ask_read(sock, segment, [offset], [length], deadline, cancel) else None
 
         try:
             return self._with_conn(segment.data_addr, deadline, cancel, work)
@@ -263,12 +258,22 @@ def _write(sock: socket.socket, reqs: list[TransferRequest], deadline: float) ->
     return True
 
 
-def _read(sock: socket.socket, reqs: list[TransferRequest], deadline: float, cancel: Cancel) -> bool:
-    head = P.DataRead([r.remote_offset for r in reqs], [r.length for r in reqs], reqs[0].segment.epoch)
-    send_views(sock, [P.encode_frame(head)], deadline)
+def _ask_read(sock: socket.socket, segment: SegmentInfo, offsets: list[int], lengths: list[int],
+              deadline: float, cancel: Cancel) -> bool:
+    """Send one DataRead and read the node's answer; True when its payload (the ranges'
+    bytes, in order) follows. A refusal comes before any payload, so the connection
+    stays in step; it is noted on ``cancel``."""
+    send_views(sock, [P.encode_frame(P.DataRead(offsets, lengths, segment.epoch))], deadline)
     code = read_reply(sock, deadline).code
     if code != ErrorCode.OK:
-        cancel.note(f"tcp {reqs[0].segment.data_addr}: {NodeRefused(code, 'read')}")
-        return False  # refused before any payload: the connection stays in step
+        cancel.note(f"tcp {segment.data_addr}: {NodeRefused(code, 'read')}")
+        return False
+    return True
+
+
+def _read(sock: socket.socket, reqs: list[TransferRequest], deadline: float, cancel: Cancel) -> bool:
+    if not _ask_read(sock, reqs[0].segment, [r.remote_offset for r in reqs], [r.length for r in reqs],
+                     deadline, cancel):
+        return False
     recv_views(sock, [r.local_view() for r in reqs], deadline)
     return True
