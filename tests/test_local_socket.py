@@ -17,6 +17,7 @@ from kvpool import local_socket
 from kvpool import protocol as P
 from kvpool.client import Client
 from kvpool.config import parse_addr
+from kvpool.errors import RpcFailed
 from kvpool.rpc import RpcChannel
 from test_store_restart import wait_for
 
@@ -127,3 +128,28 @@ def test_a_quiet_index_stream_is_not_taken_for_a_dead_one():
     finally:
         chan.close()
         listener.close()
+
+
+@pytest.mark.parametrize("local", [True, False])
+def test_a_master_that_never_answers_fails_the_call_after_the_channel_timeout(local):
+    """The channel's timeout lives in the kernel (SO_RCVTIMEO, no poll per call): a
+    master that takes a request and never answers still ends the call, with RpcFailed
+    saying so, once the timeout has passed, over TCP and over the Unix socket."""
+    listener = socket.create_server(("127.0.0.1", 0))
+    port = listener.getsockname()[1]
+    unix = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    unix.bind(local_socket.listen_name("127.0.0.1", port))
+    unix.listen()
+    chan = RpcChannel(f"127.0.0.1:{port}", timeout_s=0.3, secret=b"", local=local)
+    try:
+        chan.connect()
+        assert chan._sock.family == (socket.AF_UNIX if local else socket.AF_INET)
+        assert chan._sock.gettimeout() is None  # blocking: the timeout is the kernel's
+        started = time.monotonic()
+        with pytest.raises(RpcFailed, match="no answer within 0.3 s"):
+            chan.call(P.Ping(), idempotent=False)
+        assert 0.25 <= time.monotonic() - started < 5
+    finally:
+        chan.close()
+        listener.close()
+        unix.close()

@@ -15,7 +15,7 @@ from kvpool import protocol as P
 from kvpool.client import Client
 from kvpool.transfer import local_host_id
 from kvpool.transfer.engine import SLICE_BYTES, TransferEngine, plan_slices, spread
-from kvpool.transfer.request import Op, TransferRequest, TransferStatus, Transport
+from kvpool.transfer.request import Cancel, Op, TransferRequest, TransferStatus, Transport
 from kvpool.transfer.shm import LocalTransport, ShmTransport
 from kvpool.transfer.tcp import LANES, LOCAL_LANES, TcpTransport
 
@@ -213,3 +213,22 @@ def test_tcp_lanes_follow_the_peer():
     assert tcp.lanes_to(at("localhost:9")) == LOCAL_LANES
     assert tcp.lanes_to(at("203.0.113.77:9")) == LANES == 4  # TEST-NET-3: held by no one here
     assert 1 <= LOCAL_LANES <= LANES
+
+
+@pytest.mark.parametrize("kind", ["local", "shm", "tcp"])
+def test_the_single_copy_write_and_read_of_every_transport(kind, node_segment, own_segment):
+    """write_from / read_into (a single put's and get's copy, no request batch) are byte
+    exact, and a range outside the segment moves nothing and says why."""
+    segment = _segment(kind, node_segment, own_segment)
+    value = memoryview(random.Random(11).randbytes(70_001))
+    offset = segment.size - 2 * len(value) - 3
+    with _engine(kind) as engine:
+        transport = engine.route(segment)
+        assert engine.write_from(transport, segment, offset, value)
+        back = bytearray(len(value))
+        assert engine.read_into(transport, segment, offset, memoryview(back))
+        assert back == value
+        why = Cancel()
+        assert not engine.write_from(transport, segment, segment.size - 10, value, cancel=why)
+        assert why.reasons and all("outside" in r or "exceeds" in r for r in why.reasons)
+        assert engine.read_into(transport, segment, offset, memoryview(back)) and back == value

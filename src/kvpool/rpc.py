@@ -41,6 +41,7 @@ from kvpool import protocol as P
 from kvpool.config import parse_addr
 from kvpool.errors import ErrorCode, RpcFailed, code_of
 from kvpool.masters import MasterAddrs
+from kvpool.spin import ReplyWait
 
 log = logging.getLogger("kvpool.rpc")
 _MAX_LOGGED = 1024  # distinct refusal messages remembered (then every one is logged)
@@ -82,6 +83,7 @@ class RpcChannel:
         self._sock: socket.socket | None = None
         self._inbox: bytearray | None = None  # bytes of unasked frames not yet whole (:meth:`receive_pending`)
         self._answered = False  # the master has answered on this connection
+        self._replies = ReplyWait()  # polls briefly for quick replies (kvpool.spin)
 
     def connect(self) -> None:
         """Open the connection to the first candidate master that accepts it. Raises
@@ -114,6 +116,8 @@ class RpcChannel:
             except RpcFailed:
                 self.close()
                 raise
+        # the timeout in the kernel: no poll() before each send and recv
+        P.set_kernel_timeouts(self._sock, self.timeout_s)
         self._answered = False
 
     def call(self, request: msgspec.Struct, idempotent: bool = True, notices: Sequence[msgspec.Struct] = ()):
@@ -132,7 +136,7 @@ class RpcChannel:
         broke = False
         while True:
             try:
-                reply = self._round_trip(frame, broke, idempotent)
+                reply = self._round_trip(frame, type(request), broke, idempotent)
             except _Undelivered as exc:
                 if time.monotonic() >= deadline:
                     raise exc.error from None
@@ -154,9 +158,10 @@ class RpcChannel:
             self.masters.answered(self.addr)
             return reply
 
-    def _round_trip(self, frame: bytes, broke: bool, idempotent: bool):
-        """One send and receive; raises _Undelivered (no master took the request) or
-        _Broken (the connection failed after the request may have been sent)."""
+    def _round_trip(self, frame: bytes, kind: type, broke: bool, idempotent: bool):
+        """One send and receive (``kind``: the request's type, for the reply wait);
+        raises _Undelivered (no master took the request) or _Broken (the connection
+        failed after the request may have been sent)."""
         if self._sock is None:
             try:
                 self.connect()
@@ -165,10 +170,18 @@ class RpcChannel:
                     raise
                 raise _Undelivered(exc) from None
         try:
+            sent_at = time.perf_counter()
             self._sock.sendall(frame)
-            reply = P.reply_decoder.decode(P.recv_frame(self._sock))
+            self._replies.wait(self._sock, kind, sent_at)
+            body = P.recv_frame(self._sock)
+            self._replies.record(kind, sent_at)
+            reply = P.reply_decoder.decode(body)
             self._answered = True
             return reply
+        except BlockingIOError:  # the kernel's timeout (SO_RCVTIMEO / SO_SNDTIMEO)
+            self.masters.failed(self.addr)
+            self.close()
+            raise _Broken(RpcFailed(f"master {self.addr}: no answer within {self.timeout_s:g} s"), broke) from None
         except P.VersionMismatch as exc:
             self.close()
             raise RpcFailed(f"master {self.addr}: protocol version {P.PROTOCOL_VERSION}, "

@@ -44,6 +44,7 @@ from kvpool import protocol as P
 from kvpool.config import format_addr
 from kvpool.errors import ErrorCode, UserError
 from kvpool.master import scans
+from kvpool.master.busy_poll import BUSY_POLL_US, BusyPoll
 from kvpool.master.service import MasterService
 
 log = logging.getLogger("kvpool.master")
@@ -89,12 +90,15 @@ BAD_REQUEST = "BadRequest"  # the op name observers see for a body that did not 
 class MasterServer:
     """Serves :class:`MasterService` on ``host:port`` (port 0 = any free port); a frame
     must arrive whole within ``stall_s`` seconds of its header; with ``secret`` a
-    connection must first answer a challenge (:mod:`kvpool.auth`) within ``stall_s``."""
+    connection must first answer a challenge (:mod:`kvpool.auth`) within ``stall_s``;
+    ``busy_poll_s``: the longest busy poll after an answer (:mod:`kvpool.master.busy_poll`;
+    0: never)."""
 
     def __init__(self, service: MasterService, host: str = "127.0.0.1", port: int = 50051,
                  stall_s: float = STALL_S, secret: bytes | None = None,
-                 gate: Callable[[], str | None] = lambda: None):
+                 gate: Callable[[], str | None] = lambda: None, busy_poll_s: float = BUSY_POLL_US / 1e6):
         self.service = service
+        self.busy = BusyPoll(busy_poll_s)
         self.gate = gate  # None: serve; a text: refuse every request with it (not the leader)
         self.secret = secret  # set: every connection must answer a challenge first (kvpool.auth)
         self.host, self.port = host, port
@@ -216,8 +220,10 @@ class MasterServer:
         try:
             if not await self._authenticated(reader, writer):
                 return
+            loop = asyncio.get_running_loop()
             while True:
                 length = P.parse_header(await reader.readexactly(P.HEADER.size))
+                self.busy.request()
                 self._mid_frame[writer] = self.service.clock()
                 body = await reader.readexactly(length)
                 self._mid_frame.pop(writer, None)  # close_stalled may have dropped it
@@ -226,6 +232,8 @@ class MasterServer:
                 if reply is not None:
                     writer.write(P.encode_frame(reply))
                     self._adopt_stream(writer)
+                self.busy.answered(loop)
+                if reply is not None:
                     await writer.drain()
         except P.VersionMismatch as exc:  # say why before closing: "protocol version X, ..."
             log.warning("refused a client of protocol version %d (this master speaks %d)",

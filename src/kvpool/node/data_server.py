@@ -40,7 +40,7 @@ from kvpool import auth
 from kvpool import protocol as P
 from kvpool.errors import ErrorCode
 from kvpool.transfer.epoch import MOUNT_WAIT_S, NO_EPOCH, EpochWord
-from kvpool.transfer.iov import recv_views, send_views, set_kernel_timeouts
+from kvpool.transfer.iov import recv_views, send_views
 from kvpool.transfer.tcp import tune_data_socket
 
 log = logging.getLogger("kvpool.data")
@@ -180,7 +180,7 @@ class DataServer:
 
     def _start_conn(self, conn: socket.socket) -> None:
         try:
-            set_kernel_timeouts(conn, self.stall_s)  # blocking calls wake to check for a stall
+            P.set_kernel_timeouts(conn, self.stall_s)  # blocking calls wake to check for a stall
             tune_data_socket(conn)
             threading.Thread(target=self._serve_conn, args=(conn,), daemon=True).start()
         except (OSError, RuntimeError) as exc:  # RuntimeError: no thread could be started

@@ -246,6 +246,21 @@ class TransferEngine:
         deadline = self._deadline_after(timeout_s)
         return transport.read_into(segment, offset, dst, deadline)
 
+    def write_from(self, transport: Transport, segment: SegmentInfo, offset: int, src: memoryview,
+                   timeout_s: float | None = None, cancel: Cancel | None = None) -> bool:
+        """Copy the byte view ``src`` to ``offset`` of ``segment`` over ``transport`` (a
+        route of :meth:`route`), in this thread; True when written (else why is noted on
+        ``cancel`` when given). The path of a single put, as :meth:`read_into` is a
+        single get's."""
+        if _sliced(transport, segment, len(src)):
+            req = TransferRequest(Op.WRITE, src, 0, segment, offset, len(src))
+            result = self.transfer([req], timeout_s)
+            if cancel is not None:
+                for reason in result.reasons:
+                    cancel.note(reason)
+            return result[0] == TransferStatus.COMPLETED
+        return transport.write_from(segment, offset, src, self._deadline_after(timeout_s), cancel)
+
     def _transfer_one(self, transport: Transport | None, req: TransferRequest,
                       timeout_s: float | None) -> TransferResult:
         """:meth:`transfer` of one request that needs no slicing, over ``transport`` (its

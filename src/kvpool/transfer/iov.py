@@ -4,7 +4,8 @@ kernel and the caller's memoryviews with ``sendmsg`` (gather) and ``recvmsg_into
 at most :data:`CALL_BYTES`, never per byte or per small chunk, and no intermediate buffer.
 
 Sockets used here are in blocking mode with a short kernel timeout
-(``SO_RCVTIMEO`` / ``SO_SNDTIMEO`` = :data:`POLL_S`): a call that waits longer returns
+(``SO_RCVTIMEO`` / ``SO_SNDTIMEO`` = :data:`POLL_S`, set by
+:func:`kvpool.protocol.set_kernel_timeouts`): a call that waits longer returns
 what it moved so far (or EAGAIN), and the loop checks the caller's deadline, so a silent
 peer costs at most the deadline plus :data:`POLL_S`. A peer that dies gives EOF or a reset
 at once. Linux caps one call at about 2 GiB; the loops resume, so lengths above 2**32
@@ -15,7 +16,6 @@ from __future__ import annotations
 
 import errno
 import socket
-import struct
 import time
 
 IOV_MAX = 1024  # buffers per sendmsg/recvmsg_into call (Linux UIO_MAXIOV)
@@ -27,14 +27,6 @@ CALL_BYTES = 1 << 20
 POLL_S = 0.2  # seconds a single blocking call may wait before the deadline is checked
 _WAITALL = getattr(socket, "MSG_WAITALL", 0)
 _AGAIN = (errno.EAGAIN, errno.EWOULDBLOCK, errno.EINTR)
-
-
-def set_kernel_timeouts(sock: socket.socket, seconds: float = POLL_S) -> None:
-    """Blocking mode, with SO_RCVTIMEO/SO_SNDTIMEO of ``seconds`` (see module docstring)."""
-    sock.settimeout(None)
-    tv = struct.pack("ll", int(seconds), int((seconds % 1) * 1e6))
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, tv)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, tv)
 
 
 def _check(deadline: float | None, what: str) -> None:

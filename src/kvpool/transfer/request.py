@@ -168,8 +168,24 @@ class Transport:
         view ``dst``; False on failure (why: noted on ``cancel`` when given; ``dst`` is
         then undefined). Same-host transports override this with a path that builds no
         request; this default runs one READ."""
-        req = TransferRequest(Op.READ, dst, 0, segment, offset, len(dst))
-        return self.run([req], deadline, cancel or Cancel())[0]
+        return self._run_one(TransferRequest(Op.READ, dst, 0, segment, offset, len(dst)), deadline, cancel)
+
+    def write_from(self, segment: SegmentInfo, offset: int, src: memoryview, deadline: float,
+                   cancel: "Cancel | None" = None) -> bool:
+        """Copy the byte view ``src`` to ``offset`` of ``segment``; False on failure (why:
+        noted on ``cancel`` when given; the range is then undefined). Same-host
+        transports override this with a path that builds no request (a single put's
+        copy); this default runs one WRITE."""
+        return self._run_one(TransferRequest(Op.WRITE, src, 0, segment, offset, len(src)), deadline, cancel)
+
+    def _run_one(self, req: TransferRequest, deadline: float, cancel: "Cancel | None") -> bool:
+        """:meth:`run` of one request, refused (why noted) when its ranges are wrong."""
+        cancel = cancel or Cancel()
+        problem = req.problem()
+        if problem:
+            cancel.note(problem)
+            return False
+        return self.run([req], deadline, cancel)[0]
 
     def value_view(self, segment: SegmentInfo, offset: int, length: int):
         """A view of ``length`` bytes at ``offset`` of a segment mapped in this process,

@@ -119,19 +119,39 @@ class _MemoryTransport(Transport):
         out = bytes(found[0][offset : offset + length])
         return out if _kept(segment, found[1], cancel) else None
 
+    def _in_range(self, segment: SegmentInfo, offset: int, length: int, cancel: Cancel | None):
+        """:meth:`_found` for ``length`` bytes at ``offset``; None (noted) when the range
+        lies outside the segment."""
+        if offset < 0 or offset + length > segment.size:
+            if cancel is not None:
+                cancel.note(f"range {offset}+{length} outside segment {segment.name}")
+            return None
+        return self._found(segment, cancel)
+
     def read_into(self, segment: SegmentInfo, offset: int, dst: memoryview, deadline: float,
                   cancel: Cancel | None = None) -> bool:
         """One memcpy, then the epoch check (a single get's copy: no request, no batch)."""
-        if offset < 0 or offset + len(dst) > segment.size:
-            if cancel is not None:
-                cancel.note(f"range {offset}+{len(dst)} outside segment {segment.name}")
-            return False
-        found = self._found(segment, cancel)
+        found = self._in_range(segment, offset, len(dst), cancel)
         if found is None:
             return False
         dst[:] = found[0][offset : offset + len(dst)]
         return _kept(segment, found[1], cancel)
 
+    def write_from(self, segment: SegmentInfo, offset: int, src: memoryview, deadline: float,
+                   cancel: Cancel | None = None) -> bool:
+        """One memcpy under the grant's epoch (a single put's copy: no request, no batch)."""
+        found = self._in_range(segment, offset, len(src), cancel) if src else None
+        if found is None:
+            return False
+        view, word, before_write = found
+        with word.writing(segment.epoch, deadline) as allowed:
+            if allowed:
+                if before_write is not None:
+                    before_write(offset, len(src))
+                view[offset : offset + len(src)] = src
+        if not allowed and cancel is not None:
+            cancel.note(_stale(segment))
+        return allowed
 
     def value_view(self, segment: SegmentInfo, offset: int, length: int):
         found = self._find(segment)

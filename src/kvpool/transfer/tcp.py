@@ -31,7 +31,8 @@ from kvpool import protocol as P
 from kvpool.config import parse_addr
 from kvpool.errors import ErrorCode, RpcFailed, code_name
 from kvpool.protocol import SegmentInfo
-from kvpool.transfer.iov import recv_bytes, recv_views, send_views, set_kernel_timeouts
+from kvpool.spin import ReplyWait
+from kvpool.transfer.iov import POLL_S, recv_bytes, recv_views, send_views
 from kvpool.transfer.request import Cancel, Op, Transport, TransferRequest
 
 SOCKET_BUFFER = 4 << 20  # bytes; larger kernel buffers keep loopback/LAN transfers streaming
@@ -106,6 +107,16 @@ def read_reply(sock: socket.socket, deadline: float | None) -> P.DataResp:
     return P.data_reply_decoder.decode(body)
 
 
+def _await_reply(sock: socket.socket, deadline: float, replies: ReplyWait, kind: str) -> P.DataResp:
+    """:func:`read_reply` of a request of ``kind`` just sent, polled for first while
+    such replies come quickly (:class:`~kvpool.spin.ReplyWait`)."""
+    sent_at = time.perf_counter()
+    replies.wait(sock, kind, sent_at)
+    reply = read_reply(sock, deadline)
+    replies.record(kind, sent_at)
+    return reply
+
+
 class _Pool:
     """Idle connections per peer address; thread-safe."""
 
@@ -151,6 +162,7 @@ class TcpTransport(Transport):
         self._pool = _Pool()
         self.local_lanes = LOCAL_LANES
         self._local: dict[str, bool] = {}  # data address -> whether this namespace holds it
+        self._replies = ReplyWait()  # polls briefly for a node's quick replies (kvpool.spin)
 
     def can_reach(self, segment: SegmentInfo) -> bool:
         return bool(segment.data_addr)
@@ -167,7 +179,7 @@ class TcpTransport(Transport):
         limit = max(0.001, min(self.timeout_s, deadline - time.monotonic()))
         sock = socket.create_connection(parse_addr(addr), timeout=limit)
         tune_data_socket(sock)
-        set_kernel_timeouts(sock)
+        P.set_kernel_timeouts(sock, POLL_S)
         if self.secret is not None:
             try:
                 auth.client_handshake(sock, self.secret, limit, f"node {addr}")
@@ -209,8 +221,8 @@ class TcpTransport(Transport):
         reads = [r for r in requests if r.op == Op.READ]
         addr = requests[0].segment.data_addr
         try:
-            ok_w = self._with_conn(addr, deadline, cancel, lambda s: _write(s, writes, deadline)) if writes else True
-            ok_r = self._with_conn(addr, deadline, cancel, lambda s: _read(s, reads, deadline, cancel)) if reads else True
+            ok_w = self._with_conn(addr, deadline, cancel, lambda s: _write(s, writes, deadline, self._replies)) if writes else True
+            ok_r = self._with_conn(addr, deadline, cancel, lambda s: _read(s, reads, deadline, cancel, self._replies)) if reads else True
         except _FAILURES as exc:
             cancel.note(f"tcp {addr}: {describe_failure(exc)}")
             return [False] * len(requests)
@@ -221,7 +233,8 @@ class TcpTransport(Transport):
         """One DataRead of ``length`` bytes at ``offset``; ``receive(sock)`` takes its
         payload and returns the result. None when refused or failed (noted on ``cancel``)."""
         def work(sock):
-            return receive(sock) if _ask_read(sock, segment, [offset], [length], deadline, cancel) else None
+            return receive(sock) if _ask_read(sock, segment, [offset], [length], deadline, cancel,
+                                              self._replies) else None
 
         try:
             return self._with_conn(segment.data_addr, deadline, cancel, work)
@@ -248,32 +261,33 @@ class TcpTransport(Transport):
         self._pool.close()
 
 
-def _write(sock: socket.socket, reqs: list[TransferRequest], deadline: float) -> bool:
+def _write(sock: socket.socket, reqs: list[TransferRequest], deadline: float, replies: ReplyWait) -> bool:
     head = P.encode_frame(P.DataWriteMany([r.remote_offset for r in reqs], [r.length for r in reqs],
                                           reqs[0].segment.epoch))
     send_views(sock, [head, *(r.local_view() for r in reqs)], deadline)
-    code = read_reply(sock, deadline).code
+    code = _await_reply(sock, deadline, replies, "write").code
     if code != ErrorCode.OK:
         raise NodeRefused(code, "write")  # the server closes: its payload cannot be skipped
     return True
 
 
 def _ask_read(sock: socket.socket, segment: SegmentInfo, offsets: list[int], lengths: list[int],
-              deadline: float, cancel: Cancel) -> bool:
+              deadline: float, cancel: Cancel, replies: ReplyWait) -> bool:
     """Send one DataRead and read the node's answer; True when its payload (the ranges'
     bytes, in order) follows. A refusal comes before any payload, so the connection
     stays in step; it is noted on ``cancel``."""
     send_views(sock, [P.encode_frame(P.DataRead(offsets, lengths, segment.epoch))], deadline)
-    code = read_reply(sock, deadline).code
+    code = _await_reply(sock, deadline, replies, "read").code
     if code != ErrorCode.OK:
         cancel.note(f"tcp {segment.data_addr}: {NodeRefused(code, 'read')}")
         return False
     return True
 
 
-def _read(sock: socket.socket, reqs: list[TransferRequest], deadline: float, cancel: Cancel) -> bool:
+def _read(sock: socket.socket, reqs: list[TransferRequest], deadline: float, cancel: Cancel,
+          replies: ReplyWait) -> bool:
     if not _ask_read(sock, reqs[0].segment, [r.remote_offset for r in reqs], [r.length for r in reqs],
-                     deadline, cancel):
+                     deadline, cancel, replies):
         return False
     recv_views(sock, [r.local_view() for r in reqs], deadline)
     return True

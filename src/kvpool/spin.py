@@ -1,0 +1,82 @@
+"""Waiting for a reply on a blocking socket: poll it briefly, then block.
+
+Why: on the 2-vCPU VM of docs/bench.md a request/reply round trip to the master
+(a Ping over its Unix socket) took 62-70 us when the caller blocked in recv, and 30 us
+when it polled the socket meanwhile; with both processes pinned to one vCPU it took
+15 us. Waking a process blocked on another vCPU costs some 35 us there (an
+inter-processor interrupt through the hypervisor); a process that polls needs no
+wake-up. Transfer engines make the same trade when they busy-poll completion queues:
+the caller's core stays busy for as long as the reply takes, so the spin is bounded
+and only used where replies usually come within it.
+
+:class:`ReplyWait` keeps, per kind of request, an exponentially weighted mean of how
+long replies take (send to reply). It polls only for kinds whose mean is below its
+``max_s``, for up to twice the mean; a reply that takes longer is then waited for in
+the blocking recv as before, so slow replies (a batch of thousands of keys) cost no
+spinning. ``KVPOOL_SPIN_US`` sets ``max_s`` in microseconds (0 turns polling off: a
+host with more busy processes than cores).
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import time
+
+SPIN_MAX_US = 200  # default longest poll, us (a polled put commit took 76 us here, blocked 120)
+_PEEK = socket.MSG_PEEK | socket.MSG_DONTWAIT
+_WEIGHT = 1 / 8  # of the newest reply time in the mean
+
+
+def spin_max_s() -> float:
+    """Longest poll in seconds: ``KVPOOL_SPIN_US`` (microseconds, >= 0), else
+    :data:`SPIN_MAX_US`. A value that is not a number is ignored."""
+    try:
+        return max(0, int(os.environ.get("KVPOOL_SPIN_US", SPIN_MAX_US))) / 1e6
+    except ValueError:
+        return SPIN_MAX_US / 1e6
+
+
+class ReplyWait:
+    """Spin-then-block waits for the replies of one connection (not thread-safe: one
+    per connection, like the connection). ``max_s``: the longest poll, seconds (None:
+    :func:`spin_max_s`; 0: never poll)."""
+
+    def __init__(self, max_s: float | None = None):
+        self.max_s = spin_max_s() if max_s is None else max_s
+        self._mean: dict[object, float] = {}  # kind -> mean reply time, seconds
+
+    def budget(self, kind) -> float:
+        """Seconds to poll for a reply to a request of ``kind`` (0: block at once)."""
+        mean = self._mean.get(kind)
+        if mean is None or mean >= self.max_s:
+            return 0.0
+        return min(self.max_s, 2 * mean)
+
+    def wait(self, sock: socket.socket, kind, sent_at: float) -> None:
+        """Return once ``sock`` has a byte to read (or EOF, or an error: the caller's
+        recv reports it), or once the poll budget of ``kind`` since ``sent_at``
+        (time.perf_counter) is spent; the caller then receives as usual."""
+        budget = self.budget(kind)
+        if not budget:
+            return
+        end = sent_at + budget
+        one = bytearray(1)
+        while True:
+            try:
+                sock.recv_into(one, 1, _PEEK)
+                return  # a byte is there, or EOF (0)
+            except BlockingIOError:
+                pass
+            except OSError:
+                return
+            if time.perf_counter() >= end:
+                return
+            os.sched_yield()  # a process woken on this core (the peer itself) runs first
+
+    def record(self, kind, sent_at: float) -> None:
+        """A reply to a request of ``kind`` sent at ``sent_at`` (time.perf_counter) has
+        been received: fold its time into the mean."""
+        took = min(time.perf_counter() - sent_at, 2 * self.max_s)  # a slow outlier says "slow", no more
+        mean = self._mean.get(kind)
+        self._mean[kind] = took if mean is None else mean + (took - mean) * _WEIGHT
