@@ -260,3 +260,30 @@ def test_a_commit_on_an_indexed_segment_is_told_to_its_node():
     assert commit(svc, grant, "k", 0, 100) == OK
     [update] = svc.index_log.take()
     assert [(e.key, e.offset, e.size) for e in update.adds] == [("k", grant.region.offset, 100)]
+
+
+def _record(svc: MasterService, key: str) -> tuple:
+    obj = svc.lookup(key)
+    return (obj.visible, obj.size, [(r.segment, r.length) for r in obj.replicas], obj.hard_pin,
+            obj.soft_pin_deadline, obj.lease_deadline, obj.version > 0)
+
+
+@pytest.mark.parametrize("pins", [{}, {"hard_pin": True},
+                                  {"soft_pin": P.SOFT_PIN_ENABLE, "soft_pin_ttl_ms": 5000},
+                                  {"soft_pin": P.SOFT_PIN_DISABLE}])
+def test_a_new_keys_commit_makes_the_same_record_as_put_end(pins):
+    """A commit of a key with no record builds it in one step (the common put): the same
+    record, eviction order and object count as the PutStart/PutEnd way, also in a slot
+    freed by a removal (its links were reset then)."""
+    svc, _ = service()
+    grant = lease(svc)
+    svc.remove("nobody")  # nothing to free; then a slot freed for real:
+    assert commit(svc, grant, "gone", 0, 1000) == OK and svc.remove("gone", force=True).code == OK
+    assert commit(svc, grant, "leased", 1024, 1000, **pins) == OK
+    item = P.PutItem("started", 1000, **pins)
+    started = svc.put_start(item)
+    assert svc.put_end(P.PutToken("started", started.put_id)).code == OK
+    assert _record(svc, "leased")[:5] == _record(svc, "started")[:5]
+    in_order = {obj.key for obj in svc.queue.pop_due(float("inf"))}
+    assert ("leased" in in_order) == ("started" in in_order) == (not pins.get("hard_pin"))
+    assert svc.stats().object_count == 2

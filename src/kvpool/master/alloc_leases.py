@@ -186,9 +186,12 @@ class LeaseHandlers:
         if code != ErrorCode.OK:
             return code
         self.alloc_leases.claim(lease, item.offset, length)
-        obj = self.objects.get(item.key) or self.objects.create(item.key)
-        self._commit(obj, [Replica(lease.segment, item.offset, item.size)], item.size, item.soft_pin,
-                     soft_pin_ttl, item.hard_pin, now)
+        replica = Replica(lease.segment, item.offset, item.size)
+        obj = self.objects.get(item.key)
+        if obj is None:
+            self._commit_new(item.key, replica, item.soft_pin, soft_pin_ttl, item.hard_pin, now)
+        else:
+            self._commit(obj, [replica], item.size, item.soft_pin, soft_pin_ttl, item.hard_pin, now)
         self.counters["put_commit"] += 1
         return ErrorCode.OK
 

@@ -47,6 +47,10 @@ class EvictionQueue:
         run's last one."""
         self._push(obj.slot)
 
+    def push_slot(self, slot: int) -> None:
+        """:meth:`push` of the record in ``slot`` (one made whole without a view)."""
+        self._push(slot)
+
     def touch(self, obj: ObjectMeta) -> None:
         """``obj`` was read and its deadline moved later: O(1), no move in the runs. It
         stays linked by its older deadline (``order``) until the eviction walk reaches it

@@ -66,9 +66,14 @@ class Restore:
 
     def _index_add(self, obj: ObjectMeta) -> None:
         for r in obj.replicas:
-            seg = self.segments.segments.get(r.segment)
-            if seg is not None and seg.indexed:
-                self.index_log.add(r.segment, IndexEntry(obj.key, r.offset, obj.size, obj.version))
+            self._index_replica(obj.key, r, obj.size, obj.version)
+
+    def _index_replica(self, key: str, r: Replica, size: int, version: int) -> None:
+        """Version ``version`` of ``key`` (``size`` bytes) is visible in replica ``r``:
+        tell its segment if indexed."""
+        seg = self.segments.segments.get(r.segment)
+        if seg is not None and seg.indexed:
+            self.index_log.add(r.segment, IndexEntry(key, r.offset, size, version))
 
     def restore(self, seg: Segment, entries: list[IndexEntry]) -> list[str]:
         """Rebuild the objects of ``entries`` on the freshly mounted ``seg`` and give it

@@ -85,22 +85,40 @@ class ObjectTable:
 
     def create(self, key: str) -> "ObjectMeta":
         """A new, invisible record for ``key`` (not yet present)."""
+        return ObjectMeta(self, self._new_slot(key, NO_SEG, 0, 0, 0.0, 0.0, 0, 0), key)
+
+    def create_complete(self, key: str, replica: Replica, version: int, lease: float, soft_pin: float,
+                        hard_pin: bool) -> int:
+        """A new record for ``key`` (not yet present) holding ``replica`` as its one
+        COMPLETE replica, in one step (the common put: no view, no setter per field).
+        Returns its slot, not yet in the eviction order."""
+        return self._new_slot(key, self.seg_id(replica.segment), replica.offset, replica.length, lease,
+                              soft_pin, version, HARD_PIN if hard_pin else 0)
+
+    def _new_slot(self, key: str, seg: int, offset: int, size: int, lease: float, soft_pin: float,
+                  version: int, flags: int) -> int:
         if self._free_slots:
-            slot = self._free_slots.pop()
+            slot = self._free_slots.pop()  # its links were reset when it was freed
             self.keys[slot] = key
-            self.size[slot] = self.offset[slot] = self.version[slot] = self.flags[slot] = 0
-            self.seg[slot] = NO_SEG
-            self.lease[slot] = self.soft_pin[slot] = self.order[slot] = 0.0
+            self.size[slot], self.seg[slot], self.offset[slot] = size, seg, offset
+            self.lease[slot], self.soft_pin[slot], self.order[slot] = lease, soft_pin, 0.0
+            self.version[slot], self.flags[slot] = version, flags
         else:
             slot = len(self.keys)
             self.keys.append(key)
-            for arr, value in ((self.size, 0), (self.seg, NO_SEG), (self.offset, 0), (self.lease, 0.0),
-                               (self.soft_pin, 0.0), (self.version, 0), (self.flags, 0), (self.order, 0.0),
-                               (self.prev, -1),
-                               (self.next, -1), (self.run, -1)):
-                arr.append(value)
+            self.size.append(size)
+            self.seg.append(seg)
+            self.offset.append(offset)
+            self.lease.append(lease)
+            self.soft_pin.append(soft_pin)
+            self.version.append(version)
+            self.flags.append(flags)
+            self.order.append(0.0)
+            self.prev.append(-1)
+            self.next.append(-1)
+            self.run.append(-1)
         self.slots[key] = slot
-        return ObjectMeta(self, slot, key)
+        return slot
 
     def __delitem__(self, key: str) -> None:
         slot = self.slots.pop(key)
