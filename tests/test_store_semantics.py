@@ -6,6 +6,7 @@ import os
 import threading
 import time
 
+import msgspec
 import pytest
 
 from kvpool import protocol as P
@@ -136,6 +137,24 @@ def test_replicas_land_on_distinct_segments_and_survive_a_dead_node(cluster):
         wait_for(lambda: len(c.stats().segments) == 1, what="dead node's segment unmounted")
         assert c.get("r2") == b"R" * 5000
         assert len(c.query("r2").replicas) == 1
+
+
+@pytest.mark.cluster(num_nodes=2)
+def test_a_batch_read_whose_same_host_copy_fails_reads_the_next_replica(cluster):
+    """Same-host values of a batch are copied one by one (no request batch); one whose
+    copy fails (here: a grant of a stale mount epoch) is read from its next replica,
+    and the rest of the batch is unaffected."""
+    with Client(cluster.master_addr) as c:
+        values = {f"b{i}": bytes([i]) * 3000 for i in range(6)}
+        for key, value in values.items():
+            assert c.put(key, value, replica_num=2) == 2
+        handles = c.batch_query(list(values))
+        first = handles[2].replicas[0]
+        stale = msgspec.structs.replace(first.segment, epoch=first.segment.epoch ^ 1)
+        handles[2].replicas[0] = msgspec.structs.replace(first, segment=stale)
+        bufs = [bytearray(3000) for _ in handles]
+        assert c.batch_read_into(handles, bufs) == [3000] * 6
+        assert [bytes(b) for b in bufs] == list(values.values())
 
 
 @pytest.mark.cluster(num_nodes=2, extra_master_args=["--client-ttl", "1.0"])

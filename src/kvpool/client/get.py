@@ -255,7 +255,14 @@ class GetPath:
         options = {i: self._ranked(replicas, routes) for i, replicas, _ in jobs}
         frags = {i: fragments for i, _, fragments in jobs}
         done = {i: False for i in frags}
-        pending, attempt = [i for i in frags if options[i]], 0
+        # a same-host copy gains nothing from a batch: one memcpy each, no requests (one
+        # that fails goes the batch way below, from its cheapest replica again)
+        for i, opts in options.items():
+            if opts and opts[0][1].in_place and len(frags[i]) == 1:
+                desc, transport = opts[0]
+                src, dst = frags[i][0]
+                done[i] = self.engine.read_into(transport, desc.segment, desc.offset + src, dst)
+        pending, attempt = [i for i in frags if options[i] and not done[i]], 0
         while pending:
             owners, reqs = [], []
             for i in pending:

@@ -141,6 +141,7 @@ class Transport:
     rank = 100
     lanes = 1
     slice_bytes = 4 << 20
+    in_place = False  # a copy in this process's memory: batching saves nothing per value
 
     def can_reach(self, segment: SegmentInfo) -> bool:
         raise NotImplementedError

@@ -87,6 +87,8 @@ class _MemoryTransport(Transport):
     """A same-host transport: each segment is a byte view found by its shm name, copied
     under its epoch word (:func:`_run`)."""
 
+    in_place = True
+
     def _find(self, segment: SegmentInfo) -> tuple[memoryview, EpochWord, object] | None:
         """(view of the segment, its epoch word, ``before_write`` of :func:`_copy` or
         None), or None."""
