@@ -8,7 +8,7 @@ from __future__ import annotations
 import time
 
 from kvpool import protocol as P
-from kvpool.client.lease import LocalLeases
+from kvpool.client.lease import RETRY_S, LocalLeases
 
 SEG = P.SegmentInfo("seg", "host", "shm", 1 << 20, "127.0.0.1:1", epoch=7)
 
@@ -66,3 +66,18 @@ def test_the_current_lease_retires_when_its_use_ends():
     assert until is not None and until > time.monotonic()
     expired = leases_with(lease_id=5, ttl_ms=0)
     assert expired.retire_used_up() is None and expired.take_returns() == [5]
+
+
+def test_a_short_grant_lowers_the_largest_leased_value_only_for_a_while():
+    """A lease shorter than asked (the pool was nearly full) sends larger values the
+    PutStart way, but not for ever: after RETRY_S a full lease is asked for again (a
+    client once stayed on two round trips per put after its pool filled up once)."""
+    now = [100.0]
+    leases = LocalLeases(want=64 << 20, clock=lambda: now[0])
+    assert leases.max_value == 32 << 20
+    leases.install(1, P.ReplicaDesc(SEG, 0, 1 << 20), now[0], 10_000)
+    assert leases.max_value == 512 << 10  # half the short grant
+    now[0] += 2 * RETRY_S
+    assert leases.max_value == 32 << 20  # and back
+    leases.install(2, P.ReplicaDesc(SEG, 0, 64 << 20), now[0], 10_000)
+    assert leases.max_value == 32 << 20

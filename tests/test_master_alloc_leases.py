@@ -72,12 +72,17 @@ def test_leases_are_refused_without_room_per_owner_beyond_the_limit_and_when_off
     assert svc.alloc_lease("", MIB).code == ErrorCode.INVALID_PARAMS
     off, _ = service(alloc_lease_size=0)
     assert off.alloc_lease("c1", MIB).code == ErrorCode.NO_AVAILABLE_HANDLE
-    # a lease never evicts and never takes used bytes above the high watermark
+    # a lease never evicts and never takes used bytes above the high watermark: near it,
+    # a lease is as short as the room left (a full cache's steady state), then refused
     full, _ = service(16 * MIB)
     for i in range(14):
         assert full.put_start(P.PutItem(f"f{i}", MIB)).code == OK
+    room = int(0.9 * 16 * MIB) - 14 * MIB
+    short = full.alloc_lease("c1", MIB)
+    assert short.code == OK and short.region.length == room - room % 64
     assert full.alloc_lease("c1", MIB).code == ErrorCode.NO_AVAILABLE_HANDLE
-    assert full.stats().used_bytes == 14 * MIB and full.counters["evicted_objects"] == 0
+    assert full.stats().used_bytes == 14 * MIB + short.region.length
+    assert full.counters["evicted_objects"] == 0
 
 
 def test_an_object_is_invisible_until_committed_and_then_is_one_complete_replica():

@@ -22,12 +22,13 @@ from kvpool.protocol import ReplicaDesc
 
 ALIGN = 64  # bytes; the master's allocation alignment: every value starts on one
 MARGIN = 0.25  # share of a lease's TTL at its end in which no new value is placed
-RETRY_S = 1.0  # seconds without a lease after the master refused one (a full pool)
+RETRY_S = 0.1  # seconds without a lease after the master refused one or granted a short one
+# (a full pool: eviction soon makes room again; at most 10 AllocLease a second are spent)
 
 
 @dataclass(slots=True, eq=False)
 class ClientLease:
-    """Lease ``lease_id`` over ``region``; ``use_until``: time.monotonic() after which
+    """Lease ``lease_id`` over ``region``; ``use_until``: the time (the leases' clock) after which
     no value is placed in it; ``next``: offset of the next free byte (aligned);
     ``writing``: placements not yet finished; ``retired``: no more placements."""
 
@@ -46,13 +47,19 @@ def _rounded(size: int) -> int:
 class LocalLeases:
     """This client's current lease and the retired ones still being written into.
 
-    ``want``: the lease size to ask the master for (bytes); ``max_value``: the largest value (bytes) put through a lease: half the last lease
-    granted, else half of ``want`` (the size asked for).
+    ``want``: the lease size to ask the master for (bytes); ``max_value``: the largest
+    value (bytes) put through a lease: half the last lease granted, else half of
+    ``want``; a grant shorter than ``want`` lowers it for RETRY_S only (the pool was
+    nearly full then, or the master grants small leases: either way larger values go
+    the PutStart way meanwhile, then a lease of ``want`` is asked for again). ``clock``:
+    time.monotonic by default.
     """
 
-    def __init__(self, want: int):
+    def __init__(self, want: int, clock=time.monotonic):
         self.want = want
+        self.clock = clock
         self.granted = want  # bytes of the last lease granted
+        self._granted_at = 0.0  # when (clock) it was installed
         self.current: ClientLease | None = None
         self._lock = threading.Lock()
         self.refill = threading.Lock()  # one AllocLease at a time
@@ -62,6 +69,8 @@ class LocalLeases:
 
     @property
     def max_value(self) -> int:
+        if self.granted < self.want and self.clock() - self._granted_at >= RETRY_S:
+            return self.want // 2  # a short grant is not the rule for ever
         return self.granted // 2
 
     def place(self, sizes: list[int]) -> tuple[ClientLease, list[int]] | None:
@@ -71,7 +80,7 @@ class LocalLeases:
         over. None when the lease is missing, past its use, or too full for the first."""
         with self._lock:
             lease = self.current
-            if lease is None or time.monotonic() >= lease.use_until:
+            if lease is None or self.clock() >= lease.use_until:
                 return None
             end = lease.region.offset + lease.region.length
             offsets, pos = [], lease.next
@@ -87,20 +96,20 @@ class LocalLeases:
 
     def wants_lease(self) -> bool:
         """False while the master's last refusal is recent (RETRY_S)."""
-        return time.monotonic() >= self._retry_at
+        return self.clock() >= self._retry_at
 
     def refused(self) -> None:
         """The master granted no lease: ask again only after RETRY_S."""
-        self._retry_at = time.monotonic() + RETRY_S
+        self._retry_at = self.clock() + RETRY_S
 
     def install(self, lease_id: int, region: ReplicaDesc, sent_at: float, ttl_ms: int) -> None:
         """Make a granted lease current (the previous one retires); ``sent_at``: the
-        time.monotonic() at which the AllocLease was sent."""
+        time (``clock``) at which the AllocLease was sent."""
         use_until = sent_at + ttl_ms / 1000 * (1 - MARGIN)
         with self._lock:
             self._retire(self.current)
             self.current = ClientLease(lease_id, region, use_until, region.offset)
-            self.granted = region.length
+            self.granted, self._granted_at = region.length, self.clock()
 
     def retire_current(self) -> None:
         """Stop placing in the current lease."""
@@ -108,11 +117,11 @@ class LocalLeases:
             self._retire(self.current)
 
     def retire_used_up(self) -> float | None:
-        """Retire the current lease if its use is over; returns the time.monotonic() at
+        """Retire the current lease if its use is over; returns the time (``clock``) at
         which the (remaining) current lease's use ends, None when there is none."""
         with self._lock:
             lease = self.current
-            if lease is not None and time.monotonic() >= lease.use_until:
+            if lease is not None and self.clock() >= lease.use_until:
                 self._retire(lease)
                 lease = None
             return None if lease is None else lease.use_until

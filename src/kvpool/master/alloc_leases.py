@@ -131,19 +131,21 @@ class LeaseHandlers:
 
     def alloc_lease(self, owner_id: str, size: int, host_id: str = "", segment: str = "") -> AllocLeaseResp:
         """Grant ``owner_id`` an extent of at most ``size`` bytes (also at most
-        ``alloc_lease_size`` and 1/16 of its segment). NO_AVAILABLE_HANDLE when leases
-        are off, the owner holds ``max_leases_per_owner``, or the extent is not free
-        without eviction or would take used bytes above the high watermark: a lease
-        never evicts (the client's PutStart does, as before)."""
+        ``alloc_lease_size``, 1/16 of its segment, and the room left below the eviction
+        high watermark: a pool near it gets shorter leases, as a full cache is in its
+        steady state). NO_AVAILABLE_HANDLE when leases are off, the owner holds
+        ``max_leases_per_owner``, no room is left below the watermark, or no free extent
+        of that size exists without eviction: a lease never evicts (the client's PutStart
+        does, as before)."""
         cfg = self.config
         if not owner_id or size <= 0:
             return AllocLeaseResp(ErrorCode.INVALID_PARAMS)
         if self.alloc_leases.per_owner[owner_id] >= cfg.max_leases_per_owner:
             return AllocLeaseResp(ErrorCode.NO_AVAILABLE_HANDLE, message="too many open leases")
-        want = min(size, cfg.alloc_lease_size, self.segments.largest_capacity // LEASE_SHARE)
+        room = int(cfg.eviction_high_watermark_ratio * self.segments.total_bytes) - self.segments.used_bytes
+        want = min(size, cfg.alloc_lease_size, self.segments.largest_capacity // LEASE_SHARE, room)
         want -= want % self.segments.alignment
-        total = self.segments.total_bytes
-        if want <= 0 or self.segments.used_bytes + want > cfg.eviction_high_watermark_ratio * total:
+        if want <= 0:
             return AllocLeaseResp(ErrorCode.NO_AVAILABLE_HANDLE, message="no room for a lease")
         got = self.segments.allocate(want, 1, host_id, segment)
         if not got:
