@@ -20,15 +20,15 @@ from kvpool.rpc import RpcChannel
 from proc_helpers import wait_for
 
 DEAD_WRITER = """
-import sys
+import sys, time
 from kvpool import protocol as P
 from kvpool.rpc import RpcChannel
 from kvpool.transfer.shm import ShmTransport
 chan = RpcChannel(sys.argv[1])
 reply = chan.call(P.PutStart(P.PutItem("victim", 1 << 20)))
 desc = reply.replicas[0]
-half = P.ReplicaDesc(desc.segment, desc.offset, desc.length // 2)
-ShmTransport().write(half, memoryview(b"H" * half.length))  # half written, then killed
+half = memoryview(b"H" * (desc.length // 2))
+assert ShmTransport().write_from(desc.segment, desc.offset, half, time.monotonic() + 10)  # half written, then killed
 print(reply.put_id, flush=True)
 sys.stdin.read()
 """

@@ -10,7 +10,8 @@ the caller's core stays busy for as long as the reply takes, so the spin is boun
 and only used where replies usually come within it.
 
 :class:`ReplyWait` keeps, per kind of request, an exponentially weighted mean of how
-long replies take (send to reply). It polls only for kinds whose mean is below its
+long replies take (send to reply; :class:`PollBudget`, which the master's busy poll
+uses too). It polls only for kinds whose mean is below its
 ``max_s``, for up to twice the mean; a reply that takes longer is then waited for in
 the blocking recv as before, so slow replies (a batch of thousands of keys) cost no
 spinning. ``KVPOOL_SPIN_US`` sets ``max_s`` in microseconds (0 turns polling off: a
@@ -25,7 +26,7 @@ import time
 
 SPIN_MAX_US = 200  # default longest poll, us (a polled put commit took 76 us here, blocked 120)
 _PEEK = socket.MSG_PEEK | socket.MSG_DONTWAIT
-_WEIGHT = 1 / 8  # of the newest reply time in the mean
+_WEIGHT = 1 / 8  # of the newest wait in the mean
 
 
 def spin_max_s() -> float:
@@ -37,6 +38,28 @@ def spin_max_s() -> float:
         return SPIN_MAX_US / 1e6
 
 
+class PollBudget:
+    """How long to poll for the next event of one stream of waits: an exponentially
+    weighted mean of the observed waits (each clamped to twice ``max_s``: one of
+    seconds says no more than "long", so the mean comes back within a few quick ones),
+    and a budget of twice the mean, at most ``max_s``, or 0 (do not poll) while the mean
+    is not below ``max_s`` or nothing was seen yet. Seconds throughout."""
+
+    def __init__(self, max_s: float):
+        self.max_s = max_s
+        self.mean: float | None = None
+
+    def budget(self) -> float:
+        mean = self.mean
+        if not self.max_s or mean is None or mean >= self.max_s:
+            return 0.0
+        return min(self.max_s, 2 * mean)
+
+    def record(self, waited_s: float) -> None:
+        waited_s = min(waited_s, 2 * self.max_s)
+        self.mean = waited_s if self.mean is None else self.mean + (waited_s - self.mean) * _WEIGHT
+
+
 class ReplyWait:
     """Spin-then-block waits for the replies of one connection (not thread-safe: one
     per connection, like the connection). ``max_s``: the longest poll, seconds (None:
@@ -44,14 +67,12 @@ class ReplyWait:
 
     def __init__(self, max_s: float | None = None):
         self.max_s = spin_max_s() if max_s is None else max_s
-        self._mean: dict[object, float] = {}  # kind -> mean reply time, seconds
+        self._kinds: dict[object, PollBudget] = {}  # kind of request -> its reply times
 
     def budget(self, kind) -> float:
         """Seconds to poll for a reply to a request of ``kind`` (0: block at once)."""
-        mean = self._mean.get(kind)
-        if mean is None or mean >= self.max_s:
-            return 0.0
-        return min(self.max_s, 2 * mean)
+        found = self._kinds.get(kind)
+        return 0.0 if found is None else found.budget()
 
     def wait(self, sock: socket.socket, kind, sent_at: float) -> None:
         """Return once ``sock`` has a byte to read (or EOF, or an error: the caller's
@@ -77,6 +98,7 @@ class ReplyWait:
     def record(self, kind, sent_at: float) -> None:
         """A reply to a request of ``kind`` sent at ``sent_at`` (time.perf_counter) has
         been received: fold its time into the mean."""
-        took = min(time.perf_counter() - sent_at, 2 * self.max_s)  # a slow outlier says "slow", no more
-        mean = self._mean.get(kind)
-        self._mean[kind] = took if mean is None else mean + (took - mean) * _WEIGHT
+        found = self._kinds.get(kind)
+        if found is None:
+            found = self._kinds[kind] = PollBudget(self.max_s)
+        found.record(time.perf_counter() - sent_at)

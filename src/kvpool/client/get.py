@@ -84,7 +84,7 @@ class GetPath:
         if not self._begin([handle])[0]:
             raise LeaseExpired(f"read handle of {handle.key!r} was already used: query again")
         try:  # one engine read in this thread: none of batch_read_into's bookkeeping
-            copied = self._read_one(handle.replicas, [(0, dst[: handle.size])])
+            copied = self._read_one(self._ranked(handle.replicas), [(0, dst[: handle.size])])
         finally:
             self._finish([handle])
         if not copied:
@@ -249,20 +249,17 @@ class GetPath:
         first (all items of one node in one exchange); the items that failed try their
         next replica, and so on. An item is copied only when all its fragments are.
         """
-        if len(jobs) == 1:
-            return {jobs[0][0]: self._read_one(jobs[0][1], jobs[0][2])}
         routes: dict = {}
         options = {i: self._ranked(replicas, routes) for i, replicas, _ in jobs}
         frags = {i: fragments for i, _, fragments in jobs}
         done = {i: False for i in frags}
-        # a same-host copy gains nothing from a batch: one memcpy each, no requests (one
-        # that fails goes the batch way below, from its cheapest replica again)
-        for i, opts in options.items():
-            if opts and opts[0][1].in_place and len(frags[i]) == 1:
-                desc, transport = opts[0]
-                src, dst = frags[i][0]
-                done[i] = self.engine.read_into(transport, desc.segment, desc.offset + src, dst)
-        pending, attempt = [i for i in frags if options[i] and not done[i]], 0
+        # an item alone, or a whole value whose cheapest copy is in this host's memory,
+        # gains nothing from a request batch: :meth:`_read_one` each
+        alone = [i for i in frags if len(jobs) == 1 or (options[i] and options[i][0][1].in_place
+                                                        and len(frags[i]) == 1)]
+        for i in alone:
+            done[i] = self._read_one(options[i], frags[i])
+        pending, attempt = [i for i in frags if options[i] and i not in alone], 0
         while pending:
             owners, reqs = [], []
             for i in pending:
@@ -277,11 +274,13 @@ class GetPath:
             pending = [i for i in pending if not done[i] and attempt < len(options[i])]
         return done
 
-    def _read_one(self, replicas: list[P.ReplicaDesc], fragments: list[tuple[int, memoryview]]) -> bool:
-        """:meth:`_read_all` of one item: its fragments from its cheapest replica, else
-        the next one; True once all of them were copied from one replica. A single
-        fragment (a whole value: get_into) is one engine read, no request batch."""
-        for d, transport in self._ranked(replicas):
+    def _read_one(self, options: list[tuple[P.ReplicaDesc, Transport]],
+                  fragments: list[tuple[int, memoryview]]) -> bool:
+        """:meth:`_read_all` of one item: its fragments from its cheapest replica
+        (``options``: :meth:`_ranked`), else the next one; True once all of them were
+        copied from one replica. A single fragment (a whole value: get_into) is one
+        engine read, no request batch."""
+        for d, transport in options:
             if len(fragments) == 1:
                 src, dst = fragments[0]
                 if self.engine.read_into(transport, d.segment, d.offset + src, dst):

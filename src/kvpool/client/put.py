@@ -210,14 +210,11 @@ class PutPath:
         lease, offsets = placed
         ready: list[int] = []  # placed items written whole
         try:
-            if len(offsets) == 1 and len(srcs[0]) == 1:  # a single put: no job list
-                written, _ = self._write_one(0, lease.region.segment, offsets[0], srcs[0][0])
-            else:
-                jobs = []
-                for i, (offset, views) in enumerate(zip(offsets, srcs)):
-                    desc = msgspec.structs.replace(lease.region, offset=offset, length=items[i].size)
-                    jobs.extend((i, piece, view) for piece, view in _pieces(desc, views))
-                written, _ = self._write_all(jobs)
+            jobs = []
+            for i, (offset, views) in enumerate(zip(offsets, srcs)):
+                desc = msgspec.structs.replace(lease.region, offset=offset, length=items[i].size)
+                jobs.extend((i, piece, view) for piece, view in _pieces(desc, views))
+            written, _ = self._write_all(jobs)
             ready = [i for i in range(len(offsets)) if written[i]]
             if ready:
                 commit = P.PutCommit(self.owner_id, lease.lease_id, [_commit_item(items[i], offsets[i]) for i in ready])
@@ -304,9 +301,8 @@ class PutPath:
     def _write_all(self, jobs: list[tuple[int, P.ReplicaDesc, memoryview]]) -> tuple[dict[int, bool], str]:
         """Write every (item index, replica, source) job. Returns ({index: all its
         writes OK}, why the failed ones failed: status and the transports' reasons)."""
-        if len(jobs) == 1:
-            i, replica, src = jobs[0]
-            return self._write_one(i, replica.segment, replica.offset, src)
+        if len(jobs) == 1:  # a single put: the engine's one-copy write, no request batch
+            return self._write_one(*jobs[0])
         reqs = [TransferRequest(Op.WRITE, src, 0, d.segment, d.offset, d.length) for _, d, src in jobs]
         ok: dict[int, bool] = {i: True for i, _, _ in jobs}
         result = self.engine.transfer(reqs)
@@ -317,14 +313,13 @@ class PutPath:
                 why = result.describe(k)
         return ok, why
 
-    def _write_one(self, i: int, segment: P.SegmentInfo, offset: int, src: memoryview) -> tuple[dict[int, bool], str]:
-        """:meth:`_write_all` of one job, ``src`` to ``offset`` of ``segment`` (a single
-        put): the engine's one-copy write, with no request batch."""
-        transport = self.engine.route(segment)
+    def _write_one(self, i: int, replica: P.ReplicaDesc, src: memoryview) -> tuple[dict[int, bool], str]:
+        """:meth:`_write_all` of the one job (``i``, ``replica``, ``src``)."""
+        transport = self.engine.route(replica.segment)
         if transport is None:
-            return {i: False}, f"INVALID: no transport reaches segment {segment.name}"
+            return {i: False}, f"INVALID: no transport reaches segment {replica.segment.name}"
         cancel = Cancel()
-        if self.engine.write_from(transport, segment, offset, src, cancel=cancel):
+        if self.engine.write_from(transport, replica.segment, replica.offset, src, cancel=cancel):
             return {i: True}, ""
         return {i: False}, "FAILED: " + "; ".join(cancel.reasons)
 

@@ -11,7 +11,7 @@ polling or a polling reactor: a core stays busy while requests keep coming.
 
 The cost is bounded and adaptive. :class:`BusyPoll` keeps an exponentially weighted
 mean of the gap between the master's last answer and the next request (any
-connection). It polls only while that mean is below ``max_s``, for up to twice the
+connection; :class:`~kvpool.spin.PollBudget`, as the client's reply waits). It polls only while that mean is below ``max_s``, for up to twice the
 mean, so a master whose clients are quiet, or only come back after long work of
 their own, sleeps in epoll as before. While polling, the loop has a callback ready
 at all times, so it asks the kernel for events without sleeping (uvloop and asyncio
@@ -24,8 +24,9 @@ import asyncio
 import os
 import time
 
+from kvpool.spin import PollBudget
+
 BUSY_POLL_US = 300  # default longest poll after an answer, us: covers a client copying 1 MiB (~150 us here)
-_WEIGHT = 1 / 8  # of the newest gap in the mean
 
 
 class BusyPoll:
@@ -34,30 +35,22 @@ class BusyPoll:
     time.perf_counter by default."""
 
     def __init__(self, max_s: float = BUSY_POLL_US / 1e6, clock=time.perf_counter):
-        self.max_s = max_s
+        self.gaps = PollBudget(max_s)  # from an answer to the next request
         self.clock = clock
         self.polls = 0  # polls started (for tests and stats)
-        self._mean: float | None = None  # mean gap from an answer to the next request
         self._answered_at: float | None = None
         self._until = 0.0
         self._polling = False
 
     def budget(self) -> float:
         """Seconds to poll after an answer now (0: sleep in epoll)."""
-        mean = self._mean
-        if not self.max_s or mean is None or mean >= self.max_s:
-            return 0.0
-        return min(self.max_s, 2 * mean)
+        return self.gaps.budget()
 
     def request(self) -> None:
         """A request arrived: fold the gap since the last answer into the mean."""
-        if self._answered_at is None:
-            return
-        # a gap of seconds says no more than "long": clamped, it leaves the mean
-        # after a quiet spell within a few requests of polling again
-        gap = min(self.clock() - self._answered_at, 2 * self.max_s)
-        self._answered_at = None
-        self._mean = gap if self._mean is None else self._mean + (gap - self._mean) * _WEIGHT
+        if self._answered_at is not None:
+            self.gaps.record(self.clock() - self._answered_at)
+            self._answered_at = None
 
     def answered(self, loop: asyncio.AbstractEventLoop) -> None:
         """A request was handled: poll for the next one for :meth:`budget` seconds."""

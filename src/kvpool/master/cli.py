@@ -30,20 +30,12 @@ def _ratio(text) -> float:
     return value
 
 
-def _positive(parse):
+def _positive(parse, zero_ok: bool = False):
+    """``parse``, refusing values below 0, and 0 itself unless ``zero_ok``."""
     def check(text):
         value = parse(text)
-        if value <= 0:
-            raise ValueError("must be > 0")
-        return value
-    return check
-
-
-def _non_negative(parse):
-    def check(text):
-        value = parse(text)
-        if value < 0:
-            raise ValueError("must be >= 0")
+        if value < 0 or (value == 0 and not zero_ok):
+            raise ValueError("must be >= 0" if zero_ok else "must be > 0")
         return value
     return check
 
@@ -77,7 +69,7 @@ OPTIONS = [
            "(empty = none; prefer the env var or a config file: flags show in ps)", env="SECRET"),
     Option("frame-timeout", 30.0, _positive(float), "seconds a request frame may take to arrive after "
            "its header before the connection is closed"),
-    Option("busy-poll", BUSY_POLL_US, _non_negative(int), "microseconds the master keeps polling for the next "
+    Option("busy-poll", BUSY_POLL_US, _positive(int, zero_ok=True), "microseconds the master keeps polling for the next "
            "request after answering one, while requests come that quickly (0 = never: sleep at once; "
            "polling saves waking a sleeping core, 30-40 us per request on a VM)"),
     Option("etcd", "", str, "etcd endpoints host:port[,host:port...]: run as leader or standby of an HA "

@@ -241,10 +241,8 @@ class TransferEngine:
         path of a single get: no request status, no batch; a read large enough to be
         sliced over several lanes goes through :meth:`transfer`."""
         if _sliced(transport, segment, len(dst)):
-            req = TransferRequest(Op.READ, dst, 0, segment, offset, len(dst))
-            return self.transfer([req], timeout_s)[0] == TransferStatus.COMPLETED
-        deadline = self._deadline_after(timeout_s)
-        return transport.read_into(segment, offset, dst, deadline)
+            return self._sliced_one(Op.READ, segment, offset, dst, timeout_s, None)
+        return transport.read_into(segment, offset, dst, self._deadline_after(timeout_s))
 
     def write_from(self, transport: Transport, segment: SegmentInfo, offset: int, src: memoryview,
                    timeout_s: float | None = None, cancel: Cancel | None = None) -> bool:
@@ -253,13 +251,18 @@ class TransferEngine:
         ``cancel`` when given). The path of a single put, as :meth:`read_into` is a
         single get's."""
         if _sliced(transport, segment, len(src)):
-            req = TransferRequest(Op.WRITE, src, 0, segment, offset, len(src))
-            result = self.transfer([req], timeout_s)
-            if cancel is not None:
-                for reason in result.reasons:
-                    cancel.note(reason)
-            return result[0] == TransferStatus.COMPLETED
+            return self._sliced_one(Op.WRITE, segment, offset, src, timeout_s, cancel)
         return transport.write_from(segment, offset, src, self._deadline_after(timeout_s), cancel)
+
+    def _sliced_one(self, op: Op, segment: SegmentInfo, offset: int, local: memoryview,
+                    timeout_s: float | None, cancel: Cancel | None) -> bool:
+        """:meth:`read_into` / :meth:`write_from` of a value large enough to be cut over
+        several lanes: one request through :meth:`transfer` (reasons noted on ``cancel``)."""
+        result = self.transfer([TransferRequest(op, local, 0, segment, offset, len(local))], timeout_s)
+        if cancel is not None:
+            for reason in result.reasons:
+                cancel.note(reason)
+        return result[0] == TransferStatus.COMPLETED
 
     def _transfer_one(self, transport: Transport | None, req: TransferRequest,
                       timeout_s: float | None) -> TransferResult:

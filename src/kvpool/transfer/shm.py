@@ -17,9 +17,8 @@ from __future__ import annotations
 import mmap
 import os
 import threading
-import time
 
-from kvpool.protocol import ReplicaDesc, SegmentInfo
+from kvpool.protocol import SegmentInfo
 from kvpool.transfer import local_host_id
 from kvpool.transfer.epoch import NO_EPOCH, SHM_DIR, EpochWord
 from kvpool.transfer.request import Cancel, Op, Transport, TransferRequest
@@ -219,16 +218,6 @@ class ShmTransport(_MemoryTransport):
 
     def _missing(self, segment: SegmentInfo) -> str:
         return f"shm {segment.shm_name} cannot be mapped (its node is gone?)"
-
-    def write(self, desc: ReplicaDesc, src: memoryview, timeout_s: float = 10.0) -> bool:
-        """Copy ``src`` (``desc.length`` bytes) into the replica's buffer; False (nothing
-        written) when the grant's mount epoch is no longer the segment's."""
-        entry = self._mapping(desc.segment.shm_name)
-        entry.populate(desc.offset, desc.length)
-        with entry.word(desc.segment.size).writing(desc.segment.epoch, time.monotonic() + timeout_s) as ok:
-            if ok:
-                entry.view[desc.offset : desc.offset + desc.length] = src
-        return ok
 
     def warm(self, shm_name: str) -> int:
         """Map segment ``shm_name`` if it is on this host and fill the page tables of
