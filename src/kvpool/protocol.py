@@ -48,8 +48,8 @@ import msgspec
 
 from kvpool.errors import ErrorCode
 
-PROTOCOL_VERSION = 4  # 2: GetResp.grant_id, ReadDone, PutStartResp.message; 3: mount epochs, segment index;
-# 4: allocation leases (AllocLease, PutCommit, ReturnLease), StatsResp.leased_bytes/open_leases
+PROTOCOL_VERSION = 5  # 2: GetResp.grant_id, ReadDone, PutStartResp.message; 3: mount epochs, segment index;
+# 4: allocation leases (AllocLease, PutCommit, ReturnLease), StatsResp.leased_bytes/open_leases; 5: GetResp.version
 MAGIC_PREFIX = b"KVP"
 HEADER = struct.Struct("<4sI")
 MAX_FRAME = 64 << 20  # bytes; a batch of 4096 keys of 4 KiB each still fits
@@ -439,13 +439,17 @@ class BatchPutStartResp(_Msg):
 class GetResp(_Msg):
     """code OK ⇒ ``size`` bytes in each of ``replicas``; the read lease lasts ``lease_ttl_ms``
     from when the request was sent (the client measures from its own send time).
-    ``grant_id`` names this read for :class:`ReadDone` (0: nothing to report)."""
+    ``grant_id`` names this read for :class:`ReadDone` (0: nothing to report);
+    ``version``: the value's commit version (:class:`IndexEntry`), which with the
+    replicas' segment epochs names bytes that never change while the version lives
+    (the client's location hints, :mod:`kvpool.client.hints`)."""
 
     code: int
     size: int = 0
     lease_ttl_ms: int = 0
     replicas: list[ReplicaDesc] = []
     grant_id: int = 0
+    version: int = 0
 
 
 class BatchGetResp(_Msg):

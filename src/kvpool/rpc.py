@@ -32,7 +32,7 @@ import logging
 import socket
 import threading
 import time
-from typing import Sequence
+from typing import Callable, Sequence
 
 import msgspec
 
@@ -120,9 +120,14 @@ class RpcChannel:
         P.set_kernel_timeouts(self._sock, self.timeout_s)
         self._answered = False
 
-    def call(self, request: msgspec.Struct, idempotent: bool = True, notices: Sequence[msgspec.Struct] = ()):
+    def call(self, request: msgspec.Struct, idempotent: bool = True, notices: Sequence[msgspec.Struct] = (),
+             during: Callable[[], None] | None = None):
         """Send ``request``, return the decoded reply Struct. ``notices``
         (notifications such as ReadDone, never answered) go first, in the same write.
+        ``during``: run once, after the request went out and before its reply is
+        waited for (work that overlaps the master's answer: a copy from a location
+        hint, :mod:`kvpool.client.hints`); it must not raise (if it does, the connection
+        is closed, its reply being unread, and the exception propagates).
 
         Raises RpcFailed when the master is unreachable, the stream breaks (after one
         reconnect for idempotent requests), the master speaks another protocol version
@@ -136,7 +141,7 @@ class RpcChannel:
         broke = False
         while True:
             try:
-                reply = self._round_trip(frame, type(request), broke, idempotent)
+                reply = self._round_trip(frame, type(request), broke, idempotent, during)
             except _Undelivered as exc:
                 if time.monotonic() >= deadline:
                     raise exc.error from None
@@ -146,7 +151,9 @@ class RpcChannel:
                 broke = True
                 if not idempotent or (time.monotonic() >= deadline and exc.second):
                     raise exc.error from None
+                during = None  # it may have run: a retry only asks again
                 continue
+            during = None
             if isinstance(reply, P.ErrorResp):
                 if reply.code == NOT_LEADER and self.masters.ha:
                     self.masters.failed(self.addr)
@@ -158,10 +165,10 @@ class RpcChannel:
             self.masters.answered(self.addr)
             return reply
 
-    def _round_trip(self, frame: bytes, kind: type, broke: bool, idempotent: bool):
-        """One send and receive (``kind``: the request's type, for the reply wait);
-        raises _Undelivered (no master took the request) or _Broken (the connection
-        failed after the request may have been sent)."""
+    def _round_trip(self, frame: bytes, kind: type, broke: bool, idempotent: bool, during=None):
+        """One send, ``during()`` if given, and the receive (``kind``: the request's
+        type, for the reply wait); raises _Undelivered (no master took the request) or
+        _Broken (the connection failed after the request may have been sent)."""
         if self._sock is None:
             try:
                 self.connect()
@@ -172,6 +179,9 @@ class RpcChannel:
         try:
             sent_at = time.perf_counter()
             self._sock.sendall(frame)
+            if during is not None:
+                kind = (kind, "during")  # its wait includes the work: a reply time of its own
+                self._overlap(during)
             self._replies.wait(self._sock, kind, sent_at)
             body = P.recv_frame(self._sock)
             self._replies.record(kind, sent_at)
@@ -199,6 +209,15 @@ class RpcChannel:
                 hint += " (the master may have applied it whole, or not at all: check, then retry)"
             what = f"the master closed the connection ({exc})" if isinstance(exc, ConnectionError) else exc
             raise _Broken(RpcFailed(f"master {self.addr}: {what}{hint}"), broke) from None
+
+    def _overlap(self, during: Callable[[], None]) -> None:
+        """Run ``during`` between a request and its reply; if it raises, the reply can
+        no longer be matched to a request: the connection closes."""
+        try:
+            during()
+        except BaseException:
+            self.close()
+            raise
 
     def notify(self, request: msgspec.Struct) -> bool:
         """Send a notification (a request the master never answers, e.g. ReadDone) without

@@ -34,11 +34,13 @@ import os
 import secrets
 import threading
 import time
+from collections import Counter
 from typing import Sequence
 
 from kvpool import protocol as P
 from kvpool.client.get import GetPath
 from kvpool.client.grants import ReadGrants, ReadHandle
+from kvpool.client.hints import LocationHints
 from kvpool.client.keys import check_key
 from kvpool.client.lease import LocalLeases
 from kvpool.client.put import PutPath
@@ -102,6 +104,8 @@ class Client(ReadGrants, PutPath, GetPath):
         self._done_waiting = threading.Event()  # wakes the flusher
         self._flusher: threading.Thread | None = None
         self._closing = False
+        self.hints = LocationHints()  # where keys read before were (kvpool.client.hints)
+        self.hint_counts: Counter[str] = Counter()  # copies from a hint: "confirmed", "missed"
         self.segment: SegmentHost | None = None
         if alloc_leases is None:
             alloc_leases = os.environ.get("KVPOOL_ALLOC_LEASES", "1") != "0"
@@ -134,9 +138,9 @@ class Client(ReadGrants, PutPath, GetPath):
                 self._channels.append(chan)
         return chan
 
-    def _call(self, request, idempotent: bool = True):
+    def _call(self, request, idempotent: bool = True, during=None):
         done = self._take_done()  # ReadDone rides along in the same write
-        return self._channel().call(request, idempotent, (P.ReadDone(done),) if done else ())
+        return self._channel().call(request, idempotent, (P.ReadDone(done),) if done else (), during)
 
     def ping(self) -> float:
         """One round trip to the master that touches no metadata (health checks).

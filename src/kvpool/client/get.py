@@ -33,10 +33,41 @@ class GetPath:
         """
         check_key(key)
         sent = time.monotonic()
-        reply = self._call(P.GetReplicaList(key))
+        return self._granted(key, self._call(P.GetReplicaList(key)), sent)
+
+    def _granted(self, key: str, reply: P.GetResp, sent: float) -> ReadHandle:
+        """The handle of a GetReplicaList ``reply`` to a request sent at ``sent``
+        (time.monotonic). Raises ObjectNotFound (the key's location hint is dropped)."""
         if reply.code != ErrorCode.OK:
+            self.hints.forget(key)
             raise_for(reply.code, f"{key!r}: {code_name(reply.code)}")
         return ReadHandle(key, reply.size, reply.replicas, sent + reply.lease_ttl_ms / 1000, reply.grant_id)
+
+    def _query_hinted(self, key: str, copy) -> tuple[ReadHandle, object]:
+        """:meth:`query` of ``key``, with a copy from its location hint while the master
+        answers (:mod:`kvpool.client.hints`): ``copy(transport, replica, size)`` returns
+        what it copied, or None/False. Returns (handle, what was copied): the handle is
+        spent (its grant returned) when the copy counts; else the copy is None and the
+        handle is to be read as usual. Raises ObjectNotFound, InvalidParams."""
+        check_key(key)
+        hint = self.hints.get(key)
+        route = self.engine.route(hint.replica.segment) if hint is not None else None
+        copied = []
+        during = None if route is None else (lambda: copied.append(copy(route, hint.replica, hint.size)))
+        sent = time.monotonic()
+        reply = self._call(P.GetReplicaList(key), during=during)
+        handle = self._granted(key, reply, sent)
+        if copied and copied[0] and hint.confirmed_by(reply):
+            self.hint_counts["confirmed"] += 1
+            self.release([handle])
+            handle.check_lease()
+            return handle, copied[0]
+        if copied:
+            self.hint_counts["missed"] += 1
+        ranked = self._ranked(reply.replicas)
+        if ranked:
+            self.hints.note(key, ranked[0][0], reply)
+        return handle, None
 
     def batch_query(self, keys: Sequence[str]) -> list[ReadHandle | ErrorCode]:
         """:meth:`query` for many keys in one RPC: a ReadHandle or an ErrorCode per key."""
@@ -189,16 +220,34 @@ class GetPath:
         return ValueViews(self, list(handles), found)
 
     def get(self, key: str) -> bytes:
-        """The value of ``key``. Raises ObjectNotFound, LeaseExpired, TransferFailed."""
-        return self.read(self.query(key))
+        """The value of ``key``. Raises ObjectNotFound, LeaseExpired, TransferFailed.
+
+        A key read before is copied from where it was while the master answers, and
+        kept only if the answer confirms it (:mod:`kvpool.client.hints`)."""
+        def copy(transport: Transport, replica: P.ReplicaDesc, size: int):
+            return transport.read_bytes(replica.segment, replica.offset, size,
+                                        time.monotonic() + self.timeout_s, Cancel())
+
+        handle, value = self._query_hinted(key, copy)
+        return self.read(handle) if value is None else value
 
     def get_into(self, key: str, buf) -> int:
         """Copy the value of ``key`` into the writable buffer ``buf``; returns its size.
 
-        Raises ObjectNotFound, BufferOverflow (buf too small), LeaseExpired (buf content
-        is then undefined), TransferFailed.
+        Raises ObjectNotFound, BufferOverflow (buf too small), LeaseExpired, TransferFailed
+        (buf content is then undefined). A key read before is copied as in :meth:`get`.
         """
-        return self.read_into(self.query(key), buf)
+        dst = _destination(buf)
+
+        def copy(transport: Transport, replica: P.ReplicaDesc, size: int) -> bool:
+            return size <= len(dst) and self.engine.read_into(transport, replica.segment, replica.offset, dst[:size])
+
+        handle, copied = self._query_hinted(key, copy)
+        if not copied:
+            return self.read_into(handle, buf)
+        if isinstance(buf, RegisteredBuffer):
+            buf.after_read(0, handle.size)
+        return handle.size
 
     def batch_get(self, keys: Sequence[str]) -> list[bytes | None]:
         """Values of ``keys``; None for a miss (not found, lease expired, transfer failed).

@@ -371,7 +371,7 @@ class MasterService(Eviction, Restore, LeaseHandlers):
             return GetResp(ErrorCode.OBJECT_NOT_FOUND)
         self._extend_lease(obj, deadline)
         grant_id = self.grants.grant(obj.grants, deadline)
-        return GetResp(OK, obj.size, ttl_ms, [self._desc(r) for r in obj.replicas], grant_id)
+        return GetResp(OK, obj.size, ttl_ms, [self._desc(r) for r in obj.replicas], grant_id, obj.version)
 
     def exist_key(self, key: str) -> Resp:
         return Resp(self._exists(key, self._lease_terms()[1]))
