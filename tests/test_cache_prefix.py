@@ -117,6 +117,35 @@ def test_corrupted_disk_page_is_a_miss_and_counted(disk):
     assert cache.metrics["page_rejects"] == 1 and cache.metrics["page_rejects_checksum"] == 1
 
 
+def test_an_l3_load_in_chunks_lands_every_page_in_a_strided_out_and_stops_at_a_bad_one(disk):
+    tokens = list(range(7 * PAGE))
+    make(l3=disk).insert(tokens, kv(7))
+    cache = make(l3=disk)
+    cache.l3_tier._chunk_pages = 2  # 7 pages: chunks of 2, 2, 2, 1
+    # the engine's layout: tokens along a dim of their own, pages a permuted view of it
+    seq = torch.zeros((SHAPE[0], SHAPE[1], SHAPE[2], 7 * PAGE, SHAPE[4]))
+    out = seq.unflatten(3, (7, PAGE)).permute(3, 0, 1, 2, 4, 5)
+    m = cache.match(tokens)
+    cache.load(m, out=out, adopt=False)
+    assert m.num_pages == 7 and torch.equal(out, kv(7))
+    cache.release(m)
+    assert cache.metrics["pages_loaded_l3"] == 7 and cache.l3_tier._load_rows.rows(0).shape[0] == 2
+
+    path = disk._file(store_key(page_keys(NS, tokens)[5]))  # in the third chunk
+    data = bytearray(path.read_bytes())
+    data[-1] ^= 0xFF
+    path.write_bytes(bytes(data))
+    cache = make(l3=disk)
+    cache.l3_tier._chunk_pages = 2
+    m = cache.match(tokens)
+    got = cache.load(m)
+    assert m.num_pages == 5 and torch.equal(got, kv(7)[:5])
+    cache.release(m)
+    assert cache.metrics["page_rejects_checksum"] == 1 and cache.metrics["pages_loaded_l3"] == 5
+    n, tiers, _ = lookup(cache, tokens)  # the good pages were adopted into L1
+    assert n == 5 and tiers == ["L1"] * 5
+
+
 def test_a_page_evicted_between_match_and_load_cuts_the_match(disk):
     tokens = list(range(8))
     make(l3=disk).insert(tokens, kv(2))

@@ -16,10 +16,9 @@ backup_dropped, prefetch_pages_planned, prefetch_pages_landed, prefetch_<outcome
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import threading
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 
 import numpy as np
 import torch
@@ -48,6 +47,10 @@ class Backup:
     gather: Callable[[], torch.Tensor]
     done: Callable[[list[bool]], None]
 
+
+# bytes of staging rows one step of an L3 load reads, checks and copies on: well inside
+# the last-level cache (32 MiB here), so the rows are still cached when copied on
+LOAD_CHUNK_BYTES = 8 << 20
 
 # land(handle, first, pages) -> pages the tree took, or None when the handle was cancelled
 LandFn = Callable[[PrefetchHandle, int, torch.Tensor], "int | None"]
@@ -100,6 +103,7 @@ class L3Tier:
         self.metrics = metrics
         self.prefetch_batch = prefetch_batch
         self._load_rows = _Staging(self.store)
+        self._chunk_pages = max(1, LOAD_CHUNK_BYTES // self.store.row_bytes)
         self._prefetch_rows = _Staging(self.store)
         self._backups = (JobThread("kvpool-backup", self._write, backup_queue)
                          if async_backup else None)
@@ -115,15 +119,28 @@ class L3Tier:
             self.metrics.inc("l3_errors")
             return 0
 
-    @contextlib.contextmanager
-    def read(self, keys: list[bytes], first_index: int) -> Iterator[torch.Tensor]:
-        """Read and check pages ``keys`` (page numbers from ``first_index``).
+    def read_into(self, keys: Sequence[bytes], first_index: int, out: torch.Tensor) -> int:
+        """Read and check pages ``keys`` (page numbers from ``first_index``) into
+        ``out[:len(keys)]`` (``[>= len(keys), *page_shape]``, this tier's dtype, any
+        strides: e.g. a view of an engine's KV layout). Returns how many leading pages
+        landed and passed their check; the rest of ``out`` is then undefined.
 
-        Yields the leading good pages, ``[good, *page_shape]``: a view of the staging
-        rows they landed in, valid until the block ends (the rows are held that long).
+        Chunk by chunk of about :data:`LOAD_CHUNK_BYTES`: each chunk is copied out of
+        the store into staging rows, checked there and copied on into ``out`` while it
+        is still in the CPU's cache, so main memory is crossed about once each way, as
+        one memcpy would; the whole read through full-size rows crossed it three times
+        (docs/cache.md, "L3 loads").
         """
+        got = 0
         with self._load_rows.lock:
-            yield self._read(keys, first_index, self._load_rows)
+            while got < len(keys):
+                chunk = list(keys[got:got + self._chunk_pages])
+                pages = self._read(chunk, first_index + got, self._load_rows)
+                out[got:got + pages.shape[0]].copy_(pages)
+                got += pages.shape[0]
+                if pages.shape[0] < len(chunk):
+                    break
+        return got
 
     def _read(self, keys: list[bytes], first_index: int, staging: _Staging) -> torch.Tensor:
         raw = staging.rows(len(keys))
@@ -142,13 +159,13 @@ class L3Tier:
         return self.store.pages(raw, result.good, self.page_shape, self.dtype)
 
     def reserve(self, pages: int) -> None:
-        """Grow the rows reads land in to ``pages`` pages and touch them now (bytes:
-        ``pages`` x objects per page x (header + payload)), off any request's path: a
+        """Grow the rows loads land in to ``pages`` pages (at most one chunk,
+        :data:`LOAD_CHUNK_BYTES`) and touch them now, off any request's path: a
         first read into fresh rows paid their page faults, and on the development VM
         stalls of up to 5 ms per 2 MiB page the host had not backed yet (the demo's first
         cross-instance load of 102 MB: 215-257 ms, 20 ms into touched rows)."""
         with self._load_rows.lock:
-            self._load_rows.rows(pages).fill(0)
+            self._load_rows.rows(min(pages, self._chunk_pages)).fill(0)
 
     def count_announced(self, pages: int) -> None:
         """Count pages a match found present (not read yet)."""

@@ -96,6 +96,11 @@ class PageStore:
         ok = [all(stored[i * n:(i + 1) * n]) for i in range(len(keys))]
         return ok, sum(len(b) for b, s in zip(blobs, stored) if s)
 
+    @property
+    def row_bytes(self) -> int:
+        """Bytes of one page's staging row: its objects, each header then payload."""
+        return len(self.parts) * (HEADER_SIZE + self.part_bytes)
+
     def staging(self, n: int) -> np.ndarray:
         """New staging rows for :meth:`read_into` of ``n`` pages: uint8
         ``[n, objects per page, HEADER_SIZE + part_bytes]``."""

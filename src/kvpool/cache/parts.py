@@ -137,10 +137,8 @@ class PartStore:
         for lo, hi in _runs([i for i, k in enumerate(keys) if k not in in_l1], indices):
             if self.l3_tier is None:
                 return False
-            with self.l3_tier.read(list(keys[lo:hi]), indices[lo]) as pages:
-                if pages.shape[0] < hi - lo:
-                    return False
-                out[lo:hi].copy_(pages)
+            if self.l3_tier.read_into(keys[lo:hi], indices[lo], out[lo:hi]) < hi - lo:
+                return False
         return True
 
     # -- insertion --------------------------------------------------------------------

@@ -180,13 +180,11 @@ class PrefixCache:
             self.placement.read(m.nodes, out[:n_tree])
         announced = m.num_pages - n_tree
         if announced:
-            with self.l3_tier.read(m.l3_keys, n_tree) as pages:
-                got = pages.shape[0]
-                out[n_tree:n_tree + got].copy_(pages)
-                if got < announced:
-                    m.truncate(n_tree + got)
-                if adopt:
-                    self._adopt(m, pages)
+            got = self.l3_tier.read_into(m.l3_keys, n_tree, out[n_tree:])
+            if got < announced:
+                m.truncate(n_tree + got)
+            if adopt:
+                self._adopt(m, out[n_tree:n_tree + got])
         if not m.loaded:
             m.loaded = True
             if announced:

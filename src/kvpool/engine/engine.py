@@ -230,8 +230,8 @@ class Engine:
     def reserve(self, tokens: int) -> None:
         """Allocate and touch, now, what a request of up to ``tokens`` tokens writes on
         its way to the first token: the KV buffer (:meth:`sequence_buffer`) and the
-        cache's L3 read rows (:meth:`PrefixCache.reserve`), about 2 x ``tokens`` x the KV
-        bytes of a token (SmolLM2-135M in fp32: 46 KB). Call at start, before serving:
+        cache's L3 read rows (:meth:`PrefixCache.reserve`, at most 8 MiB: loads go in
+        chunks), about ``tokens`` x the KV bytes of a token (SmolLM2-135M in fp32: 46 KB). Call at start, before serving:
         the first request otherwise pays their page faults (and, on a VM, the host
         backing fresh memory) in its time to first token."""
         if tokens <= 0:
