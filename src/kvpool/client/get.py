@@ -302,13 +302,18 @@ class GetPath:
         options = {i: self._ranked(replicas, routes) for i, replicas, _ in jobs}
         frags = {i: fragments for i, _, fragments in jobs}
         done = {i: False for i in frags}
-        # an item alone, or a whole value whose cheapest copy is in this host's memory,
-        # gains nothing from a request batch: :meth:`_read_one` each
-        alone = [i for i in frags if len(jobs) == 1 or (options[i] and options[i][0][1].in_place
-                                                        and len(frags[i]) == 1)]
-        for i in alone:
+        if len(jobs) == 1:  # a single read: no request batch
+            i = jobs[0][0]
             done[i] = self._read_one(options[i], frags[i])
-        pending, attempt = [i for i in frags if options[i] and i not in alone], 0
+            return done
+        # whole values whose cheapest copy is in this host's memory gain nothing from a
+        # request batch: a loop of memcpys per segment, then the next replica if need be
+        local = {i for i in frags if options[i] and options[i][0][1].in_place and len(frags[i]) == 1}
+        done.update(self._read_in_place(local, options, frags))
+        for i in local:
+            if not done[i]:
+                done[i] = self._read_one(options[i][1:], frags[i])
+        pending, attempt = [i for i in frags if options[i] and i not in local], 0
         while pending:
             owners, reqs = [], []
             for i in pending:
@@ -321,6 +326,22 @@ class GetPath:
             done.update(ok)
             attempt += 1
             pending = [i for i in pending if not done[i] and attempt < len(options[i])]
+        return done
+
+    def _read_in_place(self, items: list[int], options: dict, frags: dict) -> dict[int, bool]:
+        """:meth:`_read_all` of ``items``, each one whole value whose cheapest replica
+        is in this host's memory: one :meth:`Transport.read_many` per segment (all its
+        items kept or none); {index: copied}."""
+        groups: dict[tuple[str, int], list[int]] = {}
+        for i in items:
+            segment = options[i][0][0].segment
+            groups.setdefault((segment.name, segment.epoch), []).append(i)
+        done: dict[int, bool] = {}
+        deadline = time.monotonic() + self.timeout_s
+        for group in groups.values():
+            replica, transport = options[group[0]][0]
+            ranges = [(options[i][0][0].offset + frags[i][0][0], frags[i][0][1]) for i in group]
+            done.update(dict.fromkeys(group, transport.read_many(replica.segment, ranges, deadline)))
         return done
 
     def _read_one(self, options: list[tuple[P.ReplicaDesc, Transport]],

@@ -8,6 +8,8 @@ from kvpool.protocol import MAX_KEY_BYTES
 
 def check_key(key: str) -> None:
     """Raise InvalidParams unless ``key`` is a str of 1..MAX_KEY_BYTES (4096) UTF-8 bytes."""
+    if isinstance(key, str) and key.isascii() and 0 < len(key) <= MAX_KEY_BYTES:
+        return  # the usual key, without encoding it (an ASCII char is one UTF-8 byte)
     try:
         size = len(key.encode("utf-8")) if isinstance(key, str) else 0
     except UnicodeEncodeError:  # lone surrogates cannot go on the wire

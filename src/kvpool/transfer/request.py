@@ -141,7 +141,7 @@ class Transport:
     rank = 100
     lanes = 1
     slice_bytes = 4 << 20
-    in_place = False  # a copy in this process's memory: batching saves nothing per value
+    in_place = False  # a copy in this process's memory (then read_many too): batching saves nothing per value
 
     def can_reach(self, segment: SegmentInfo) -> bool:
         raise NotImplementedError
@@ -170,6 +170,15 @@ class Transport:
         then undefined). Same-host transports override this with a path that builds no
         request; this default runs one READ."""
         return self._run_one(TransferRequest(Op.READ, dst, 0, segment, offset, len(dst)), deadline, cancel)
+
+    def read_many(self, segment: SegmentInfo, ranges: list[tuple[int, memoryview]], deadline: float,
+                  cancel: "Cancel | None" = None) -> bool:
+        """Copy each (offset, destination) range of ``segment`` into its writable byte
+        view, in this thread; True when every copy may be kept, False when any failed
+        (all destinations then undefined; why: noted on ``cancel`` when given). Only
+        ``in_place`` transports have it (a batch get's values in this host's memory:
+        a loop of memcpys and one epoch check, no request objects)."""
+        raise NotImplementedError
 
     def write_from(self, segment: SegmentInfo, offset: int, src: memoryview, deadline: float,
                    cancel: "Cancel | None" = None) -> bool:

@@ -138,6 +138,23 @@ class _MemoryTransport(Transport):
         dst[:] = found[0][offset : offset + len(dst)]
         return _kept(segment, found[1], cancel)
 
+    def read_many(self, segment: SegmentInfo, ranges: list[tuple[int, memoryview]], deadline: float,
+                  cancel: Cancel | None = None) -> bool:
+        """One memcpy per range, then one epoch check for them all (a batch get's
+        values on one segment: no request objects, no batch)."""
+        found = self._found(segment, cancel)
+        if found is None:
+            return False
+        view, size = found[0], segment.size
+        for offset, dst in ranges:
+            end = offset + len(dst)
+            if offset < 0 or end > size:
+                if cancel is not None:
+                    cancel.note(f"range {offset}+{len(dst)} outside segment {segment.name}")
+                return False
+            dst[:] = view[offset:end]
+        return _kept(segment, found[1], cancel)
+
     def write_from(self, segment: SegmentInfo, offset: int, src: memoryview, deadline: float,
                    cancel: Cancel | None = None) -> bool:
         """One memcpy under the grant's epoch (a single put's copy: no request, no batch)."""
