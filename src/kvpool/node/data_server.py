@@ -39,6 +39,7 @@ import msgspec
 from kvpool import auth
 from kvpool import protocol as P
 from kvpool.errors import ErrorCode
+from kvpool.spin import spin_max_s
 from kvpool.transfer.epoch import MOUNT_WAIT_S, NO_EPOCH, EpochWord
 from kvpool.transfer.iov import recv_views, send_views
 from kvpool.transfer.tcp import tune_data_socket
@@ -115,6 +116,7 @@ class DataServer:
         self.word = word
         self.stall_s = stall_s
         self.secret = secret  # set: every connection answers a challenge first (kvpool.auth)
+        self.poll_s = spin_max_s()  # a write's payload is polled for this long between bursts
         self.counters = DataCounters()
         self.stopped = threading.Event()
         self._gate = threading.Condition()
@@ -250,8 +252,8 @@ class DataServer:
             return self._refuse(conn, "refused", ErrorCode.INVALID_PARAMS, keep=False)
         if not self._admit(conn, req.epoch):
             return self._refuse(conn, "stale", ErrorCode.REPLICA_IS_GONE, keep=False)
-        try:
-            recv_views(conn, views, stall_s=self.stall_s)
+        try:  # polled while the payload keeps coming (kvpool.transfer.iov._poll_into)
+            recv_views(conn, views, stall_s=self.stall_s, poll_s=self.poll_s)
         finally:
             self._leave(conn)
         total = sum(len(v) for v in views)

@@ -252,7 +252,7 @@ class TcpTransport(Transport):
                   cancel: Cancel | None = None) -> bool:
         """One read received straight into ``dst`` (one copy, no request batch)."""
         def receive(sock) -> bool:
-            recv_views(sock, [dst], deadline)
+            recv_views(sock, [dst], deadline, poll_s=self._replies.max_s)
             return True
 
         return self._read_value(segment, offset, len(dst), deadline, cancel or Cancel(), receive) is True
@@ -289,5 +289,5 @@ def _read(sock: socket.socket, reqs: list[TransferRequest], deadline: float, can
     if not _ask_read(sock, reqs[0].segment, [r.remote_offset for r in reqs], [r.length for r in reqs],
                      deadline, cancel, replies):
         return False
-    recv_views(sock, [r.local_view() for r in reqs], deadline)
+    recv_views(sock, [r.local_view() for r in reqs], deadline, poll_s=replies.max_s)
     return True
