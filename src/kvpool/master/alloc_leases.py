@@ -177,24 +177,27 @@ class LeaseHandlers:
             return CodesResp([ErrorCode.LEASE_EXPIRED] * len(items))
         if lease.owner != owner_id:
             return CodesResp([ErrorCode.ILLEGAL_CLIENT] * len(items))
-        return CodesResp([self._commit_item(lease, item, now) for item in items])
+        codes = [self._commit_item(lease, item, now) for item in items]
+        self._check_watermark()
+        self.counters["put_commit"] += codes.count(ErrorCode.OK)
+        return CodesResp(codes)
 
     def _commit_item(self, lease: AllocLease, item: CommitItem, now: float) -> int:
         length = self.segments.rounded(item.size)
         soft_pin_ttl = self._soft_pin_ttl(item)
         if item.size <= 0 or soft_pin_ttl is None or not self.alloc_leases.fits(lease, item.offset, length):
             return ErrorCode.INVALID_PARAMS
-        code = self._admit(item.key, item.upsert, now)
+        known = item.key in self.objects  # a record: visible, or with a put in flight
+        code = self._admit(item.key, item.upsert, now) if known else self._key_code(item.key)
         if code != ErrorCode.OK:
             return code
         self.alloc_leases.claim(lease, item.offset, length)
         replica = Replica(lease.segment, item.offset, item.size)
-        obj = self.objects.get(item.key)
+        obj = self.objects.get(item.key) if known else None  # _admit may have dropped it
         if obj is None:
             self._commit_new(item.key, replica, item.soft_pin, soft_pin_ttl, item.hard_pin, now)
         else:
             self._commit(obj, [replica], item.size, item.soft_pin, soft_pin_ttl, item.hard_pin, now)
-        self.counters["put_commit"] += 1
         return ErrorCode.OK
 
     def return_lease(self, owner_id: str, lease_ids: list[int]) -> CountResp:

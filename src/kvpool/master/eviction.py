@@ -51,14 +51,14 @@ class EvictionQueue:
         """:meth:`push` of the record in ``slot`` (one made whole without a view)."""
         self._push(slot)
 
-    def touch(self, obj: ObjectMeta) -> None:
-        """``obj`` was read and its deadline moved later: O(1), no move in the runs. It
+    def touch(self, slot: int) -> None:
+        """The record in ``slot`` was read and its deadline moved later: O(1), no move in the runs. It
         stays linked by its older deadline (``order``) until the eviction walk reaches it
         and, finding it leased, links it where its deadline now is: reads of a hot object
         cost that move once per eviction walk, not once per read, and touch no neighbour's
         links (random accesses that grew with the objects held)."""
-        if self._t.run[obj.slot] < 0:
-            self._push(obj.slot)  # not linked (never expected while visible): link it now
+        if self._t.run[slot] < 0:
+            self._push(slot)  # not linked (never expected while visible): link it now
 
     def _push(self, s: int) -> None:
         t = self._t

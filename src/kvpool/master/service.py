@@ -39,7 +39,7 @@ from kvpool.master.leases import ReadGrants
 from kvpool.master.objects import Grants, PendingPut, Replica
 from kvpool.master.restore import IndexLog, Restore
 from kvpool.master.segments import SegmentTable, new_epoch
-from kvpool.master.table import ObjectMeta, ObjectTable
+from kvpool.master.table import NO_SEG, ObjectMeta, ObjectTable
 from kvpool.protocol import (
     MAX_KEY_BYTES, MAX_SEGMENTS, SOFT_PIN_DISABLE, SOFT_PIN_ENABLE, SOFT_PIN_PRESERVE, BatchGetResp,
     BatchPutStartResp, CodesResp, CommitItem, GetResp, IndexEntry, MountResp, PutItem, PutStartResp,
@@ -200,12 +200,17 @@ class MasterService(Eviction, Restore, LeaseHandlers):
         self.counters["put_start"] += 1
         return PutStartResp(OK, put_id, [self._desc(r) for r in replicas])
 
+    @staticmethod
+    def _key_code(key: str) -> ErrorCode:
+        """OK for a valid key, else INVALID_PARAMS (:func:`_key_ok`)."""
+        return OK if _key_ok(key) else ErrorCode.INVALID_PARAMS
+
     def _admit(self, key: str, upsert: bool, now: float) -> ErrorCode:
         """Whether a new version of ``key`` may be written (PutStart, PutCommit):
         INVALID_PARAMS (bad key), OBJECT_ALREADY_EXISTS (visible and not ``upsert``, or
         another put in flight), REPLICA_IS_NOT_READY (an upsert while a put is in
         flight), else OK, having taken over a put in flight past the discard timeout."""
-        if not _key_ok(key):
+        if self._key_code(key) != OK:
             return ErrorCode.INVALID_PARAMS
         obj = self.objects.get(key)
         if obj is not None:
@@ -227,6 +232,7 @@ class MasterService(Eviction, Restore, LeaseHandlers):
         self._clear_pending(obj)
         self._commit(obj, pending.replicas, pending.size, pending.soft_pin, pending.soft_pin_ttl_ms,
                      pending.hard_pin, self.clock())
+        self._check_watermark()
         self.counters["put_end"] += 1
         return Resp(OK)
 
@@ -234,7 +240,8 @@ class MasterService(Eviction, Restore, LeaseHandlers):
                 hard_pin: bool, now: float) -> None:
         """Make ``replicas`` (``size`` value bytes, written) ``obj``'s COMPLETE version
         (PutEnd, PutCommit): the old one retired, a new commit version, the index told,
-        the pins applied (``soft_pin_ttl_ms`` resolved), the eviction order updated."""
+        the pins applied (``soft_pin_ttl_ms`` resolved), the eviction order updated.
+        The caller checks the eviction watermark (once per request)."""
         if obj.visible:  # an upsert's old value: out of readers' reach
             self._index_drop(obj)
             self._retire(obj)
@@ -246,7 +253,6 @@ class MasterService(Eviction, Restore, LeaseHandlers):
         obj.hard_pin = hard_pin
         obj.soft_pin_deadline = self._soft_pin_deadline(obj.soft_pin_deadline, soft_pin, soft_pin_ttl_ms, now)
         self.queue.push(obj)
-        self._check_watermark()
 
     def _commit_new(self, key: str, replica: Replica, soft_pin: int, soft_pin_ttl_ms: int, hard_pin: bool,
                     now: float) -> None:
@@ -258,7 +264,6 @@ class MasterService(Eviction, Restore, LeaseHandlers):
         self.object_count += 1
         self._index_replica(key, replica, replica.length, version)
         self.queue.push_slot(slot)
-        self._check_watermark()
 
     @staticmethod
     def _soft_pin_deadline(current: float, soft_pin: int, soft_pin_ttl_ms: int, now: float) -> float:
@@ -365,13 +370,21 @@ class MasterService(Eviction, Restore, LeaseHandlers):
         return BatchGetResp([self._get(k, ttl_ms, deadline) for k in keys])
 
     def _get(self, key: str, ttl_ms: int, deadline: float) -> GetResp:
-        """A read grant on ``key``: its replicas, under a lease extended to ``deadline``."""
-        obj = self.objects.get(key)
-        if obj is None or not obj.visible:
+        """A read grant on ``key``: its replicas, under a lease extended to ``deadline``.
+        Straight from the table's arrays, no record view: 2.75 -> 1.5 us a key of a
+        batch here (docs/bench.md)."""
+        t = self.objects
+        slot = t.visible_slot(key)
+        if slot < 0:
             return GetResp(ErrorCode.OBJECT_NOT_FOUND)
-        self._extend_lease(obj, deadline)
-        grant_id = self.grants.grant(obj.grants, deadline)
-        return GetResp(OK, obj.size, ttl_ms, [self._desc(r) for r in obj.replicas], grant_id, obj.version)
+        self._extend_lease(slot, deadline)
+        grant_id = self.grants.grant(t.grants_of(slot), deadline)
+        sid = t.seg[slot]
+        if sid != NO_SEG:  # one replica, the common case
+            replicas = [ReplicaDesc(self.segments.segments[t.seg_name(sid)].info, t.offset[slot], t.size[slot])]
+        else:
+            replicas = [self._desc(r) for r in t.more[slot]]
+        return GetResp(OK, t.size[slot], ttl_ms, replicas, grant_id, t.version[slot])
 
     def exist_key(self, key: str) -> Resp:
         return Resp(self._exists(key, self._lease_terms()[1]))
@@ -382,10 +395,10 @@ class MasterService(Eviction, Restore, LeaseHandlers):
 
     def _exists(self, key: str, deadline: float) -> int:
         """OK (its lease extended to ``deadline``) or OBJECT_NOT_FOUND."""
-        obj = self.objects.get(key)
-        if obj is None or not obj.visible:
+        slot = self.objects.visible_slot(key)
+        if slot < 0:
             return ErrorCode.OBJECT_NOT_FOUND
-        self._extend_lease(obj, deadline)
+        self._extend_lease(slot, deadline)
         return OK
 
     def _lease_terms(self) -> tuple[int, float]:
@@ -393,11 +406,12 @@ class MasterService(Eviction, Restore, LeaseHandlers):
         ttl_ms = self.config.default_kv_lease_ttl_ms
         return ttl_ms, self.clock() + ttl_ms / 1000
 
-    def _extend_lease(self, obj: ObjectMeta, deadline: float) -> None:
-        """Extend ``obj``'s read lease to ``deadline`` (never shorten it)."""
-        if deadline > obj.lease_deadline:
-            obj.lease_deadline = deadline
-            self.queue.touch(obj)
+    def _extend_lease(self, slot: int, deadline: float) -> None:
+        """Extend the read lease of the record in ``slot`` to ``deadline`` (never shorten it)."""
+        lease = self.objects.lease
+        if deadline > lease[slot]:
+            lease[slot] = deadline
+            self.queue.touch(slot)
         self.counters["leases_granted"] += 1
 
     def _desc(self, r: Replica) -> ReplicaDesc:

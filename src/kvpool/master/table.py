@@ -68,6 +68,26 @@ class ObjectTable:
         slot = self.slots.get(key)
         return None if slot is None else ObjectMeta(self, slot, key)
 
+    def visible_slot(self, key: str) -> int:
+        """The slot of ``key`` when it is visible (has COMPLETE replicas), else -1: the
+        read path's lookup, with no view made."""
+        slot = self.slots.get(key, -1)
+        return slot if slot >= 0 and self.is_visible(slot) else -1
+
+    def is_visible(self, slot: int) -> bool:
+        return self.seg[slot] != NO_SEG or slot in self.more
+
+    def seg_name(self, sid: int) -> str:
+        """The segment name of id ``sid`` (:meth:`seg_id`)."""
+        return self._seg_names[sid]
+
+    def grants_of(self, slot: int) -> Grants:
+        """The read grants of ``slot``'s current version (made on first use)."""
+        g = self.grants.get(slot)
+        if g is None:
+            g = self.grants[slot] = Grants(slot=slot)
+        return g
+
     def __getitem__(self, key: str) -> "ObjectMeta":
         return ObjectMeta(self, self.slots[key], key)
 
@@ -260,7 +280,7 @@ class ObjectMeta:
 
     @property
     def visible(self) -> bool:
-        return self._t.seg[self.slot] != NO_SEG or self.slot in self._t.more
+        return self._t.is_visible(self.slot)
 
     @property
     def pending(self) -> PendingPut | None:
@@ -312,10 +332,7 @@ class ObjectMeta:
 
     @property
     def grants(self) -> Grants:
-        g = self._t.grants.get(self.slot)
-        if g is None:
-            g = self._t.grants[self.slot] = Grants(slot=self.slot)
-        return g
+        return self._t.grants_of(self.slot)
 
     @grants.setter
     def grants(self, value: Grants) -> None:

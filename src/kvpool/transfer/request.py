@@ -141,7 +141,7 @@ class Transport:
     rank = 100
     lanes = 1
     slice_bytes = 4 << 20
-    in_place = False  # a copy in this process's memory (then read_many too): batching saves nothing per value
+    in_place = False  # a copy in this process's memory (read_many, write_many): batching saves nothing per value
 
     def can_reach(self, segment: SegmentInfo) -> bool:
         raise NotImplementedError
@@ -178,6 +178,13 @@ class Transport:
         (all destinations then undefined; why: noted on ``cancel`` when given). Only
         ``in_place`` transports have it (a batch get's values in this host's memory:
         a loop of memcpys and one epoch check, no request objects)."""
+        raise NotImplementedError
+
+    def write_many(self, segment: SegmentInfo, ranges: list[tuple[int, memoryview]], deadline: float,
+                   cancel: "Cancel | None" = None) -> bool:
+        """Copy each (offset, source view) range into ``segment``, in this thread; True
+        when every write landed under the grant's epoch (why not: noted on ``cancel``).
+        Only ``in_place`` transports have it (a batch put's values in this host's memory)."""
         raise NotImplementedError
 
     def write_from(self, segment: SegmentInfo, offset: int, src: memoryview, deadline: float,

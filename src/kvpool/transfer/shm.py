@@ -120,56 +120,51 @@ class _MemoryTransport(Transport):
         out = bytes(found[0][offset : offset + length])
         return out if _kept(segment, found[1], cancel) else None
 
-    def _in_range(self, segment: SegmentInfo, offset: int, length: int, cancel: Cancel | None):
-        """:meth:`_found` for ``length`` bytes at ``offset``; None (noted) when the range
-        lies outside the segment."""
-        if offset < 0 or offset + length > segment.size:
-            if cancel is not None:
-                cancel.note(f"range {offset}+{length} outside segment {segment.name}")
-            return None
-        return self._found(segment, cancel)
-
-    def read_into(self, segment: SegmentInfo, offset: int, dst: memoryview, deadline: float,
-                  cancel: Cancel | None = None) -> bool:
-        """One memcpy, then the epoch check (a single get's copy: no request, no batch)."""
-        found = self._in_range(segment, offset, len(dst), cancel)
-        if found is None:
-            return False
-        dst[:] = found[0][offset : offset + len(dst)]
-        return _kept(segment, found[1], cancel)
-
     def read_many(self, segment: SegmentInfo, ranges: list[tuple[int, memoryview]], deadline: float,
                   cancel: Cancel | None = None) -> bool:
         """One memcpy per range, then one epoch check for them all (a batch get's
         values on one segment: no request objects, no batch)."""
         found = self._found(segment, cancel)
-        if found is None:
+        if found is None or not self._all_in(segment, ranges, cancel):
             return False
-        view, size = found[0], segment.size
+        view = found[0]
         for offset, dst in ranges:
-            end = offset + len(dst)
-            if offset < 0 or end > size:
-                if cancel is not None:
-                    cancel.note(f"range {offset}+{len(dst)} outside segment {segment.name}")
-                return False
-            dst[:] = view[offset:end]
+            dst[:] = view[offset : offset + len(dst)]
         return _kept(segment, found[1], cancel)
 
     def write_from(self, segment: SegmentInfo, offset: int, src: memoryview, deadline: float,
                    cancel: Cancel | None = None) -> bool:
         """One memcpy under the grant's epoch (a single put's copy: no request, no batch)."""
-        found = self._in_range(segment, offset, len(src), cancel) if src else None
-        if found is None:
+        return bool(src) and self.write_many(segment, [(offset, src)], deadline, cancel)
+
+    def write_many(self, segment: SegmentInfo, ranges: list[tuple[int, memoryview]], deadline: float,
+                   cancel: Cancel | None = None) -> bool:
+        """One memcpy per (offset, source) range, all under one hold of the grant's
+        epoch (a batch put's values on one segment: no request objects, no batch);
+        nothing is written when a range lies outside the segment."""
+        found = self._found(segment, cancel)
+        if found is None or not self._all_in(segment, ranges, cancel):
             return False
         view, word, before_write = found
         with word.writing(segment.epoch, deadline) as allowed:
             if allowed:
-                if before_write is not None:
-                    before_write(offset, len(src))
-                view[offset : offset + len(src)] = src
+                for offset, src in ranges:
+                    if before_write is not None:
+                        before_write(offset, len(src))
+                    view[offset : offset + len(src)] = src
         if not allowed and cancel is not None:
             cancel.note(_stale(segment))
         return allowed
+
+    @staticmethod
+    def _all_in(segment: SegmentInfo, ranges: list[tuple[int, memoryview]], cancel: Cancel | None) -> bool:
+        """Whether every (offset, view) range lies inside ``segment`` (else noted)."""
+        for offset, buf in ranges:
+            if offset < 0 or offset + len(buf) > segment.size:
+                if cancel is not None:
+                    cancel.note(f"range {offset}+{len(buf)} outside segment {segment.name}")
+                return False
+        return True
 
     def value_view(self, segment: SegmentInfo, offset: int, length: int):
         found = self._find(segment)

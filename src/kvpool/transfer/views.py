@@ -6,9 +6,17 @@ from __future__ import annotations
 from kvpool.errors import InvalidParams
 
 
+_TENSOR_TYPES: dict[type, bool] = {}  # type -> whether its objects are torch tensors
+
+
 def is_torch_tensor(obj) -> bool:
-    """Whether ``obj`` is a torch tensor (checked without importing torch)."""
-    return type(obj).__module__.startswith("torch") and hasattr(obj, "data_ptr")
+    """Whether ``obj`` is a torch tensor (checked without importing torch; the answer
+    is kept per type: a batch asks once per value)."""
+    kind = type(obj)
+    found = _TENSOR_TYPES.get(kind)
+    if found is None:
+        found = _TENSOR_TYPES[kind] = kind.__module__.startswith("torch") and hasattr(kind, "data_ptr")
+    return found
 
 
 def tensor_byte_view(tensor) -> memoryview:
