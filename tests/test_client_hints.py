@@ -6,6 +6,9 @@ crafted replies."""
 from __future__ import annotations
 
 import contextlib
+import os
+import signal
+import time
 
 import numpy as np
 import pytest
@@ -143,3 +146,26 @@ def test_work_done_during_a_call_that_raises_leaves_the_channel_usable(cluster):
     assert isinstance(chan.call(P.Ping()), P.Resp)  # a new connection; no reply left unread
     assert chan.call(P.Ping(), during=lambda: ran.append(2)) is not None and ran == [1, 2]
     chan.close()
+
+
+def test_a_hint_to_a_node_that_stopped_answering_costs_a_bounded_wait_not_the_timeout():
+    # the node is SIGSTOPped: its port still accepts, nothing answers; the master drops
+    # its segment after --client-ttl. A get must not wait the client's whole timeout on
+    # the hinted copy before reading the master's answer (the key is gone with the node)
+    with Cluster(segment_size="64MiB", num_nodes=2, extra_master_args=["--client-ttl", "1"]) as cluster:
+        with Client(cluster.master_addr, force_tcp=True, timeout_s=30) as client:
+            client.put("k", value(1))
+            client.get("k")
+            handle = client.query("k")
+            client.release([handle])
+            name = handle.replicas[0].segment.name
+            [victim] = [c for c in cluster.node_children if name in str(c.info)]
+            os.kill(victim.proc.pid, signal.SIGSTOP)
+            try:
+                wait_for(lambda: len(client.stats().segments) == 1, 20, "the stopped node's segment dropped")
+                started = time.monotonic()
+                with pytest.raises(ObjectNotFound):
+                    client.get("k")
+                assert time.monotonic() - started < 10, "the hinted copy waited for the client's timeout"
+            finally:
+                os.kill(victim.proc.pid, signal.SIGCONT)

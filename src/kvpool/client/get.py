@@ -13,6 +13,7 @@ from typing import Sequence
 
 from kvpool import protocol as P
 from kvpool.client.grants import ReadHandle
+from kvpool.client.hints import copy_timeout
 from kvpool.client.keys import check_key
 from kvpool.errors import BufferOverflow, ErrorCode, InvalidParams, LeaseExpired, TransferFailed, code_name, code_of, raise_for
 from kvpool.transfer import as_byte_view
@@ -226,7 +227,7 @@ class GetPath:
         kept only if the answer confirms it (:mod:`kvpool.client.hints`)."""
         def copy(transport: Transport, replica: P.ReplicaDesc, size: int):
             return transport.read_bytes(replica.segment, replica.offset, size,
-                                        time.monotonic() + self.timeout_s, Cancel())
+                                        time.monotonic() + copy_timeout(size, self.timeout_s), Cancel())
 
         handle, value = self._query_hinted(key, copy)
         return self.read(handle) if value is None else value
@@ -240,7 +241,8 @@ class GetPath:
         dst = _destination(buf)
 
         def copy(transport: Transport, replica: P.ReplicaDesc, size: int) -> bool:
-            return size <= len(dst) and self.engine.read_into(transport, replica.segment, replica.offset, dst[:size])
+            return size <= len(dst) and self.engine.read_into(transport, replica.segment, replica.offset, dst[:size],
+                                                              copy_timeout(size, self.timeout_s))
 
         handle, copied = self._query_hinted(key, copy)
         if not copied:

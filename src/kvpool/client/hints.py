@@ -24,6 +24,9 @@ When a copy made from a hint counts (the argument, in full):
   hint. The destination then held other bytes meanwhile (get_into's buffer content is
   undefined when a get fails, as in Mooncake).
 
+A copy from a hint over the network is bounded by :func:`copy_timeout`, so a node that
+stopped answering costs a get a fraction of a second, not the client's timeout.
+
 Memory is bounded: at most :data:`HINTS_KEPT` keys (oldest dropped first), about 260
 bytes each beyond the key string (4 MiB in all; replicas share one SegmentInfo per mount).
 """
@@ -35,7 +38,18 @@ import threading
 from kvpool import protocol as P
 
 HINTS_KEPT = 16384  # keys whose last replica list is remembered
+# a copy from a hint over the network gives up after a base time plus its bytes at this
+# rate: a node that stopped answering (its replicas since dropped by the master) costs a
+# get that long, not the whole transfer timeout, before the answer's replicas are read
+HINT_COPY_BASE_S = 0.1
+HINT_COPY_MIN_BPS = 100e6
 SEGMENTS_KEPT = 4096  # segment mounts their replicas name (then the memory starts afresh)
+
+
+def copy_timeout(size: int, timeout_s: float) -> float:
+    """Seconds a copy of ``size`` bytes from a hint may take: :data:`HINT_COPY_BASE_S`
+    plus the bytes at :data:`HINT_COPY_MIN_BPS`, at most ``timeout_s`` (the client's)."""
+    return min(timeout_s, HINT_COPY_BASE_S + size / HINT_COPY_MIN_BPS)
 
 
 class Hint:
