@@ -34,7 +34,6 @@ import os
 import secrets
 import threading
 import time
-from collections import Counter
 from typing import Sequence
 
 from kvpool import protocol as P
@@ -78,6 +77,9 @@ class Client(ReadGrants, PutPath, GetPath):
 
     Raises RpcFailed at construction when the master cannot be reached.
 
+    ``hint_counts``: copies made from location hints ("confirmed", "missed"; see
+    :mod:`kvpool.client.hints`), a Counter.
+
     The put methods are in :class:`~kvpool.client.put.PutPath`, the get methods in
     :class:`~kvpool.client.get.GetPath`, read-grant bookkeeping in
     :class:`~kvpool.client.grants.ReadGrants`; this class holds the connections and the
@@ -105,7 +107,7 @@ class Client(ReadGrants, PutPath, GetPath):
         self._flusher: threading.Thread | None = None
         self._closing = False
         self.hints = LocationHints()  # where keys read before were (kvpool.client.hints)
-        self.hint_counts: Counter[str] = Counter()  # copies from a hint: "confirmed", "missed"
+        self.hint_counts = self.hints.counts  # copies from a hint: "confirmed", "missed"
         self.segment: SegmentHost | None = None
         if alloc_leases is None:
             alloc_leases = os.environ.get("KVPOOL_ALLOC_LEASES", "1") != "0"

@@ -59,12 +59,12 @@ class GetPath:
         reply = self._call(P.GetReplicaList(key), during=during)
         handle = self._granted(key, reply, sent)
         if copied and copied[0] and hint.confirmed_by(reply):
-            self.hint_counts["confirmed"] += 1
+            self.hints.count("confirmed")
             self.release([handle])
             handle.check_lease()
             return handle, copied[0]
         if copied:
-            self.hint_counts["missed"] += 1
+            self.hints.count("missed")
         ranked = self._ranked(reply.replicas)
         if ranked:
             self.hints.note(key, ranked[0][0], reply)

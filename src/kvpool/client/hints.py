@@ -34,6 +34,7 @@ bytes each beyond the key string (4 MiB in all; replicas share one SegmentInfo p
 from __future__ import annotations
 
 import threading
+from collections import Counter
 
 from kvpool import protocol as P
 
@@ -73,6 +74,7 @@ class LocationHints:
 
     def __init__(self, kept: int = HINTS_KEPT):
         self.kept = kept
+        self.counts: Counter[str] = Counter()  # copies from a hint: "confirmed", "missed"
         self._hints: dict[str, Hint] = {}
         self._segments: dict[P.SegmentInfo, P.SegmentInfo] = {}
         self._lock = threading.Lock()
@@ -95,6 +97,11 @@ class LocationHints:
                 del self._hints[next(iter(self._hints))]
             self._hints[key] = Hint(P.ReplicaDesc(segment, replica.offset, replica.length),
                                     reply.size, reply.version)
+
+    def count(self, outcome: str) -> None:
+        """Count a copy from a hint: ``outcome`` "confirmed" or "missed"."""
+        with self._lock:
+            self.counts[outcome] += 1
 
     def forget(self, key: str) -> None:
         with self._lock:
