@@ -26,6 +26,9 @@ IOV_MAX = 1024  # buffers per sendmsg/recvmsg_into call (Linux UIO_MAXIOV)
 # stalls); 64 KiB calls cost more in calls than they gain (1.7), 4 MiB ones 4.2.
 CALL_BYTES = 1 << 20
 YIELD_AFTER_S = 20e-6  # a poll idle this long yields the core between its calls
+# a receive polls at most this long in all, then blocks: a peer that trickles its bytes
+# (each one restarting the idle clock) cannot keep a data server's thread spinning
+POLL_TOTAL_S = 0.005
 POLL_S = 0.2  # seconds a single blocking call may wait before the deadline is checked
 _WAITALL = getattr(socket, "MSG_WAITALL", 0)
 _DONTWAIT = getattr(socket, "MSG_DONTWAIT", 0)
@@ -138,8 +141,9 @@ def recv_views(sock: socket.socket, views: list[memoryview], deadline: float | N
 def _poll_into(sock: socket.socket, pending: list[memoryview], poll_s: float,
                deadline: float | None) -> list[memoryview]:
     """Receive into ``pending`` with non-blocking calls, yielding the core when nothing
-    is there, until every view is full or ``poll_s`` seconds pass without a byte;
-    returns the views still to fill (the caller blocks for them).
+    is there, until every view is full or ``poll_s`` seconds pass without a byte (or
+    :data:`POLL_TOTAL_S` in all); returns the views still to fill (the caller blocks for
+    them).
 
     Why: a receiver blocked in recv is woken for each burst of a payload as it arrives;
     on the 2-vCPU VM of docs/bench.md each wake-up costs some 30 us (an inter-processor
@@ -152,12 +156,13 @@ def _poll_into(sock: socket.socket, pending: list[memoryview], poll_s: float,
         rest = _poll_one(sock, pending[0], poll_s, deadline)
         return [rest] if rest else []
     receive = _receiver(sock, _DONTWAIT)
-    last = time.monotonic()
+    last = start = time.monotonic()
     while pending:
         try:
             n = receive(pending)
         except (BlockingIOError, InterruptedError):
-            if time.monotonic() - last > poll_s:
+            now = time.monotonic()
+            if now - last > poll_s or now - start > POLL_TOTAL_S:
                 break
             _check(deadline, "receive")
             os.sched_yield()  # the sender may be waiting for this core
@@ -169,13 +174,14 @@ def _poll_into(sock: socket.socket, pending: list[memoryview], poll_s: float,
 
 def _poll_one(sock: socket.socket, view: memoryview, poll_s: float, deadline: float | None) -> memoryview:
     """:func:`_poll_into` of one view; returns the part still to fill."""
-    last = time.monotonic()
+    last = start = time.monotonic()
     while view:
         try:
             n = sock.recv_into(view, len(view), _DONTWAIT)
         except (BlockingIOError, InterruptedError):
-            idle = time.monotonic() - last
-            if idle > poll_s:
+            now = time.monotonic()
+            idle = now - last
+            if idle > poll_s or now - start > POLL_TOTAL_S:
                 break
             if idle > YIELD_AFTER_S:  # not between two bursts: let a waiting sender run
                 _check(deadline, "receive")
