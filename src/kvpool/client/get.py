@@ -330,7 +330,7 @@ class GetPath:
             pending = [i for i in pending if not done[i] and attempt < len(options[i])]
         return done
 
-    def _read_in_place(self, items: list[int], options: dict, frags: dict) -> dict[int, bool]:
+    def _read_in_place(self, items: set[int], options: dict, frags: dict) -> dict[int, bool]:
         """:meth:`_read_all` of ``items``, each one whole value whose cheapest replica
         is in this host's memory: one :meth:`Transport.read_many` per segment (all its
         items kept or none); {index: copied}."""
