@@ -210,8 +210,9 @@ class MasterService(Eviction, Restore, LeaseHandlers):
         INVALID_PARAMS (bad key), OBJECT_ALREADY_EXISTS (visible and not ``upsert``, or
         another put in flight), REPLICA_IS_NOT_READY (an upsert while a put is in
         flight), else OK, having taken over a put in flight past the discard timeout."""
-        if self._key_code(key) != OK:
-            return ErrorCode.INVALID_PARAMS
+        code = self._key_code(key)
+        if code != OK:
+            return code
         obj = self.objects.get(key)
         if obj is not None:
             if obj.visible and not upsert:
@@ -381,7 +382,7 @@ class MasterService(Eviction, Restore, LeaseHandlers):
         grant_id = self.grants.grant(t.grants_of(slot), deadline)
         sid = t.seg[slot]
         if sid != NO_SEG:  # one replica, the common case
-            replicas = [ReplicaDesc(self.segments.segments[t.seg_name(sid)].info, t.offset[slot], t.size[slot])]
+            replicas = [self._desc_at(t.seg_name(sid), t.offset[slot], t.size[slot])]
         else:
             replicas = [self._desc(r) for r in t.more[slot]]
         return GetResp(OK, t.size[slot], ttl_ms, replicas, grant_id, t.version[slot])
@@ -415,7 +416,11 @@ class MasterService(Eviction, Restore, LeaseHandlers):
         self.counters["leases_granted"] += 1
 
     def _desc(self, r: Replica) -> ReplicaDesc:
-        return ReplicaDesc(self.segments.segments[r.segment].info, r.offset, r.length)
+        return self._desc_at(r.segment, r.offset, r.length)
+
+    def _desc_at(self, segment: str, offset: int, length: int) -> ReplicaDesc:
+        """What a client is told of ``length`` bytes at ``offset`` of ``segment``."""
+        return ReplicaDesc(self.segments.segments[segment].info, offset, length)
 
     # ------------------------------------------------------------ removal, pins
 

@@ -140,21 +140,17 @@ def recv_views(sock: socket.socket, views: list[memoryview], deadline: float | N
 
 def _poll_into(sock: socket.socket, pending: list[memoryview], poll_s: float,
                deadline: float | None) -> list[memoryview]:
-    """Receive into ``pending`` with non-blocking calls, yielding the core when nothing
-    is there, until every view is full or ``poll_s`` seconds pass without a byte (or
-    :data:`POLL_TOTAL_S` in all); returns the views still to fill (the caller blocks for
-    them).
+    """Receive into ``pending`` with non-blocking calls until every view is full or
+    ``poll_s`` seconds pass without a byte (or :data:`POLL_TOTAL_S` in all); returns the
+    views still to fill (the caller blocks for them). Between bursts it spins; once idle
+    for :data:`YIELD_AFTER_S` it yields the core between calls (the sender may be
+    waiting for it).
 
     Why: a receiver blocked in recv is woken for each burst of a payload as it arrives;
     on the 2-vCPU VM of docs/bench.md each wake-up costs some 30 us (an inter-processor
     interrupt through the hypervisor): 1 MiB read from a data server took 452 us
-    blocked, 325 polled through the generic loop below, 290 polled by the bare loop of
-    one view (a Python step per burst counts). Raises TimeoutError past ``deadline``,
-    ConnectionError on EOF.
+    blocked, 290-330 polled. Raises TimeoutError past ``deadline``, ConnectionError on EOF.
     """
-    if len(pending) == 1:
-        rest = _poll_one(sock, pending[0], poll_s, deadline)
-        return [rest] if rest else []
     receive = _receiver(sock, _DONTWAIT)
     last = start = time.monotonic()
     while pending:
@@ -162,36 +158,16 @@ def _poll_into(sock: socket.socket, pending: list[memoryview], poll_s: float,
             n = receive(pending)
         except (BlockingIOError, InterruptedError):
             now = time.monotonic()
-            if now - last > poll_s or now - start > POLL_TOTAL_S:
+            idle = now - last
+            if idle > poll_s or now - start > POLL_TOTAL_S:
                 break
-            _check(deadline, "receive")
-            os.sched_yield()  # the sender may be waiting for this core
+            if idle > YIELD_AFTER_S:
+                _check(deadline, "receive")
+                os.sched_yield()
             continue
         pending = _advance(pending, n)
         last = time.monotonic()
     return pending
-
-
-def _poll_one(sock: socket.socket, view: memoryview, poll_s: float, deadline: float | None) -> memoryview:
-    """:func:`_poll_into` of one view; returns the part still to fill."""
-    last = start = time.monotonic()
-    while view:
-        try:
-            n = sock.recv_into(view, len(view), _DONTWAIT)
-        except (BlockingIOError, InterruptedError):
-            now = time.monotonic()
-            idle = now - last
-            if idle > poll_s or now - start > POLL_TOTAL_S:
-                break
-            if idle > YIELD_AFTER_S:  # not between two bursts: let a waiting sender run
-                _check(deadline, "receive")
-                os.sched_yield()
-            continue
-        if n == 0:
-            raise ConnectionError("peer closed the connection mid-transfer")
-        view = view[n:]
-        last = time.monotonic()
-    return view
 
 
 def recv_bytes(sock: socket.socket, length: int, deadline: float | None = None) -> bytes:

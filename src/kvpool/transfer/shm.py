@@ -20,7 +20,7 @@ import threading
 
 from kvpool.protocol import SegmentInfo
 from kvpool.transfer import local_host_id
-from kvpool.transfer.epoch import NO_EPOCH, SHM_DIR, EpochWord
+from kvpool.transfer.epoch import SHM_DIR, EpochWord
 from kvpool.transfer.request import Cancel, Op, Transport, TransferRequest
 
 # shm name -> (writable view, epoch word, before_write or None) of a segment hosted here
@@ -45,21 +45,6 @@ def _stale(segment: SegmentInfo) -> str:
             f"stale): the grant came from an earlier mount or master incarnation")
 
 
-def _run(requests: list[TransferRequest], segment: memoryview, word: EpochWord, deadline: float,
-         cancel: Cancel, before_write=None) -> list[bool]:
-    """Copy ``requests`` (one segment) under their grant's epoch: writes only while it is
-    current (holding the segment's writer lock), reads kept only if it still is after."""
-    info = requests[0].segment
-    writes = any(r.op == Op.WRITE for r in requests)
-    with word.writing(info.epoch if writes else NO_EPOCH, deadline) as allowed:
-        if allowed:
-            _copy(requests, segment, before_write)
-    if not allowed:
-        cancel.note(_stale(info))
-        return [False] * len(requests)
-    return [_kept(info, word, cancel)] * len(requests)
-
-
 def _kept(segment: SegmentInfo, word: EpochWord, cancel: Cancel | None) -> bool:
     """Whether bytes just copied out of ``segment`` under its grant may be kept: its
     mount epoch is still the grant's (else the reason is noted on ``cancel``)."""
@@ -70,27 +55,15 @@ def _kept(segment: SegmentInfo, word: EpochWord, cancel: Cancel | None) -> bool:
     return False
 
 
-def _copy(requests: list[TransferRequest], segment: memoryview, before_write=None) -> None:
-    """Do each request's memcpy; ``before_write(offset, length)`` runs before a WRITE."""
-    for r in requests:
-        if before_write is not None and r.op == Op.WRITE:
-            before_write(r.remote_offset, r.length)
-        remote = segment[r.remote_offset : r.remote_offset + r.length]
-        if r.op == Op.READ:
-            r.local[r.local_offset : r.local_offset + r.length] = remote
-        else:
-            remote[:] = r.local[r.local_offset : r.local_offset + r.length]
-
-
 class _MemoryTransport(Transport):
     """A same-host transport: each segment is a byte view found by its shm name, copied
-    under its epoch word (:func:`_run`)."""
+    under its epoch word (:meth:`write_many`, :meth:`read_many`)."""
 
     in_place = True
 
     def _find(self, segment: SegmentInfo) -> tuple[memoryview, EpochWord, object] | None:
-        """(view of the segment, its epoch word, ``before_write`` of :func:`_copy` or
-        None), or None."""
+        """(view of the segment, its epoch word, ``before_write(offset, length)`` run
+        before each write, or None), or None."""
         raise NotImplementedError
 
     def _missing(self, segment: SegmentInfo) -> str:
@@ -98,12 +71,14 @@ class _MemoryTransport(Transport):
         raise NotImplementedError
 
     def run(self, requests: list[TransferRequest], deadline: float, cancel: Cancel) -> list[bool]:
-        found = self._find(requests[0].segment)
-        if found is None:  # unmounted or unmapped meanwhile
-            cancel.note(self._missing(requests[0].segment))
-            return [False] * len(requests)
-        view, word, before_write = found
-        return _run(requests, view, word, deadline, cancel, before_write)
+        """The writes under one hold of the grant's epoch (:meth:`write_many`), then the
+        reads, kept only if the epoch is still the grant's (:meth:`read_many`)."""
+        segment = requests[0].segment
+        writes = [(r.remote_offset, r.local_view()) for r in requests if r.op == Op.WRITE]
+        reads = [(r.remote_offset, r.local_view()) for r in requests if r.op == Op.READ]
+        ok_w = self.write_many(segment, writes, deadline, cancel) if writes else True
+        ok_r = self.read_many(segment, reads, deadline, cancel) if reads else True
+        return [ok_w if r.op == Op.WRITE else ok_r for r in requests]
 
     def _found(self, segment: SegmentInfo, cancel: Cancel | None):
         """:meth:`_find`, noting on ``cancel`` why there is no view."""
