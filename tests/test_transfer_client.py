@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 
 from kvpool.client import Client
+from kvpool.client.pipeline import spans
 from kvpool.errors import BufferOverflow, ErrorCode, InvalidParams
 from kvpool.rpc import RpcChannel
 from proc_helpers import in_threads
@@ -126,7 +127,10 @@ def test_tcp_get_of_a_large_value_is_exact(module_cluster):
 
 
 @pytest.mark.parametrize("leases", [True, False])
-def test_a_batch_costs_one_rpc_per_step(module_cluster, monkeypatch, leases):
+def test_a_batch_costs_one_rpc_per_step_and_chunk(module_cluster, monkeypatch, leases):
+    """A lease's batch put: one PutCommit per pipelined chunk (the PutStart way: one
+    BatchPutStart and one BatchPutEnd); a batch get: one BatchGetReplicaList per chunk
+    (:mod:`kvpool.client.pipeline`)."""
     sent = []
     real_call = RpcChannel.call
 
@@ -140,15 +144,16 @@ def test_a_batch_costs_one_rpc_per_step(module_cluster, monkeypatch, leases):
     with Client(module_cluster.master_addr, force_tcp=True, alloc_leases=leases) as c:
         sent.clear()
         assert c.batch_put_from(keys[:64], pages[:64], [4096] * 64) == [ErrorCode.OK] * 64
-        assert sent == (["AllocLease", "PutCommit"] if leases else ["BatchPutStart", "BatchPutEnd"])
+        commits = ["PutCommit"] * len(spans(64, 4096))
+        assert sent == (["AllocLease", *commits] if leases else ["BatchPutStart", "BatchPutEnd"])
         sent.clear()
         assert c.batch_put_from(keys[64:], pages[64:], [4096] * 64) == [ErrorCode.OK] * 64
-        assert sent == (["PutCommit"] if leases else ["BatchPutStart", "BatchPutEnd"])  # the same lease
+        assert sent == (commits if leases else ["BatchPutStart", "BatchPutEnd"])  # the same lease
         sent.clear()
         dsts = [np.empty(4096, np.uint8) for _ in keys]
         assert c.batch_get_into(keys, dsts) == [4096] * 128
         assert c.batch_get(keys[:64]) == [p.tobytes() for p in pages[:64]]
-        assert sent == ["BatchGetReplicaList", "BatchGetReplicaList"]
+        assert sent == ["BatchGetReplicaList"] * (len(spans(128, 4096)) + len(spans(64, 0)))
         assert all(np.array_equal(d, p) for d, p in zip(dsts, pages))
         c.batch_remove(keys, force=True)
 

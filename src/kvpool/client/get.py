@@ -12,6 +12,7 @@ import time
 from typing import Sequence
 
 from kvpool import protocol as P
+from kvpool.client import pipeline
 from kvpool.client.grants import ReadHandle
 from kvpool.client.hints import copy_timeout
 from kvpool.client.keys import check_key
@@ -74,13 +75,44 @@ class GetPath:
         """:meth:`query` for many keys in one RPC: a ReadHandle or an ErrorCode per key."""
         for key in keys:
             check_key(key)
+        return self._batch_query(keys)
+
+    def _batch_query(self, keys: Sequence[str], during=None) -> list[ReadHandle | ErrorCode]:
+        """:meth:`batch_query` of checked ``keys``; ``during`` runs while the master
+        answers (:meth:`~kvpool.rpc.RpcChannel.call`)."""
         sent = time.monotonic()
-        replies = self._call(P.BatchGetReplicaList(list(keys))).results
+        replies = self._call(P.BatchGetReplicaList(list(keys)), during=during).results
         return [
             ReadHandle(k, r.size, r.replicas, sent + r.lease_ttl_ms / 1000, r.grant_id) if r.code == ErrorCode.OK
             else code_of(r.code)
             for k, r in zip(keys, replies)
         ]
+
+    def _pipelined(self, keys: Sequence[str], item_bytes: int, read) -> None:
+        """Query ``keys`` chunk by chunk (:mod:`kvpool.client.pipeline`), calling
+        ``read(start, handles)`` for each chunk (``start``: the index of its first key;
+        a ReadHandle or an ErrorCode per key) while the master answers the next chunk's
+        query. Raises InvalidParams (a bad key) before any RPC."""
+        for key in keys:
+            check_key(key)
+        if not keys:
+            return
+        chunks = pipeline.spans(len(keys), item_bytes)
+        handles = self._batch_query(keys[chunks[0][0]:chunks[0][1]])
+        for k, (start, _) in enumerate(chunks):
+            ran: list[bool] = []
+
+            def this_chunk(start=start, handles=handles, ran=ran) -> None:
+                ran.append(True)
+                read(start, handles)
+
+            if k + 1 == len(chunks):
+                this_chunk()
+                return
+            nxt_start, nxt_end = chunks[k + 1]
+            handles = self._batch_query(keys[nxt_start:nxt_end], during=this_chunk)
+            if not ran:  # the connection broke before the overlap ran; the retry only asked
+                this_chunk()
 
     def get_size(self, key: str) -> int:
         """Size of the value in bytes (grants a read lease). Raises ObjectNotFound."""
@@ -134,7 +166,10 @@ class GetPath:
         afterwards (a spent one is LEASE_EXPIRED here, nothing copied)."""
         if len(handles) != len(bufs):
             raise InvalidParams("need as many buffers as handles")
-        dsts = [_destination(buf) for buf in bufs]
+        return self._read_handles(handles, [_destination(buf) for buf in bufs], bufs)
+
+    def _read_handles(self, handles: Sequence[ReadHandle], dsts: Sequence[memoryview], bufs: Sequence) -> list[int]:
+        """:meth:`batch_read_into` into the writable byte views ``dsts`` of ``bufs``."""
         fresh = self._begin(handles)
         try:
             out, jobs = [], []
@@ -254,27 +289,45 @@ class GetPath:
     def batch_get(self, keys: Sequence[str]) -> list[bytes | None]:
         """Values of ``keys``; None for a miss (not found, lease expired, transfer failed).
 
-        One RPC for the replica lists; same-host values are one memcpy each, the rest
-        one TCP request per node."""
-        handles = self.batch_query(keys)
-        found = [i for i, h in enumerate(handles) if isinstance(h, ReadHandle)]
-        bufs = [bytearray(handles[i].size) for i in found]
-        out: list[bytes | None] = [None] * len(handles)
-        # bytearray then bytes: two copies, but one exchange per node for the whole batch
-        for i, n, buf in zip(found, self.batch_read_into([handles[i] for i in found], bufs), bufs):
-            out[i] = bytes(buf) if n >= 0 else None
+        Pipelined (:mod:`kvpool.client.pipeline`): the replica lists of the next chunk
+        of keys are asked for while this one is copied; same-host values are one
+        memcpy each, the rest one TCP request per node and chunk."""
+        out: list[bytes | None] = [None] * len(keys)
+
+        def read(start: int, handles: list) -> None:
+            found = [j for j, h in enumerate(handles) if isinstance(h, ReadHandle)]
+            bufs = [bytearray(handles[j].size) for j in found]
+            # bytearray then bytes: two copies, but one exchange per node for the chunk
+            got = self._read_handles([handles[j] for j in found], [memoryview(b) for b in bufs], bufs)
+            for j, n, buf in zip(found, got, bufs):
+                out[start + j] = bytes(buf) if n >= 0 else None
+
+        self._pipelined(keys, 0, read)
         return out
 
     def batch_get_into(self, keys: Sequence[str], bufs: Sequence) -> list[int]:
         """Copy each value into its buffer; per item the size, or a negative ErrorCode
-        (OBJECT_NOT_FOUND, BUFFER_OVERFLOW, LEASE_EXPIRED, TRANSFER_FAIL)."""
+        (OBJECT_NOT_FOUND, BUFFER_OVERFLOW, LEASE_EXPIRED, TRANSFER_FAIL). Pipelined as
+        :meth:`batch_get`. Raises InvalidParams (a bad key or a read-only buffer)
+        before anything is asked or copied."""
         if len(keys) != len(bufs):
             raise InvalidParams("batch_get_into needs as many buffers as keys")
-        handles = self.batch_query(keys)
-        idx = [i for i, h in enumerate(handles) if isinstance(h, ReadHandle)]
-        out = [int(h) if not isinstance(h, ReadHandle) else 0 for h in handles]
-        for i, n in zip(idx, self.batch_read_into([handles[i] for i in idx], [bufs[i] for i in idx])):
-            out[i] = n
+        dsts = [_destination(buf) for buf in bufs]
+        out = [int(ErrorCode.TRANSFER_FAIL)] * len(keys)  # until a chunk's read says otherwise
+
+        def read(start: int, handles: list) -> None:
+            found = []
+            for j, h in enumerate(handles):
+                if isinstance(h, ReadHandle):
+                    found.append(j)
+                else:
+                    out[start + j] = int(h)
+            got = self._read_handles([handles[j] for j in found], [dsts[start + j] for j in found],
+                                     [bufs[start + j] for j in found])
+            for j, n in zip(found, got):
+                out[start + j] = n
+
+        self._pipelined(keys, len(dsts[0]) if dsts else 0, read)
         return out
 
     def _ranked(self, replicas: list[P.ReplicaDesc], routes: dict | None = None) -> list[tuple[P.ReplicaDesc, Transport]]:

@@ -21,6 +21,7 @@ from typing import Sequence
 import msgspec
 
 from kvpool import protocol as P
+from kvpool.client import pipeline
 from kvpool.client.keys import check_key
 from kvpool.client.lease import ClientLease
 from kvpool.errors import ErrorCode, InvalidParams, KVPoolError, TransferFailed, code_name, code_of, raise_for
@@ -90,7 +91,7 @@ class PutPath:
             raise InvalidParams("empty value (Mooncake refuses it: INVALID_PARAMS)")
         item.size = len(src)
         if self._leasable(item):
-            code = self._put_leased([item], [[src]])[0]
+            code = next(iter(self._put_leased([item], [[src]])), None)
             if code == ErrorCode.OK:
                 return 1
             if code is not None:
@@ -152,14 +153,19 @@ class PutPath:
         items = [msgspec.structs.replace(template, key=keys[i], size=sum(map(len, views)))
                  for i, views in zip(sent, srcs)]
         rest = list(range(len(items)))
+        settled: set[int] = set()
         leased = [k for k in rest if self._leasable(items[k])]
-        if leased:
+        while leased:  # lease after lease, as long as the next items find a place
             done = self._put_leased([items[k] for k in leased], [srcs[k] for k in leased])
             for k, code in zip(leased, done):
                 if code is not None:
                     codes[sent[k]] = code
-            settled = {k for k, code in zip(leased, done) if code is not None}
-            rest = [k for k in rest if k not in settled]
+                    settled.add(k)
+            placed = len(done)
+            if not placed:
+                break
+            leased = leased[placed:]
+        rest = [k for k in rest if k not in settled]
         if rest:
             started = self._put_started([items[k] for k in rest], [srcs[k] for k in rest])
             for k, code in zip(rest, started):
@@ -200,29 +206,43 @@ class PutPath:
                 and item.size <= leases.max_value)
 
     def _put_leased(self, items: list[P.PutItem], srcs: list[list[memoryview]]) -> list[ErrorCode | None]:
-        """Place ``items`` in the lease (as many as fit), write them, commit them with
-        one PutCommit. One code per item; None: put it the PutStart way (no room in a
-        lease, the lease refused or unknown to the master, the write failed)."""
+        """Place a prefix of ``items`` in the lease (as many as fit), write them and
+        commit them, pipelined (:mod:`kvpool.client.pipeline`: chunk k is committed
+        while chunk k+1 is written; a commit follows its chunk's writes). One code per
+        placed item (the list is as long as the prefix placed: empty when none was);
+        None: put it the PutStart way (the lease refused or unknown to the master, the
+        write failed)."""
         placed = self._place([item.size for item in items])
-        codes: list[ErrorCode | None] = [None] * len(items)
         if placed is None:
-            return codes
+            return []
         lease, offsets = placed
-        ready: list[int] = []  # placed items written whole
+        codes: list[ErrorCode | None] = [None] * len(offsets)
         try:
-            jobs = []
+            jobs: list[list] = []
             for i, (offset, views) in enumerate(zip(offsets, srcs)):
                 desc = msgspec.structs.replace(lease.region, offset=offset, length=items[i].size)
-                jobs.extend((i, piece, view) for piece, view in _pieces(desc, views))
-            written, _ = self._write_all(jobs)
-            ready = [i for i in range(len(offsets)) if written[i]]
-            if ready:
-                commit = P.PutCommit(self.owner_id, lease.lease_id, [_commit_item(items[i], offsets[i]) for i in ready])
-                for i, code in zip(ready, self._call(commit, idempotent=False).codes):
-                    codes[i] = None if code == ErrorCode.LEASE_EXPIRED else code_of(code)
+                jobs.append([(i, piece, view) for piece, view in _pieces(desc, views)])
+            chunks = pipeline.spans(len(offsets), items[0].size)[::-1]
+            written: dict[int, bool] = {}
+
+            def write(start: int, end: int) -> None:
+                written.update(self._write_all([job for item_jobs in jobs[start:end] for job in item_jobs])[0])
+
+            write(*chunks[0])
+            for k, (start, end) in enumerate(chunks):
+                nxt = chunks[k + 1] if k + 1 < len(chunks) else None
+                ready = [i for i in range(start, end) if written[i]]
+                if ready:
+                    commit = P.PutCommit(self.owner_id, lease.lease_id,
+                                         [_commit_item(items[i], offsets[i]) for i in ready])
+                    overlap = None if nxt is None else (lambda nxt=nxt: write(*nxt))
+                    for i, code in zip(ready, self._call(commit, idempotent=False, during=overlap).codes):
+                        codes[i] = None if code == ErrorCode.LEASE_EXPIRED else code_of(code)
+                if nxt is not None and nxt[0] not in written:  # no commit, or no overlap ran
+                    write(*nxt)
         finally:
             # a failed write (a stale mount epoch?) or an unknown lease: place no more in it
-            self.leases.finish(lease, drop=None in codes[:len(offsets)])
+            self.leases.finish(lease, drop=None in codes)
             self._wake_keeper()
         return codes
 

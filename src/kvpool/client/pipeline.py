@@ -1,0 +1,47 @@
+"""Pipelined batches: a batch cut into chunks, so that the master's work on one chunk
+overlaps this client's copies of another.
+
+A batch get asks for the replica lists of chunk k+1 while it copies chunk k
+(:meth:`~kvpool.rpc.RpcChannel.call` with ``during``); a batch put commits chunk k
+while it writes chunk k+1. Every invariant of the unpipelined batch holds chunk by
+chunk: a commit is sent only after its chunk's bytes are written (invisible until
+complete), each copy is checked against its own grant, and every code is known
+before the call returns. One thing differs: when the master connection breaks during
+a batch put, the chunks committed before stay committed (the call raises; a retry
+finds them as OBJECT_ALREADY_EXISTS), where one commit was applied whole or not at
+all. A get's query is asked again after a broken connection (it is idempotent) and
+the chunk whose copy was to overlap it is copied all the same. The master and the client run on different cores, so
+the master's share of a batch (per key: a lookup or a commit, and its reply) leaves
+the critical path, except for the first query of a get and the last commit of a put.
+Hence the chunk sizes: the exposed chunk is small, the next ones grow fourfold (each
+query or commit then takes no longer than the copies it overlaps), and no chunk
+holds more than a third of the rest, so that the master is never left idle long.
+
+Measured (2-core VM, in-process segment, 128 x 4 KiB): a batch get spends
+5-9 us a key in the query and 4-6 us in the copies when they run one after the other.
+"""
+
+from __future__ import annotations
+
+MIN_KEYS = 32  # fewer keys of small values: one RPC costs about what it would hide
+MIN_BYTES = 2 << 20  # or this many bytes: two 1 MiB copies already hide a round trip
+LARGE_VALUE = 64 << 10  # bytes; one such copy already outlasts a round trip
+FIRST_KEYS = 8  # keys of the exposed chunk of small values
+GROWTH = 4
+
+
+def spans(count: int, item_bytes: int) -> list[tuple[int, int]]:
+    """The chunks of a batch of ``count`` items of about ``item_bytes`` bytes each, as
+    [start, end) index pairs in order, the exposed (first) chunk first. One chunk when
+    pipelining would not pay (fewer than MIN_KEYS items and MIN_BYTES bytes).
+    A put uses them reversed: its exposed chunk is the last one."""
+    if count <= 1 or (count < MIN_KEYS and count * item_bytes < MIN_BYTES):
+        return [(0, count)]
+    first = 1 if item_bytes >= LARGE_VALUE else min(FIRST_KEYS, count)
+    cap = max(first, -(-(count - first) // 3))
+    out, start, size = [], 0, first
+    while start < count:
+        end = min(count, start + size)
+        out.append((start, end))
+        start, size = end, min(cap, size * GROWTH)
+    return out

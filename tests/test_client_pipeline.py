@@ -1,0 +1,179 @@
+"""Pipelined batches (:mod:`kvpool.client.pipeline`): a batch get asks for the next
+chunk's replica lists while it copies this one, a batch put commits a chunk while it
+writes the next. Real master and node processes; every value and every per-item code
+lands where the unpipelined batch put it, and no commit is sent before its bytes."""
+
+from __future__ import annotations
+
+import contextlib
+import socket
+
+import numpy as np
+import pytest
+
+from kvpool import protocol as P
+from kvpool.client import Client
+from kvpool.client.pipeline import GROWTH, MIN_KEYS, spans
+from kvpool.errors import ErrorCode, KVPoolError
+from kvpool.launch import Cluster
+from proc_helpers import wait_for
+
+KINDS = ("tcp", "shm", "local")
+KIB, MIB = 1 << 10, 1 << 20
+
+
+@pytest.mark.parametrize("count,item_bytes", [(2, MIB), (16, MIB), (128, 4 * KIB), (33, 4 * KIB),
+                                              (1000, 100), (200, 64 * KIB)])
+def test_chunks_cover_the_batch_in_order_and_the_exposed_one_is_small(count, item_bytes):
+    chunks = spans(count, item_bytes)
+    assert [i for s, e in chunks for i in range(s, e)] == list(range(count))
+    sizes = [e - s for s, e in chunks]
+    assert len(sizes) > 1 and sizes[0] <= 8
+    assert all(b <= a * GROWTH for a, b in zip(sizes, sizes[1:]))  # a query hides behind the copies before it
+
+
+def test_a_small_batch_is_one_chunk():
+    assert spans(MIN_KEYS - 1, 4 * KIB) == [(0, MIN_KEYS - 1)]
+    assert spans(1, 16 * MIB) == [(0, 1)]
+    assert spans(0, 0) == [(0, 0)]
+
+
+@contextlib.contextmanager
+def setup(kind: str, **client):
+    with Cluster(segment_size="64MiB", num_nodes=0 if kind == "local" else 1) as c:
+        with Client(c.master_addr, force_tcp=kind == "tcp",
+                    global_segment_size=(32 * MIB) if kind == "local" else 0, **client) as cl:
+            yield cl
+
+
+def values(count: int, size: int, seed: int = 0) -> list[np.ndarray]:
+    rng = np.random.default_rng(seed)
+    return [rng.integers(0, 256, size, dtype=np.uint8) for _ in range(count)]
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_a_pipelined_batch_get_puts_every_value_and_every_miss_in_its_place(kind):
+    with setup(kind) as c:
+        keys = [f"k{i}" for i in range(150)]
+        vals = values(150, 4 * KIB)
+        assert c.batch_put(keys, vals) == [ErrorCode.OK] * 150
+        asked = list(keys)
+        for i in (0, 9, 60, 149):  # misses in the first, a middle and the last chunk
+            asked[i] = f"missing{i}"
+        bufs = [np.zeros(4 * KIB, np.uint8) for _ in asked]
+        bufs[100] = np.zeros(100, np.uint8)  # too small, in a later chunk
+        got = c.batch_get_into(asked, bufs)
+        for i, n in enumerate(got):
+            if asked[i].startswith("missing"):
+                assert n == ErrorCode.OBJECT_NOT_FOUND
+            elif i == 100:
+                assert n == ErrorCode.BUFFER_OVERFLOW
+            else:
+                assert n == 4 * KIB and (bufs[i] == vals[i]).all(), i
+        plain = c.batch_get(asked)
+        assert [p is None for p in plain] == [a.startswith("missing") for a in asked]
+        assert all(p == vals[i].tobytes() for i, p in enumerate(plain) if p is not None)
+        # every chunk's grants went back to the master (ReadDone rides on the next
+        # request, or the flusher sends it)
+        wait_for(lambda: c.stats().open_grants == 0, 5)
+
+
+def test_a_pipelined_batch_get_refuses_a_bad_key_before_it_reads_anything():
+    with setup("local") as c:
+        c.batch_put([f"k{i}" for i in range(40)], values(40, KIB))
+        bufs = [np.zeros(KIB, np.uint8) for _ in range(40)]
+        with pytest.raises(Exception, match="key"):
+            c.batch_get_into([f"k{i}" for i in range(39)] + [""], bufs)
+        assert all((b == 0).all() for b in bufs)
+        assert c.stats().open_grants == 0
+
+
+@pytest.mark.parametrize("size,count", [(4 * KIB, 200), (MIB, 6)])
+def test_each_commit_of_a_pipelined_batch_put_follows_the_writes_of_its_items(size, count):
+    """At the moment each PutCommit is sent, every item it names is already whole in
+    the segment (invisible until complete), and the batch took several commits."""
+    with setup("local") as c:
+        keys = [f"p{i}" for i in range(count)]
+        vals = values(count, size, seed=3)
+        expect = dict(zip(keys, vals))
+        commits, call = [], c._call
+
+        def checked(request, *args, **kwargs):
+            if isinstance(request, P.PutCommit):
+                commits.append(len(request.items))
+                for item in request.items:
+                    with c.segment.shm.buf[item.offset:item.offset + item.size] as written:
+                        whole = written == expect[item.key].tobytes()  # no view outlives the check
+                    assert whole, f"{item.key} committed before its bytes were written"
+            return call(request, *args, **kwargs)
+
+        c._call = checked
+        try:
+            codes = c.batch_put(keys, vals)
+        finally:
+            del c._call
+        assert codes == [ErrorCode.OK] * count
+        assert len(commits) > 1 and sum(commits) == count
+        assert commits[-1] <= 8  # the exposed commit is the small one
+        bufs = [np.zeros(size, np.uint8) for _ in keys]
+        assert c.batch_get_into(keys, bufs) == [size] * count
+        assert all((b == v).all() for b, v in zip(bufs, vals))
+
+
+@pytest.mark.parametrize("kind", ("tcp", "shm"))
+def test_a_batch_larger_than_a_lease_goes_lease_after_lease(kind):
+    with setup(kind, lease_bytes=MIB) as c:  # values up to half a lease go through one
+        before = c.stats().counters
+        keys = [f"b{i}" for i in range(48)]
+        vals = values(48, 128 * KIB, seed=5)  # 6 MiB: at least six leases
+        keys[40] = keys[3]  # a duplicate in a later lease (K02): the first one stays
+        codes = c.batch_put(keys, vals)
+        assert codes == [ErrorCode.OK] * 40 + [ErrorCode.OBJECT_ALREADY_EXISTS] + [ErrorCode.OK] * 7
+        after = c.stats().counters
+        assert after.get("leases_granted_alloc", 0) - before.get("leases_granted_alloc", 0) >= 6
+        assert after.get("put_start", 0) == before.get("put_start", 0)  # none went the PutStart way
+        bufs = [np.zeros(128 * KIB, np.uint8) for _ in keys]
+        got = c.batch_get_into(keys, bufs)
+        assert got == [128 * KIB] * 48
+        assert all((bufs[i] == vals[i if i != 40 else 3]).all() for i in range(48))
+
+
+@pytest.mark.parametrize("op", ("get", "put"))
+def test_a_connection_that_breaks_as_a_chunk_is_sent_loses_no_chunk(op):
+    """The master connection fails as the second chunk's request goes out: the get asks
+    again (idempotent) and still copies the chunk whose copy was to overlap that
+    request; the put's commit is not retried (it may have been applied), so it raises,
+    and nothing half-written became visible."""
+    with setup("shm") as c:
+        keys = [f"c{i}" for i in range(100)]
+        vals = values(100, 4 * KIB, seed=7)
+        if op == "get":
+            assert c.batch_put(keys, vals) == [ErrorCode.OK] * 100
+        calls, broken, call = [], [], c._call
+
+        def breaking(request, *args, **kwargs):
+            if isinstance(request, (P.BatchGetReplicaList, P.PutCommit)):
+                calls.append(type(request).__name__)
+            if len(calls) == 2 and not broken:  # the second chunk's query or commit: its socket is dead
+                broken.append(True)
+                c._channel()._sock.shutdown(socket.SHUT_RDWR)
+            return call(request, *args, **kwargs)
+
+        c._call = breaking
+        try:
+            if op == "get":
+                bufs = [np.zeros(4 * KIB, np.uint8) for _ in keys]
+                assert c.batch_get_into(keys, bufs) == [4 * KIB] * 100
+                assert all((b == v).all() for b, v in zip(bufs, vals))
+            else:
+                with pytest.raises(KVPoolError):
+                    c.batch_put(keys, vals)
+        finally:
+            del c._call
+        assert len(calls) > 2 if op == "get" else calls == ["PutCommit", "PutCommit"]
+        if op == "put":  # the first commit landed whole; what was not committed is not there
+            first = spans(100, 4 * KIB)[-1]  # the put's first chunk: the last of a get's
+            assert c.batch_is_exist(keys) == [1 if first[0] <= i < first[1] else 0 for i in range(100)]
+            bufs = [np.zeros(4 * KIB, np.uint8) for _ in keys]
+            for i, n in enumerate(c.batch_get_into(keys, bufs)):
+                assert n < 0 or (bufs[i] == vals[i]).all()
