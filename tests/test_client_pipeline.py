@@ -13,7 +13,7 @@ import pytest
 
 from kvpool import protocol as P
 from kvpool.client import Client
-from kvpool.client.pipeline import GROWTH, MIN_KEYS, spans
+from kvpool.client.pipeline import GROWTH, LARGE_VALUE, MIN_KEYS, put_spans, spans
 from kvpool.errors import ErrorCode, KVPoolError
 from kvpool.launch import Cluster
 from proc_helpers import wait_for
@@ -38,11 +38,20 @@ def test_a_small_batch_is_one_chunk():
     assert spans(0, 0) == [(0, 0)]
 
 
+def test_a_put_commits_small_values_at_once_and_large_ones_with_a_small_last_chunk():
+    assert put_spans(1000, LARGE_VALUE - 1) == [(0, 1000)]
+    chunks = put_spans(16, MIB)
+    assert [i for s, e in chunks for i in range(s, e)] == list(range(16))
+    assert sorted(e - s for s, e in chunks) == sorted(e - s for s, e in spans(16, MIB))
+    assert chunks[-1] == (15, 16)
+
+
 @contextlib.contextmanager
-def setup(kind: str, **client):
+def setup(kind: str, segment: int = 32 * MIB, **client):
+    """A cluster and a client: "local" hosts a ``segment``-byte segment itself."""
     with Cluster(segment_size="64MiB", num_nodes=0 if kind == "local" else 1) as c:
         with Client(c.master_addr, force_tcp=kind == "tcp",
-                    global_segment_size=(32 * MIB) if kind == "local" else 0, **client) as cl:
+                    global_segment_size=segment if kind == "local" else 0, **client) as cl:
             yield cl
 
 
@@ -88,11 +97,11 @@ def test_a_pipelined_batch_get_refuses_a_bad_key_before_it_reads_anything():
         assert c.stats().open_grants == 0
 
 
-@pytest.mark.parametrize("size,count", [(4 * KIB, 200), (MIB, 6)])
+@pytest.mark.parametrize("size,count", [(LARGE_VALUE, 40), (MIB, 6)])
 def test_each_commit_of_a_pipelined_batch_put_follows_the_writes_of_its_items(size, count):
     """At the moment each PutCommit is sent, every item it names is already whole in
     the segment (invisible until complete), and the batch took several commits."""
-    with setup("local") as c:
+    with setup("local", segment=128 * MIB) as c:  # its lease (1/16) holds the whole batch
         keys = [f"p{i}" for i in range(count)]
         vals = values(count, size, seed=3)
         expect = dict(zip(keys, vals))
@@ -114,7 +123,7 @@ def test_each_commit_of_a_pipelined_batch_put_follows_the_writes_of_its_items(si
             del c._call
         assert codes == [ErrorCode.OK] * count
         assert len(commits) > 1 and sum(commits) == count
-        assert commits[-1] <= 8  # the exposed commit is the small one
+        assert commits[-1] == 1  # the exposed commit is the small one
         bufs = [np.zeros(size, np.uint8) for _ in keys]
         assert c.batch_get_into(keys, bufs) == [size] * count
         assert all((b == v).all() for b, v in zip(bufs, vals))
@@ -145,10 +154,11 @@ def test_a_connection_that_breaks_as_a_chunk_is_sent_loses_no_chunk(op):
     request; the put's commit is not retried (it may have been applied), so it raises,
     and nothing half-written became visible."""
     with setup("shm") as c:
-        keys = [f"c{i}" for i in range(100)]
-        vals = values(100, 4 * KIB, seed=7)
+        count, size = (100, 4 * KIB) if op == "get" else (40, LARGE_VALUE)
+        keys = [f"c{i}" for i in range(count)]
+        vals = values(count, size, seed=7)
         if op == "get":
-            assert c.batch_put(keys, vals) == [ErrorCode.OK] * 100
+            assert c.batch_put(keys, vals) == [ErrorCode.OK] * count
         calls, broken, call = [], [], c._call
 
         def breaking(request, *args, **kwargs):
@@ -162,8 +172,8 @@ def test_a_connection_that_breaks_as_a_chunk_is_sent_loses_no_chunk(op):
         c._call = breaking
         try:
             if op == "get":
-                bufs = [np.zeros(4 * KIB, np.uint8) for _ in keys]
-                assert c.batch_get_into(keys, bufs) == [4 * KIB] * 100
+                bufs = [np.zeros(size, np.uint8) for _ in keys]
+                assert c.batch_get_into(keys, bufs) == [size] * count
                 assert all((b == v).all() for b, v in zip(bufs, vals))
             else:
                 with pytest.raises(KVPoolError):
@@ -172,8 +182,8 @@ def test_a_connection_that_breaks_as_a_chunk_is_sent_loses_no_chunk(op):
             del c._call
         assert len(calls) > 2 if op == "get" else calls == ["PutCommit", "PutCommit"]
         if op == "put":  # the first commit landed whole; what was not committed is not there
-            first = spans(100, 4 * KIB)[-1]  # the put's first chunk: the last of a get's
-            assert c.batch_is_exist(keys) == [1 if first[0] <= i < first[1] else 0 for i in range(100)]
-            bufs = [np.zeros(4 * KIB, np.uint8) for _ in keys]
+            first = put_spans(count, size)[0]
+            assert c.batch_is_exist(keys) == [1 if first[0] <= i < first[1] else 0 for i in range(count)]
+            bufs = [np.zeros(size, np.uint8) for _ in keys]
             for i, n in enumerate(c.batch_get_into(keys, bufs)):
                 assert n < 0 or (bufs[i] == vals[i]).all()

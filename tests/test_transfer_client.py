@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from kvpool.client import Client
-from kvpool.client.pipeline import spans
+from kvpool.client.pipeline import put_spans, spans
 from kvpool.errors import BufferOverflow, ErrorCode, InvalidParams
 from kvpool.rpc import RpcChannel
 from proc_helpers import in_threads
@@ -128,9 +128,9 @@ def test_tcp_get_of_a_large_value_is_exact(module_cluster):
 
 @pytest.mark.parametrize("leases", [True, False])
 def test_a_batch_costs_one_rpc_per_step_and_chunk(module_cluster, monkeypatch, leases):
-    """A lease's batch put: one PutCommit per pipelined chunk (the PutStart way: one
-    BatchPutStart and one BatchPutEnd); a batch get: one BatchGetReplicaList per chunk
-    (:mod:`kvpool.client.pipeline`)."""
+    """A lease's batch put of small values: one PutCommit (the PutStart way: one
+    BatchPutStart and one BatchPutEnd); a batch get: one BatchGetReplicaList per
+    pipelined chunk (:mod:`kvpool.client.pipeline`)."""
     sent = []
     real_call = RpcChannel.call
 
@@ -144,7 +144,7 @@ def test_a_batch_costs_one_rpc_per_step_and_chunk(module_cluster, monkeypatch, l
     with Client(module_cluster.master_addr, force_tcp=True, alloc_leases=leases) as c:
         sent.clear()
         assert c.batch_put_from(keys[:64], pages[:64], [4096] * 64) == [ErrorCode.OK] * 64
-        commits = ["PutCommit"] * len(spans(64, 4096))
+        commits = ["PutCommit"] * len(put_spans(64, 4096))  # one: small values
         assert sent == (["AllocLease", *commits] if leases else ["BatchPutStart", "BatchPutEnd"])
         sent.clear()
         assert c.batch_put_from(keys[64:], pages[64:], [4096] * 64) == [ErrorCode.OK] * 64

@@ -13,6 +13,7 @@ all. A get's query is asked again after a broken connection (it is idempotent) a
 the chunk whose copy was to overlap it is copied all the same. The master and the client run on different cores, so
 the master's share of a batch (per key: a lookup or a commit, and its reply) leaves
 the critical path, except for the first query of a get and the last commit of a put.
+A put is pipelined only for large values (:func:`put_spans`).
 Hence the chunk sizes: the exposed chunk is small, the next ones grow fourfold (each
 query or commit then takes no longer than the copies it overlaps), and no chunk
 holds more than a third of the rest, so that the master is never left idle long.
@@ -44,4 +45,21 @@ def spans(count: int, item_bytes: int) -> list[tuple[int, int]]:
         end = min(count, start + size)
         out.append((start, end))
         start, size = end, min(cap, size * GROWTH)
+    return out
+
+
+def put_spans(count: int, item_bytes: int) -> list[tuple[int, int]]:
+    """The chunks of a batch put, in the order written and committed: the sizes of
+    :func:`spans` reversed (the exposed commit is the last, small one), the keys in
+    their order, for values of at least
+    LARGE_VALUE bytes only. Smaller values are one chunk: their commits cost the
+    master more than their copies cost this client, so there is little to hide and
+    each chunk's extra round trip is lost (measured here: 128 x 4 KiB in-process,
+    28-31k keys/s in five chunks against 31-37k in one)."""
+    if item_bytes < LARGE_VALUE:
+        return [(0, count)]
+    out, start = [], 0
+    for first, end in reversed(spans(count, item_bytes)):  # the sizes reversed, keys in order
+        out.append((start, start + end - first))
+        start += end - first
     return out

@@ -222,7 +222,7 @@ class PutPath:
             for i, (offset, views) in enumerate(zip(offsets, srcs)):
                 desc = msgspec.structs.replace(lease.region, offset=offset, length=items[i].size)
                 jobs.append([(i, piece, view) for piece, view in _pieces(desc, views)])
-            chunks = pipeline.spans(len(offsets), items[0].size)[::-1]
+            chunks = pipeline.put_spans(len(offsets), items[0].size)
             written: dict[int, bool] = {}
 
             def write(start: int, end: int) -> None:
