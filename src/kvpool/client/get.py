@@ -334,6 +334,11 @@ class GetPath:
         """Reachable replicas with their transport, cheapest first (local, shm, tcp).
         ``routes`` caches segment name -> transport across the items of one batch."""
         routes = {} if routes is None else routes
+        if len(replicas) == 1:  # the common case, once per key of a batch: no list to sort
+            d = replicas[0]
+            name = d.segment.name
+            transport = routes[name] if name in routes else routes.setdefault(name, self.engine.route(d.segment))
+            return [(d, transport)] if transport is not None else []
         out = []
         for d in replicas:
             name = d.segment.name
