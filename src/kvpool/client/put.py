@@ -110,8 +110,10 @@ class PutPath:
     def batch_put(self, keys: Sequence[str], values: Sequence, replica_num: int = 1, *,
                   upsert: bool = False, soft_pin: bool | None = None, soft_pin_ttl_ms: int | None = None,
                   hard_pin: bool = False, preferred_segment: str = "") -> list[ErrorCode]:
-        """Put many objects with one PutStart, one PutEnd (and one PutRevoke) RPC.
-        Options as in :meth:`put`, for every item.
+        """Put many objects: those a lease takes with one PutCommit per lease filled
+        (per chunk for values of 64 KiB and more, each committed while the next is
+        written: :mod:`kvpool.client.pipeline`), the rest with one BatchPutStart, one
+        BatchPutEnd (and one BatchPutRevoke) RPC. Options as in :meth:`put`, for every item.
 
         Returns one ErrorCode per item: OK, OBJECT_ALREADY_EXISTS (also for the second of
         a duplicated key, K02), NO_AVAILABLE_HANDLE, INVALID_PARAMS, TRANSFER_FAIL...
