@@ -6,7 +6,10 @@ lands where the unpipelined batch put it, and no commit is sent before its bytes
 from __future__ import annotations
 
 import contextlib
+import os
+import signal
 import socket
+import time
 
 import numpy as np
 import pytest
@@ -187,3 +190,33 @@ def test_a_connection_that_breaks_as_a_chunk_is_sent_loses_no_chunk(op):
             bufs = [np.zeros(size, np.uint8) for _ in keys]
             for i, n in enumerate(c.batch_get_into(keys, bufs)):
                 assert n < 0 or (bufs[i] == vals[i]).all()
+
+
+def test_a_node_that_stops_answering_costs_a_pipelined_batch_one_timeout_not_one_per_chunk():
+    """A SIGSTOPped node (its port accepts, nothing answers): every item of a batch get
+    over TCP fails, after the client's timeout once: the later chunks' reads find the
+    batch's deadline passed and fail at once (before: one timeout per chunk, 6.1 s with
+    timeout_s=1 and six chunks; then 0.2 s a chunk, a kernel poll each). A batch put
+    likewise waits once for its chunks' writes."""
+    timeout_s = 5.0
+    with Cluster(segment_size="64MiB", num_nodes=1) as cluster:
+        with Client(cluster.master_addr, force_tcp=True, timeout_s=timeout_s) as c:
+            keys = [f"s{i}" for i in range(128)]
+            assert c.batch_put(keys, values(128, 64 * KIB)) == [ErrorCode.OK] * 128
+            assert len(spans(128, 64 * KIB)) >= 5
+            pid = int(cluster.nodes[0]["pid"])
+            os.kill(pid, signal.SIGSTOP)
+            try:
+                started = time.monotonic()
+                got = c.batch_get_into(keys, [np.zeros(64 * KIB, np.uint8) for _ in keys])
+                took = time.monotonic() - started
+                started = time.monotonic()
+                codes = c.batch_put([f"n{i}" for i in range(128)], values(128, 64 * KIB))
+                took_put = time.monotonic() - started
+            finally:
+                os.kill(pid, signal.SIGCONT)
+            assert got == [ErrorCode.TRANSFER_FAIL] * 128
+            assert took < 2 * timeout_s, f"{took:.1f} s: more than one timeout"
+            # the put: one timeout for its chunks in the lease, one for the PutStart way
+            assert ErrorCode.OK not in codes
+            assert took_put < 3 * timeout_s, f"{took_put:.1f} s: more than two timeouts"

@@ -90,13 +90,17 @@ class GetPath:
 
     def _pipelined(self, keys: Sequence[str], item_bytes: int, read) -> None:
         """Query ``keys`` chunk by chunk (:mod:`kvpool.client.pipeline`), calling
-        ``read(start, handles)`` for each chunk (``start``: the index of its first key;
-        a ReadHandle or an ErrorCode per key) while the master answers the next chunk's
-        query. Raises InvalidParams (a bad key) before any RPC."""
+        ``read(start, handles, deadline)`` for each chunk (``start``: the index of its
+        first key; a ReadHandle or an ErrorCode per key; ``deadline``: the batch's, for
+        every copy) while the master answers the next chunk's query. Raises
+        InvalidParams (a bad key) before any RPC."""
         for key in keys:
             check_key(key)
         if not keys:
             return
+        # one deadline for the whole batch: a node that stopped answering costs the
+        # client's timeout once, not once per chunk (6.1 s instead of 1.0 before this)
+        deadline = time.monotonic() + self.timeout_s
         chunks = pipeline.spans(len(keys), item_bytes)
         handles = self._batch_query(keys[chunks[0][0]:chunks[0][1]])
         for k, (start, _) in enumerate(chunks):
@@ -104,7 +108,7 @@ class GetPath:
 
             def this_chunk(start=start, handles=handles, ran=ran) -> None:
                 ran.append(True)
-                read(start, handles)
+                read(start, handles, deadline)
 
             if k + 1 == len(chunks):
                 this_chunk()
@@ -168,8 +172,10 @@ class GetPath:
             raise InvalidParams("need as many buffers as handles")
         return self._read_handles(handles, [_destination(buf) for buf in bufs], bufs)
 
-    def _read_handles(self, handles: Sequence[ReadHandle], dsts: Sequence[memoryview], bufs: Sequence) -> list[int]:
-        """:meth:`batch_read_into` into the writable byte views ``dsts`` of ``bufs``."""
+    def _read_handles(self, handles: Sequence[ReadHandle], dsts: Sequence[memoryview], bufs: Sequence,
+                      deadline: float | None = None) -> list[int]:
+        """:meth:`batch_read_into` into the writable byte views ``dsts`` of ``bufs``, the
+        copies given up at ``deadline`` (time.monotonic; None: the client's timeout from now)."""
         fresh = self._begin(handles)
         try:
             out, jobs = [], []
@@ -181,7 +187,7 @@ class GetPath:
                 else:
                     out.append(h.size)
                     jobs.append((i, h.replicas, [(0, dst[: h.size])]))
-            done = self._read_all(jobs)
+            done = self._read_all(jobs, deadline)
         finally:
             self._finish([h for h, ok in zip(handles, fresh) if ok])
         now = time.monotonic()
@@ -294,11 +300,11 @@ class GetPath:
         memcpy each, the rest one TCP request per node and chunk."""
         out: list[bytes | None] = [None] * len(keys)
 
-        def read(start: int, handles: list) -> None:
+        def read(start: int, handles: list, deadline: float) -> None:
             found = [j for j, h in enumerate(handles) if isinstance(h, ReadHandle)]
             bufs = [bytearray(handles[j].size) for j in found]
             # bytearray then bytes: two copies, but one exchange per node for the chunk
-            got = self._read_handles([handles[j] for j in found], [memoryview(b) for b in bufs], bufs)
+            got = self._read_handles([handles[j] for j in found], [memoryview(b) for b in bufs], bufs, deadline)
             for j, n, buf in zip(found, got, bufs):
                 out[start + j] = bytes(buf) if n >= 0 else None
 
@@ -315,7 +321,7 @@ class GetPath:
         dsts = [_destination(buf) for buf in bufs]
         out = [int(ErrorCode.TRANSFER_FAIL)] * len(keys)  # until a chunk's read says otherwise
 
-        def read(start: int, handles: list) -> None:
+        def read(start: int, handles: list, deadline: float) -> None:
             found = []
             for j, h in enumerate(handles):
                 if isinstance(h, ReadHandle):
@@ -323,7 +329,7 @@ class GetPath:
                 else:
                     out[start + j] = int(h)
             got = self._read_handles([handles[j] for j in found], [dsts[start + j] for j in found],
-                                     [bufs[start + j] for j in found])
+                                     [bufs[start + j] for j in found], deadline)
             for j, n in zip(found, got):
                 out[start + j] = n
 
@@ -350,26 +356,32 @@ class GetPath:
             out.sort(key=lambda dt: dt[1].rank)
         return out
 
-    def _read_all(self, jobs: list[tuple[int, list[P.ReplicaDesc], list[tuple[int, memoryview]]]]) -> dict[int, bool]:
+    def _read_all(self, jobs: list[tuple[int, list[P.ReplicaDesc], list[tuple[int, memoryview]]]],
+                  deadline: float | None = None) -> dict[int, bool]:
         """Copy ranges of one replica of each item into destinations; {index: copied}.
 
         A job is (item index, replicas, [(offset in the value, destination view)]): each
         fragment reads len(destination) bytes. Each item reads its cheapest replica
         first (all items of one node in one exchange); the items that failed try their
         next replica, and so on. An item is copied only when all its fragments are.
+        The reads of the cheapest replicas are given up at ``deadline`` (time.monotonic;
+        None: the client's timeout from now), each next replica's at the client's
+        timeout from when it is tried (a failover gets the time a single read gets).
         """
+        if deadline is None:
+            deadline = time.monotonic() + self.timeout_s
         routes: dict = {}
         options = {i: self._ranked(replicas, routes) for i, replicas, _ in jobs}
         frags = {i: fragments for i, _, fragments in jobs}
         done = {i: False for i in frags}
         if len(jobs) == 1:  # a single read: no request batch
             i = jobs[0][0]
-            done[i] = self._read_one(options[i], frags[i])
+            done[i] = self._read_one(options[i], frags[i], deadline)
             return done
         # whole values whose cheapest copy is in this host's memory gain nothing from a
         # request batch: a loop of memcpys per segment, then the next replica if need be
         local = {i for i in frags if options[i] and options[i][0][1].in_place and len(frags[i]) == 1}
-        done.update(self._read_in_place(local, options, frags))
+        done.update(self._read_in_place(local, options, frags, deadline))
         for i in local:
             if not done[i]:
                 done[i] = self._read_one(options[i][1:], frags[i])
@@ -381,14 +393,15 @@ class GetPath:
                 owners.extend([i] * len(item_reqs))
                 reqs.extend(item_reqs)
             ok = dict.fromkeys(pending, True)
-            for i, status in zip(owners, self.engine.transfer(reqs)):
+            timeout = pipeline.left(deadline) if attempt == 0 else None
+            for i, status in zip(owners, self.engine.transfer(reqs, timeout)):
                 ok[i] = ok[i] and status == TransferStatus.COMPLETED
             done.update(ok)
             attempt += 1
             pending = [i for i in pending if not done[i] and attempt < len(options[i])]
         return done
 
-    def _read_in_place(self, items: set[int], options: dict, frags: dict) -> dict[int, bool]:
+    def _read_in_place(self, items: set[int], options: dict, frags: dict, deadline: float) -> dict[int, bool]:
         """:meth:`_read_all` of ``items``, each one whole value whose cheapest replica
         is in this host's memory: one :meth:`Transport.read_many` per segment (all its
         items kept or none); {index: copied}."""
@@ -397,7 +410,6 @@ class GetPath:
             segment = options[i][0][0].segment
             groups.setdefault((segment.name, segment.epoch), []).append(i)
         done: dict[int, bool] = {}
-        deadline = time.monotonic() + self.timeout_s
         for group in groups.values():
             replica, transport = options[group[0]][0]
             ranges = [(options[i][0][0].offset + frags[i][0][0], frags[i][0][1]) for i in group]
@@ -405,18 +417,20 @@ class GetPath:
         return done
 
     def _read_one(self, options: list[tuple[P.ReplicaDesc, Transport]],
-                  fragments: list[tuple[int, memoryview]]) -> bool:
+                  fragments: list[tuple[int, memoryview]], deadline: float | None = None) -> bool:
         """:meth:`_read_all` of one item: its fragments from its cheapest replica
         (``options``: :meth:`_ranked`), else the next one; True once all of them were
         copied from one replica. A single fragment (a whole value: get_into) is one
-        engine read, no request batch."""
-        for d, transport in options:
+        engine read, no request batch. ``deadline`` (time.monotonic) bounds the read of
+        the first replica; each next one gets the engine's timeout (None: all do)."""
+        for k, (d, transport) in enumerate(options):
+            timeout = pipeline.left(deadline) if k == 0 else None
             if len(fragments) == 1:
                 src, dst = fragments[0]
-                if self.engine.read_into(transport, d.segment, d.offset + src, dst):
+                if self.engine.read_into(transport, d.segment, d.offset + src, dst, timeout):
                     return True
             elif all(status == TransferStatus.COMPLETED
-                     for status in self.engine.transfer(_fragment_reads(d, fragments))):
+                     for status in self.engine.transfer(_fragment_reads(d, fragments), timeout)):
                 return True
         return False
 

@@ -13,7 +13,9 @@ all. A get's query is asked again after a broken connection (it is idempotent) a
 the chunk whose copy was to overlap it is copied all the same. The master and the client run on different cores, so
 the master's share of a batch (per key: a lookup or a commit, and its reply) leaves
 the critical path, except for the first query of a get and the last commit of a put.
-A put is pipelined only for large values (:func:`put_spans`).
+A put is pipelined only for large values (:func:`put_spans`). A batch has one
+deadline for all its copies (:func:`left`): a node that stopped answering costs the
+client's timeout once, not once per chunk.
 Hence the chunk sizes: the exposed chunk is small, the next ones grow fourfold (each
 query or commit then takes no longer than the copies it overlaps), and no chunk
 holds more than a third of the rest, so that the master is never left idle long.
@@ -23,6 +25,8 @@ Measured (2-core VM, in-process segment, 128 x 4 KiB): a batch get spends
 """
 
 from __future__ import annotations
+
+import time
 
 MIN_KEYS = 32  # fewer keys of small values: one RPC costs about what it would hide
 MIN_BYTES = 2 << 20  # or this many bytes: two 1 MiB copies already hide a round trip
@@ -63,3 +67,9 @@ def put_spans(count: int, item_bytes: int) -> list[tuple[int, int]]:
         out.append((start, start + end - first))
         start += end - first
     return out
+
+
+def left(deadline: float | None) -> float | None:
+    """Seconds left until ``deadline`` (time.monotonic), at least 0 (an engine call
+    given 0 fails at once); None for None (the engine's own timeout)."""
+    return None if deadline is None else max(0.0, deadline - time.monotonic())

@@ -156,9 +156,10 @@ class PutPath:
                  for i, views in zip(sent, srcs)]
         rest = list(range(len(items)))
         settled: set[int] = set()
+        deadline = time.monotonic() + self.timeout_s  # one for the batch's writes into leases
         leased = [k for k in rest if self._leasable(items[k])]
         while leased:  # lease after lease, as long as the next items find a place
-            done = self._put_leased([items[k] for k in leased], [srcs[k] for k in leased])
+            done = self._put_leased([items[k] for k in leased], [srcs[k] for k in leased], deadline)
             for k, code in zip(leased, done):
                 if code is not None:
                     codes[sent[k]] = code
@@ -169,14 +170,17 @@ class PutPath:
             leased = leased[placed:]
         rest = [k for k in rest if k not in settled]
         if rest:
+            # a fresh timeout: the PutStart way may place them on another, healthy node
             started = self._put_started([items[k] for k in rest], [srcs[k] for k in rest])
             for k, code in zip(rest, started):
                 codes[sent[k]] = code
         return codes
 
-    def _put_started(self, items: list[P.PutItem], srcs: list[list[memoryview]]) -> list[ErrorCode]:
+    def _put_started(self, items: list[P.PutItem], srcs: list[list[memoryview]],
+                     deadline: float | None = None) -> list[ErrorCode]:
         """Put ``items`` (values: the concatenation of ``srcs[i]``) with one PutStart,
-        one PutEnd and one PutRevoke RPC; one code per item."""
+        one PutEnd and one PutRevoke RPC, the writes given up at ``deadline``
+        (time.monotonic; None: the client's timeout from now); one code per item."""
         codes = [ErrorCode.OK] * len(items)
         results = self._call(P.BatchPutStart(items, self.host_id), idempotent=False).results
         jobs, tokens = [], {}
@@ -185,7 +189,7 @@ class PutPath:
             if res.code == ErrorCode.OK:
                 tokens[i] = P.PutToken(item.key, res.put_id)
                 jobs.extend((i, piece, view) for d in res.replicas for piece, view in _pieces(d, views))
-        written, _ = self._write_all(jobs)
+        written, _ = self._write_all(jobs, deadline)
         good = [i for i in tokens if written[i]]
         bad = [i for i in tokens if not written[i]]
         if bad:
@@ -207,13 +211,15 @@ class PutPath:
         return (leases is not None and item.replica_num == 1 and not item.preferred_segment
                 and item.size <= leases.max_value)
 
-    def _put_leased(self, items: list[P.PutItem], srcs: list[list[memoryview]]) -> list[ErrorCode | None]:
+    def _put_leased(self, items: list[P.PutItem], srcs: list[list[memoryview]],
+                    deadline: float | None = None) -> list[ErrorCode | None]:
         """Place a prefix of ``items`` in the lease (as many as fit), write them and
         commit them, pipelined (:mod:`kvpool.client.pipeline`: chunk k is committed
         while chunk k+1 is written; a commit follows its chunk's writes). One code per
         placed item (the list is as long as the prefix placed: empty when none was);
         None: put it the PutStart way (the lease refused or unknown to the master, the
-        write failed)."""
+        write failed). Writes are given up at ``deadline`` (time.monotonic; None: the
+        client's timeout from now)."""
         placed = self._place([item.size for item in items])
         if placed is None:
             return []
@@ -228,7 +234,8 @@ class PutPath:
             written: dict[int, bool] = {}
 
             def write(start: int, end: int) -> None:
-                written.update(self._write_all([job for item_jobs in jobs[start:end] for job in item_jobs])[0])
+                written.update(self._write_all([job for item_jobs in jobs[start:end] for job in item_jobs],
+                                               deadline)[0])
 
             write(*chunks[0])
             for k, (start, end) in enumerate(chunks):
@@ -320,17 +327,21 @@ class PutPath:
                 self._keeper = threading.Thread(target=self._keep_leases, name="kvpool-lease-keeper", daemon=True)
                 self._keeper.start()
 
-    def _write_all(self, jobs: list[tuple[int, P.ReplicaDesc, memoryview]]) -> tuple[dict[int, bool], str]:
-        """Write every (item index, replica, source) job. Returns ({index: all its
-        writes OK}, why the failed ones failed: status and the transports' reasons)."""
+    def _write_all(self, jobs: list[tuple[int, P.ReplicaDesc, memoryview]],
+                   deadline: float | None = None) -> tuple[dict[int, bool], str]:
+        """Write every (item index, replica, source) job by ``deadline`` (time.monotonic;
+        None: the client's timeout from now). Returns ({index: all its writes OK}, why
+        the failed ones failed: status and the transports' reasons)."""
+        if deadline is None:
+            deadline = time.monotonic() + self.timeout_s
         if len(jobs) == 1:  # a single put: the engine's one-copy write, no request batch
-            return self._write_one(*jobs[0])
+            return self._write_one(*jobs[0], deadline)
         ok: dict[int, bool] = {i: True for i, _, _ in jobs}
-        why, rest = self._write_in_place(jobs, ok)
+        why, rest = self._write_in_place(jobs, ok, deadline)
         if not rest:
             return ok, why
         reqs = [TransferRequest(Op.WRITE, src, 0, d.segment, d.offset, d.length) for _, d, src in rest]
-        result = self.engine.transfer(reqs)
+        result = self.engine.transfer(reqs, pipeline.left(deadline))
         for k, ((i, _, _), status) in enumerate(zip(rest, result)):
             ok[i] = ok[i] and status == TransferStatus.COMPLETED
             if status != TransferStatus.COMPLETED and not why:
@@ -338,7 +349,7 @@ class PutPath:
         return ok, why
 
     def _write_in_place(self, jobs: list[tuple[int, P.ReplicaDesc, memoryview]],
-                        ok: dict[int, bool]) -> tuple[str, list]:
+                        ok: dict[int, bool], deadline: float) -> tuple[str, list]:
         """Write the jobs whose segment is in this host's memory, one
         :meth:`Transport.write_many` per segment (a loop of memcpys: no request objects,
         no batch); their items' entries of ``ok`` turn False when that failed. Returns
@@ -347,7 +358,6 @@ class PutPath:
         for job in jobs:
             groups.setdefault((job[1].segment.name, job[1].segment.epoch), []).append(job)
         why, rest = "", []
-        deadline = time.monotonic() + self.timeout_s
         for group in groups.values():
             segment = group[0][1].segment
             transport = self.engine.route(segment)
@@ -361,13 +371,14 @@ class PutPath:
                 why = why or "FAILED: " + "; ".join(cancel.reasons)
         return why, rest
 
-    def _write_one(self, i: int, replica: P.ReplicaDesc, src: memoryview) -> tuple[dict[int, bool], str]:
+    def _write_one(self, i: int, replica: P.ReplicaDesc, src: memoryview,
+                   deadline: float) -> tuple[dict[int, bool], str]:
         """:meth:`_write_all` of the one job (``i``, ``replica``, ``src``)."""
         transport = self.engine.route(replica.segment)
         if transport is None:
             return {i: False}, f"INVALID: no transport reaches segment {replica.segment.name}"
         cancel = Cancel()
-        if self.engine.write_from(transport, replica.segment, replica.offset, src, cancel=cancel):
+        if self.engine.write_from(transport, replica.segment, replica.offset, src, pipeline.left(deadline), cancel):
             return {i: True}, ""
         return {i: False}, "FAILED: " + "; ".join(cancel.reasons)
 

@@ -192,7 +192,11 @@ class TcpTransport(Transport):
         """Run ``work(sock)`` on a pooled (else new) connection to ``addr``; a failure on a
         reused connection (the peer may have dropped it while idle) is retried once on a
         fresh one, which is safe because reads and writes of fixed ranges are idempotent.
-        Returns work's result; raises the _FAILURES of the last attempt."""
+        Returns work's result; raises the _FAILURES of the last attempt, or TimeoutError
+        at once when ``deadline`` has passed already (a batch's later chunks after a
+        node stopped answering: each would otherwise wait a kernel poll, 0.2 s)."""
+        if time.monotonic() >= deadline:
+            raise TimeoutError(f"the deadline passed before a request to {addr} was sent")
         sock = self._pool.take(addr)
         reused = sock is not None
         while True:
