@@ -16,7 +16,7 @@ import pytest
 
 from kvpool import protocol as P
 from kvpool.client import Client
-from kvpool.client.pipeline import GROWTH, LARGE_VALUE, MIN_KEYS, put_spans, spans
+from kvpool.client.pipeline import GROWTH, LARGE_VALUE, MIN_KEYS, get_spans, put_spans, spans
 from kvpool.errors import ErrorCode, KVPoolError
 from kvpool.launch import Cluster
 from proc_helpers import wait_for
@@ -39,6 +39,11 @@ def test_a_small_batch_is_one_chunk():
     assert spans(MIN_KEYS - 1, 4 * KIB) == [(0, MIN_KEYS - 1)]
     assert spans(1, 16 * MIB) == [(0, 1)]
     assert spans(0, 0) == [(0, 0)]
+
+
+def test_a_get_pipelines_small_values_only():
+    assert get_spans(128, 4 * KIB) == spans(128, 4 * KIB)
+    assert get_spans(128, LARGE_VALUE) == [(0, 128)]
 
 
 def test_a_put_commits_small_values_at_once_and_large_ones_with_a_small_last_chunk():
@@ -202,13 +207,13 @@ def test_a_node_that_stops_answering_costs_a_pipelined_batch_one_timeout_not_one
     with Cluster(segment_size="64MiB", num_nodes=1) as cluster:
         with Client(cluster.master_addr, force_tcp=True, timeout_s=timeout_s) as c:
             keys = [f"s{i}" for i in range(128)]
-            assert c.batch_put(keys, values(128, 64 * KIB)) == [ErrorCode.OK] * 128
-            assert len(spans(128, 64 * KIB)) >= 5
+            assert c.batch_put(keys, values(128, 4 * KIB)) == [ErrorCode.OK] * 128
+            assert len(get_spans(128, 4 * KIB)) >= 4 and len(put_spans(128, 64 * KIB)) >= 4
             pid = int(cluster.nodes[0]["pid"])
             os.kill(pid, signal.SIGSTOP)
             try:
                 started = time.monotonic()
-                got = c.batch_get_into(keys, [np.zeros(64 * KIB, np.uint8) for _ in keys])
+                got = c.batch_get_into(keys, [np.zeros(4 * KIB, np.uint8) for _ in keys])
                 took = time.monotonic() - started
                 started = time.monotonic()
                 codes = c.batch_put([f"n{i}" for i in range(128)], values(128, 64 * KIB))

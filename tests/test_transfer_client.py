@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from kvpool.client import Client
-from kvpool.client.pipeline import put_spans, spans
+from kvpool.client.pipeline import get_spans, put_spans
 from kvpool.errors import BufferOverflow, ErrorCode, InvalidParams
 from kvpool.rpc import RpcChannel
 from proc_helpers import in_threads
@@ -153,7 +153,7 @@ def test_a_batch_costs_one_rpc_per_step_and_chunk(module_cluster, monkeypatch, l
         dsts = [np.empty(4096, np.uint8) for _ in keys]
         assert c.batch_get_into(keys, dsts) == [4096] * 128
         assert c.batch_get(keys[:64]) == [p.tobytes() for p in pages[:64]]
-        assert sent == ["BatchGetReplicaList"] * (len(spans(128, 4096)) + len(spans(64, 0)))
+        assert sent == ["BatchGetReplicaList"] * (len(get_spans(128, 4096)) + len(get_spans(64, 0)))
         assert all(np.array_equal(d, p) for d, p in zip(dsts, pages))
         c.batch_remove(keys, force=True)
 

@@ -101,7 +101,7 @@ class GetPath:
         # one deadline for the whole batch: a node that stopped answering costs the
         # client's timeout once, not once per chunk (6.1 s instead of 1.0 before this)
         deadline = time.monotonic() + self.timeout_s
-        chunks = pipeline.spans(len(keys), item_bytes)
+        chunks = pipeline.get_spans(len(keys), item_bytes)
         handles = self._batch_query(keys[chunks[0][0]:chunks[0][1]])
         for k, (start, _) in enumerate(chunks):
             ran: list[bool] = []

@@ -13,7 +13,10 @@ all. A get's query is asked again after a broken connection (it is idempotent) a
 the chunk whose copy was to overlap it is copied all the same. The master and the client run on different cores, so
 the master's share of a batch (per key: a lookup or a commit, and its reply) leaves
 the critical path, except for the first query of a get and the last commit of a put.
-A put is pipelined only for large values (:func:`put_spans`). A batch has one
+Which side's share is worth hiding depends on the value size: a get's query costs the
+master a few microseconds a key whatever the size, so only gets of small values are
+pipelined (:func:`get_spans`); a put's commit costs the master more than a small
+value's copy costs the client, so only puts of large values are (:func:`put_spans`). A batch has one
 deadline for all its copies (:func:`left`): a node that stopped answering costs the
 client's timeout once, not once per chunk.
 Hence the chunk sizes: the exposed chunk is small, the next ones grow fourfold (each
@@ -50,6 +53,14 @@ def spans(count: int, item_bytes: int) -> list[tuple[int, int]]:
         out.append((start, end))
         start, size = end, min(cap, size * GROWTH)
     return out
+
+
+def get_spans(count: int, item_bytes: int) -> list[tuple[int, int]]:
+    """The chunks of a batch get of values of about ``item_bytes`` bytes (0: unknown):
+    :func:`spans` for values under LARGE_VALUE bytes, else one chunk. A large value's
+    copy dwarfs its share of the query (1 MiB: ~100 us against 2-3 us), so chunks
+    would only add round trips: in-process 16 x 1 MiB, 1.05 -> 0.87 of Mooncake."""
+    return [(0, count)] if item_bytes >= LARGE_VALUE else spans(count, item_bytes)
 
 
 def put_spans(count: int, item_bytes: int) -> list[tuple[int, int]]:
