@@ -145,6 +145,13 @@ def test_work_done_during_a_call_that_raises_leaves_the_channel_usable(cluster):
         chan.call(P.Ping(), during=boom)
     assert isinstance(chan.call(P.Ping()), P.Resp)  # a new connection; no reply left unread
     assert chan.call(P.Ping(), during=lambda: ran.append(2)) is not None and ran == [1, 2]
+
+    def stalled():  # the work's own OSError (a copy that timed out) is not a broken master
+        raise TimeoutError("a copy timed out")
+
+    with pytest.raises(TimeoutError):
+        chan.call(P.GetReplicaList("nothing"), during=stalled)
+    assert isinstance(chan.call(P.Ping()), P.Resp)
     chan.close()
 
 

@@ -225,3 +225,44 @@ def test_a_node_that_stops_answering_costs_a_pipelined_batch_one_timeout_not_one
             # the put: one timeout for its chunks in the lease, one for the PutStart way
             assert ErrorCode.OK not in codes
             assert took_put < 3 * timeout_s, f"{took_put:.1f} s: more than two timeouts"
+
+
+@pytest.mark.parametrize("op", ("get", "put"))
+def test_a_chunk_that_raises_returns_every_grant_and_leaves_the_client_usable(op):
+    """A read (or write) of the second chunk raises while the master answers the next
+    chunk: the exception reaches the caller as it was, every read grant of the batch
+    goes back to the master, nothing of the put is committed after the failed chunk,
+    and the next batch works."""
+    with setup("shm") as c:
+        size = 4 * KIB if op == "get" else LARGE_VALUE
+        keys = [f"r{i}" for i in range(100 if op == "get" else 40)]
+        vals = values(len(keys), size, seed=9)
+        if op == "get":
+            assert c.batch_put(keys, vals) == [ErrorCode.OK] * len(keys)
+        name = "_read_handles" if op == "get" else "_write_all"
+        calls, real = [], getattr(c, name)
+
+        def failing(*args, **kwargs):
+            calls.append(1)
+            if len(calls) == 2:
+                raise TimeoutError("injected: the second chunk's copy failed")
+            return real(*args, **kwargs)
+
+        setattr(c, name, failing)
+        try:
+            with pytest.raises(TimeoutError, match="injected"):
+                if op == "get":
+                    c.batch_get_into(keys, [np.zeros(size, np.uint8) for _ in keys])
+                else:
+                    c.batch_put(keys, vals)
+        finally:
+            delattr(c, name)
+        wait_for(lambda: c.stats().open_grants == 0, 5, "every grant returned")
+        if op == "put":
+            first = put_spans(len(keys), size)[0]
+            assert c.batch_is_exist(keys) == [1 if first[0] <= i < first[1] else 0 for i in range(len(keys))]
+            c.batch_remove(keys, force=True)
+            assert c.batch_put(keys, vals) == [ErrorCode.OK] * len(keys)
+        bufs = [np.zeros(size, np.uint8) for _ in keys]
+        assert c.batch_get_into(keys, bufs) == [size] * len(keys)
+        assert all((b == v).all() for b, v in zip(bufs, vals))

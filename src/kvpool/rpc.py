@@ -126,8 +126,11 @@ class RpcChannel:
         (notifications such as ReadDone, never answered) go first, in the same write.
         ``during``: run once, after the request went out and before its reply is
         waited for (work that overlaps the master's answer: a copy from a location
-        hint, :mod:`kvpool.client.hints`); it must not raise (if it does, the connection
-        is closed, its reply being unread, and the exception propagates).
+        hint, :mod:`kvpool.client.hints`, a pipelined batch's copies,
+        :mod:`kvpool.client.pipeline`); it should not raise: if it does, the connection
+        is closed, its reply being unread, and the exception propagates as it was (an
+        OSError of the work is not taken for a broken master connection). After a
+        connection that broke, an idempotent request is asked again without it.
 
         Raises RpcFailed when the master is unreachable, the stream breaks (after one
         reconnect for idempotent requests), the master speaks another protocol version
@@ -142,6 +145,8 @@ class RpcChannel:
         while True:
             try:
                 reply = self._round_trip(frame, type(request), broke, idempotent, during)
+            except _OverlapFailed as exc:
+                raise exc.error from None
             except _Undelivered as exc:
                 if time.monotonic() >= deadline:
                     raise exc.error from None
@@ -218,9 +223,9 @@ class RpcChannel:
         no longer be matched to a request: the connection closes."""
         try:
             during()
-        except BaseException:
+        except BaseException as exc:
             self.close()
-            raise
+            raise _OverlapFailed(exc) from None
 
     def notify(self, request: msgspec.Struct) -> bool:
         """Send a notification (a request the master never answers, e.g. ReadDone) without
@@ -312,6 +317,13 @@ class RpcChannel:
         if self._sock is not None:
             self._sock.close()
             self._sock = None
+
+
+class _OverlapFailed(Exception):
+    """The work run during a request raised ``error`` (the connection is closed)."""
+
+    def __init__(self, error: BaseException):
+        self.error = error
 
 
 class _Undelivered(Exception):

@@ -7,8 +7,9 @@ Data: :class:`~kvpool.transfer.engine.TransferEngine` moves the bytes: a replica
 segment this process hosts by one memcpy, on a segment of this host through its mapped
 shared memory (one memcpy), any other, or every one with ``force_tcp=True``, over pooled
 TCP connections to its node (large values sliced over parallel lanes). Batches cost one
-master RPC per step (BatchPutStart, BatchPutEnd, BatchGetReplicaList) and one exchange
-per node. Buffers given to put/get are used in place (zero copy); ``register_buffer``
+master RPC per step and chunk (PutCommit or BatchPutStart/BatchPutEnd,
+BatchGetReplicaList) and one exchange per node and chunk; large batches overlap the
+RPCs of one chunk with the copies of another (:mod:`kvpool.client.pipeline`). Buffers given to put/get are used in place (zero copy); ``register_buffer``
 does the checks once and adds torch CUDA tensors (through a pinned staging buffer).
 
 Leases (Mooncake semantics): a read asks the master for the replica list, which grants a

@@ -89,11 +89,14 @@ class GetPath:
         ]
 
     def _pipelined(self, keys: Sequence[str], item_bytes: int, read) -> None:
-        """Query ``keys`` chunk by chunk (:mod:`kvpool.client.pipeline`), calling
+        """Query ``keys`` chunk by chunk (:mod:`kvpool.client.pipeline`; ``item_bytes``:
+        the values' size, 0 when unknown: then the first chunk's answer decides), calling
         ``read(start, handles, deadline)`` for each chunk (``start``: the index of its
         first key; a ReadHandle or an ErrorCode per key; ``deadline``: the batch's, for
         every copy) while the master answers the next chunk's query. Raises
-        InvalidParams (a bad key) before any RPC."""
+        InvalidParams (a bad key) before any RPC, and what a query or a read raised,
+        after returning the grants of every chunk not read."""
+        keys = list(keys)
         for key in keys:
             check_key(key)
         if not keys:
@@ -101,22 +104,40 @@ class GetPath:
         # one deadline for the whole batch: a node that stopped answering costs the
         # client's timeout once, not once per chunk (6.1 s instead of 1.0 before this)
         deadline = time.monotonic() + self.timeout_s
+        granted: list[ReadHandle] = []  # released on a failure (a no-op for those read)
+
+        def query(lo: int, hi: int, during=None) -> list:
+            got = self._batch_query(keys[lo:hi], during=during)
+            granted.extend(h for h in got if isinstance(h, ReadHandle))
+            return got
+
         chunks = pipeline.get_spans(len(keys), item_bytes)
-        handles = self._batch_query(keys[chunks[0][0]:chunks[0][1]])
-        for k, (start, _) in enumerate(chunks):
-            ran: list[bool] = []
+        try:
+            handles = query(*chunks[0])
+            if not item_bytes and len(chunks) > 2 and _largest(handles) >= pipeline.LARGE_VALUE:
+                chunks = [chunks[0], (chunks[0][1], len(keys))]  # large values: no more chunks
+            for k, (start, _) in enumerate(chunks):
+                if k + 1 == len(chunks):
+                    read(start, handles, deadline)
+                    return
+                ran: list[bool] = []
+                failed: list[BaseException] = []
 
-            def this_chunk(start=start, handles=handles, ran=ran) -> None:
-                ran.append(True)
-                read(start, handles, deadline)
+                def this_chunk(start=start, handles=handles, ran=ran, failed=failed) -> None:
+                    ran.append(True)
+                    try:
+                        read(start, handles, deadline)
+                    except BaseException as exc:  # raised once the reply is read: the channel stays in step
+                        failed.append(exc)
 
-            if k + 1 == len(chunks):
-                this_chunk()
-                return
-            nxt_start, nxt_end = chunks[k + 1]
-            handles = self._batch_query(keys[nxt_start:nxt_end], during=this_chunk)
-            if not ran:  # the connection broke before the overlap ran; the retry only asked
-                this_chunk()
+                handles = query(*chunks[k + 1], this_chunk)
+                if not ran:  # the connection broke before the overlap ran; the retry only asked
+                    this_chunk()
+                if failed:
+                    raise failed[0]
+        except BaseException:
+            self.release(granted)
+            raise
 
     def get_size(self, key: str) -> int:
         """Size of the value in bytes (grants a read lease). Raises ObjectNotFound."""
@@ -469,6 +490,11 @@ def _plan_fragments(size: int, wanted) -> tuple[list[int], list[tuple[int, memor
         codes.append(len(dst))
         frags.append((src, dst))
     return codes, frags
+
+
+def _largest(handles: list) -> int:
+    """The largest value size (bytes) among the ReadHandles of ``handles``; 0 if none."""
+    return max((h.size for h in handles if isinstance(h, ReadHandle)), default=0)
 
 
 def _destination(buf) -> memoryview:

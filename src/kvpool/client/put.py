@@ -164,10 +164,9 @@ class PutPath:
                 if code is not None:
                     codes[sent[k]] = code
                     settled.add(k)
-            placed = len(done)
-            if not placed:
+            if not done or None in done:  # no place, or a failed write or lease: the PutStart way
                 break
-            leased = leased[placed:]
+            leased = leased[len(done):]
         rest = [k for k in rest if k not in settled]
         if rest:
             # a fresh timeout: the PutStart way may place them on another, healthy node
@@ -176,11 +175,9 @@ class PutPath:
                 codes[sent[k]] = code
         return codes
 
-    def _put_started(self, items: list[P.PutItem], srcs: list[list[memoryview]],
-                     deadline: float | None = None) -> list[ErrorCode]:
+    def _put_started(self, items: list[P.PutItem], srcs: list[list[memoryview]]) -> list[ErrorCode]:
         """Put ``items`` (values: the concatenation of ``srcs[i]``) with one PutStart,
-        one PutEnd and one PutRevoke RPC, the writes given up at ``deadline``
-        (time.monotonic; None: the client's timeout from now); one code per item."""
+        one PutEnd and one PutRevoke RPC; one code per item."""
         codes = [ErrorCode.OK] * len(items)
         results = self._call(P.BatchPutStart(items, self.host_id), idempotent=False).results
         jobs, tokens = [], {}
@@ -189,7 +186,7 @@ class PutPath:
             if res.code == ErrorCode.OK:
                 tokens[i] = P.PutToken(item.key, res.put_id)
                 jobs.extend((i, piece, view) for d in res.replicas for piece, view in _pieces(d, views))
-        written, _ = self._write_all(jobs, deadline)
+        written, _ = self._write_all(jobs)
         good = [i for i in tokens if written[i]]
         bad = [i for i in tokens if not written[i]]
         if bad:
@@ -232,10 +229,15 @@ class PutPath:
                 jobs.append([(i, piece, view) for piece, view in _pieces(desc, views)])
             chunks = pipeline.put_spans(len(offsets), items[0].size)
             written: dict[int, bool] = {}
+            failed: list[BaseException] = []
 
             def write(start: int, end: int) -> None:
-                written.update(self._write_all([job for item_jobs in jobs[start:end] for job in item_jobs],
-                                               deadline)[0])
+                try:
+                    written.update(self._write_all([job for item_jobs in jobs[start:end] for job in item_jobs],
+                                                   deadline)[0])
+                except BaseException as exc:  # raised once the commit's reply is read
+                    written.update(dict.fromkeys(range(start, end), False))
+                    failed.append(exc)
 
             write(*chunks[0])
             for k, (start, end) in enumerate(chunks):
@@ -249,6 +251,8 @@ class PutPath:
                         codes[i] = None if code == ErrorCode.LEASE_EXPIRED else code_of(code)
                 if nxt is not None and nxt[0] not in written:  # no commit, or no overlap ran
                     write(*nxt)
+                if failed:
+                    raise failed[0]
         finally:
             # a failed write (a stale mount epoch?) or an unknown lease: place no more in it
             self.leases.finish(lease, drop=None in codes)
