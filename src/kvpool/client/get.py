@@ -120,21 +120,9 @@ class GetPath:
                 if k + 1 == len(chunks):
                     read(start, handles, deadline)
                     return
-                ran: list[bool] = []
-                failed: list[BaseException] = []
-
-                def this_chunk(start=start, handles=handles, ran=ran, failed=failed) -> None:
-                    ran.append(True)
-                    try:
-                        read(start, handles, deadline)
-                    except BaseException as exc:  # raised once the reply is read: the channel stays in step
-                        failed.append(exc)
-
+                this_chunk = pipeline.Overlap(lambda start=start, handles=handles: read(start, handles, deadline))
                 handles = query(*chunks[k + 1], this_chunk)
-                if not ran:  # the connection broke before the overlap ran; the retry only asked
-                    this_chunk()
-                if failed:
-                    raise failed[0]
+                this_chunk.finish()
         except BaseException:
             self.release(granted)
             raise

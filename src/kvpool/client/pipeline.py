@@ -84,3 +84,29 @@ def left(deadline: float | None) -> float | None:
     """Seconds left until ``deadline`` (time.monotonic), at least 0 (an engine call
     given 0 fails at once); None for None (the engine's own timeout)."""
     return None if deadline is None else max(0.0, deadline - time.monotonic())
+
+
+class Overlap:
+    """Work to run during a call (:meth:`~kvpool.rpc.RpcChannel.call`'s ``during``)
+    whose exception is kept until the call's reply is read, so the channel stays in
+    step and the reply (the next chunk's grants, this chunk's commit codes) is known.
+    :meth:`finish` runs the work if the call did not (a broken connection: the retry
+    asks again without it) and raises what it raised."""
+
+    def __init__(self, work):
+        self.work = work
+        self.ran = False
+        self.error: BaseException | None = None
+
+    def __call__(self) -> None:
+        self.ran = True
+        try:
+            self.work()
+        except BaseException as exc:
+            self.error = exc
+
+    def finish(self) -> None:
+        if not self.ran:
+            self()
+        if self.error is not None:
+            raise self.error

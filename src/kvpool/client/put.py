@@ -229,30 +229,22 @@ class PutPath:
                 jobs.append([(i, piece, view) for piece, view in _pieces(desc, views)])
             chunks = pipeline.put_spans(len(offsets), items[0].size)
             written: dict[int, bool] = {}
-            failed: list[BaseException] = []
 
             def write(start: int, end: int) -> None:
-                try:
-                    written.update(self._write_all([job for item_jobs in jobs[start:end] for job in item_jobs],
-                                                   deadline)[0])
-                except BaseException as exc:  # raised once the commit's reply is read
-                    written.update(dict.fromkeys(range(start, end), False))
-                    failed.append(exc)
+                written.update(self._write_all([job for item_jobs in jobs[start:end] for job in item_jobs],
+                                               deadline)[0])
 
             write(*chunks[0])
             for k, (start, end) in enumerate(chunks):
-                nxt = chunks[k + 1] if k + 1 < len(chunks) else None
+                nxt = None if k + 1 == len(chunks) else pipeline.Overlap(lambda k=k: write(*chunks[k + 1]))
                 ready = [i for i in range(start, end) if written[i]]
                 if ready:
                     commit = P.PutCommit(self.owner_id, lease.lease_id,
                                          [_commit_item(items[i], offsets[i]) for i in ready])
-                    overlap = None if nxt is None else (lambda nxt=nxt: write(*nxt))
-                    for i, code in zip(ready, self._call(commit, idempotent=False, during=overlap).codes):
+                    for i, code in zip(ready, self._call(commit, idempotent=False, during=nxt).codes):
                         codes[i] = None if code == ErrorCode.LEASE_EXPIRED else code_of(code)
-                if nxt is not None and nxt[0] not in written:  # no commit, or no overlap ran
-                    write(*nxt)
-                if failed:
-                    raise failed[0]
+                if nxt is not None:
+                    nxt.finish()  # written now if no commit carried it; what it raised, raised
         finally:
             # a failed write (a stale mount epoch?) or an unknown lease: place no more in it
             self.leases.finish(lease, drop=None in codes)
