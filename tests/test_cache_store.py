@@ -10,6 +10,7 @@ from kvpool.cache import Namespace, PrefixCache, StoreBackend, page_keys, store_
 from kvpool.cache.codec import HEADER_SIZE
 from kvpool.cache.prometheus import CacheCollector
 from cache_helpers import lookup
+from proc_helpers import wait_for
 
 PAGE = 4
 SHAPE = (2, 2, 1, PAGE, 3)
@@ -146,3 +147,104 @@ def test_k21_an_l3_match_counts_once_however_often_it_is_loaded(store):
     cache.load(m, adopt=False)
     cache.release(m)
     assert cache.metrics["hit_tokens_l3"] == 3 * PAGE and cache.metrics["lost_tokens_l3"] == 0
+
+
+def strided_out(pages):
+    """The engine's layout: tokens along a dim of their own, pages a permuted view of it."""
+    seq = torch.zeros((SHAPE[0], SHAPE[1], SHAPE[2], pages * PAGE, SHAPE[4]))
+    return seq.unflatten(3, (pages, PAGE)).permute(3, 0, 1, 2, 4, 5)
+
+
+@pytest.mark.parametrize("layout", ["page", "kv"])
+def test_mapped_pages_are_copied_once_straight_into_a_strided_out(store, client, layout):
+    ns = dataclasses.replace(NS, object_layout=layout)
+    tokens = list(range(7 * PAGE))
+    make(store, ns).insert(tokens, kv(7))
+    cache = make(store, ns)
+    cache.l3_tier._copy_pages = 2  # 7 pages: chunks of 2, 2, 2, 1 on two threads
+    out = strided_out(7)
+    m = cache.match(tokens)
+    cache.load(m, out=out, adopt=False)
+    cache.release(m)
+    assert m.num_pages == 7 and torch.equal(out, kv(7))
+    assert cache.metrics["pages_loaded_l3"] == 7
+    assert cache.metrics["bytes_loaded_l3"] == kv(7).numel() * 4
+    assert cache.l3_tier._load_rows.rows(0).shape[0] == 0  # no staging row: one copy
+    wait_for(lambda: client.stats().open_grants == 0, 5, "every read grant returned")
+    cache.close()
+
+
+def _damage(client, key, how):
+    """Change the stored object ``key`` as a faulty writer, a remount or an eviction would."""
+    if how == "vanished":
+        client.remove(key, force=True)
+        return
+    blob = bytearray(client.get(key))
+    if how == "checksum":
+        blob[HEADER_SIZE + 5] ^= 0x40
+    elif how == "length":
+        blob += b"x"
+    elif how == "truncated":
+        del blob[-1]
+    client.upsert(key, bytes(blob))
+
+
+@pytest.mark.parametrize("how", ["checksum", "length", "truncated", "vanished", "page_key"])
+def test_a_bad_mapped_page_in_a_later_chunk_cuts_the_load_there(store, client, how):
+    tokens = list(range(7 * PAGE))
+    make(store).insert(tokens, kv(7))
+    keys = [store_key(k) for k in page_keys(NS, tokens)]
+    cache = make(store)
+    cache.l3_tier._copy_pages = 2  # page 5 is in the third chunk
+    m = cache.match(tokens)
+    assert m.num_pages == 7
+    if how == "page_key":  # another page's bytes under page 5's key
+        client.upsert(keys[5], client.get(keys[4]))
+    else:  # between the match and the load
+        _damage(client, keys[5], how)
+    got = cache.load(m, out=strided_out(m.num_pages), adopt=False)
+    cache.release(m)
+    assert m.num_pages == 5 and torch.equal(got, kv(7)[:5])
+    assert cache.metrics["pages_loaded_l3"] == 5 and cache.metrics["hit_tokens_l3"] == 5 * PAGE
+    if how == "vanished":  # no view: the staging path reads from page 5 on and finds it gone
+        assert cache.metrics["l3_vanished"] == 1
+    else:
+        assert cache.metrics["page_rejects"] == 1 and cache.metrics[f"page_rejects_{how}"] == 1
+    wait_for(lambda: client.stats().open_grants == 0, 5, "every read grant returned")
+    cache.close()
+
+
+def test_pages_whose_grant_did_not_hold_through_the_copy_are_cut(store, client):
+    """A segment mounted again or a read lease run out while the pages were copied: the
+    bytes may be another object's, so the load stops at the first such page ("stale")."""
+    tokens = list(range(4 * PAGE))
+    make(store).insert(tokens, kv(4))
+    cache = make(store)
+    open_views = store.open_views
+
+    def lapsing(keys):
+        opened = open_views(keys)
+        close = opened.close
+        opened.close = lambda: [ok and i != 2 for i, ok in enumerate(close())]
+        return opened
+
+    store.open_views = lapsing
+    m = cache.match(tokens)
+    got = cache.load(m)
+    cache.release(m)
+    assert m.num_pages == 2 and torch.equal(got, kv(4)[:2])
+    assert cache.metrics["page_rejects_stale"] == 1 and cache.metrics["pages_loaded_l3"] == 2
+    cache.close()
+
+
+def test_a_client_without_mapped_segments_reads_through_staging_rows(module_cluster):
+    from kvpool.client import Client
+    tokens = list(range(3 * PAGE))
+    with Client(module_cluster.master_addr, force_tcp=True) as tcp:
+        make(StoreBackend(tcp)).insert(tokens, kv(3))
+        cache = make(StoreBackend(tcp))
+        n, tiers, got = lookup(cache, tokens)
+        assert (n, tiers) == (3, ["L3"] * 3) and torch.equal(got, kv(3))
+        assert cache.l3_tier._load_rows.rows(0).shape[0] == 3  # read into staging, no view
+        cache.close()
+        tcp.remove_all(force=True)

@@ -43,6 +43,10 @@ class L3Backend(Protocol):
 
     Each call raises one of :data:`BACKEND_ERRORS` when the medium cannot answer at
     all, and InvalidParams for a malformed call (empty key, buffer count mismatch).
+
+    Optional, for a medium mapped in this process: ``open_views(keys) -> ObjectViews``
+    (see :meth:`StoreBackend.open_views`); the cache then copies such objects once,
+    straight out of the medium, instead of reading them into staging rows first.
     """
 
     def exists(self, keys: Sequence[str]) -> list[bool]: ...
@@ -78,7 +82,46 @@ class StoreBackend:
         or a negative ErrorCode (Client.batch_get_into)."""
         return list(self.client.batch_get_into(list(keys), list(bufs))) if keys else []
 
+    def open_views(self, keys: Sequence[str]) -> "ObjectViews":
+        """Zero-copy views of the objects ``keys`` that sit in a segment mapped in this
+        process (shared memory on this host, or a segment this process hosts), under a
+        read grant each: the master neither evicts nor reuses their bytes until the
+        views are closed. One grant query for all keys; objects that are absent or only
+        reachable over the network get no view (their grants are returned at once).
+        Raises one of :data:`BACKEND_ERRORS` when the master cannot answer.
+        """
+        handles = self.client.batch_query(list(keys)) if keys else []
+        held = [h for h in handles if not isinstance(h, int)]  # else an ErrorCode
+        opened = self.client.open_views(held)
+        self.client.release([h for h, v in zip(held, opened.views) if v is None])
+        views = iter(opened.views)
+        return ObjectViews([next(views) if not isinstance(h, int) else None
+                            for h in handles], opened)
+
     def get(self, keys: Sequence[str]) -> list[bytes | None]:
         """Whole objects as bytes, None when absent (for tools and tests; the cache reads
         through :meth:`get_into`)."""
         return list(self.client.batch_get(list(keys))) if keys else []
+
+
+class ObjectViews:
+    """What :meth:`StoreBackend.open_views` hands out: ``views[i]`` is a read-only
+    memoryview of object ``keys[i]`` (its whole stored bytes) or None. The bytes are the
+    store's memory, not a snapshot: the reader checks what it copied out (page header
+    and checksum) and then calls :meth:`close` once."""
+
+    def __init__(self, views: list, opened):
+        self.views = views
+        self._opened = opened
+        self._viewed = [i for i, v in enumerate(views) if v is not None]
+
+    def close(self) -> list[bool]:
+        """Per key: True when the bytes copied out of its view may be kept (it had a
+        view, its segment was not mounted again meanwhile, its read lease had not run
+        out); returns the grants. Idempotent after the first call (then all False)."""
+        kept = [False] * len(self.views)
+        for i, ok in zip(self._viewed, self._opened.close()):
+            kept[i] = ok
+        self._viewed = []
+        self.views = [None] * len(self.views)
+        return kept

@@ -1,8 +1,9 @@
 """The L3 tier of a prefix cache: what L3 holds, checked reads, backups and prefetch reads.
 
-L3 is not in the radix tree: it is asked live. Reads land in staging rows (kept and
-reused) and are checked there against their headers (``codec``); a page that fails is
-never used: the read is cut at it and the reason counted. Backups write only the pages
+L3 is not in the radix tree: it is asked live. A load copies pages in memory mapped here
+straight into place and hashes them after the copy (``viewcopy``); other reads land in
+staging rows (kept and reused) and are checked there against their headers (``codec``).
+A page that fails is never used: the read is cut at it and the reason counted. Backups write only the pages
 L3 lacks, on a background thread with a bounded queue. Prefetches plan (how many pages
 L3 holds) and read batch by batch on their own thread; the cache lands each batch in its
 tree. A backend failure (:data:`kvpool.cache.l3.BACKEND_ERRORS`) is an ``l3_errors``
@@ -26,8 +27,9 @@ import torch
 from kvpool.cache.l3 import BACKEND_ERRORS, L3Backend
 from kvpool.cache.metrics import CacheMetrics
 from kvpool.cache.namespace import Namespace
-from kvpool.cache.pagestore import PageStore
+from kvpool.cache.pagestore import PageStore, ReadResult
 from kvpool.cache.prefetch import PrefetchHandle
+from kvpool.cache.viewcopy import COPY_CHUNK_BYTES, CheckedCopier
 from kvpool.cache.worker import JobThread
 
 
@@ -104,6 +106,8 @@ class L3Tier:
         self.prefetch_batch = prefetch_batch
         self._load_rows = _Staging(self.store)
         self._chunk_pages = max(1, LOAD_CHUNK_BYTES // self.store.row_bytes)
+        self._copier = CheckedCopier()
+        self._copy_pages = max(1, COPY_CHUNK_BYTES // self.store.row_bytes)
         self._prefetch_rows = _Staging(self.store)
         self._backups = (JobThread("kvpool-backup", self._write, backup_queue)
                          if async_backup else None)
@@ -125,22 +129,44 @@ class L3Tier:
         strides: e.g. a view of an engine's KV layout). Returns how many leading pages
         landed and passed their check; the rest of ``out`` is then undefined.
 
-        Chunk by chunk of about :data:`LOAD_CHUNK_BYTES`: each chunk is copied out of
-        the store into staging rows, checked there and copied on into ``out`` while it
-        is still in the CPU's cache, so the checksum and the copy on read cached bytes
-        (through full-size rows they came back from main memory): the demo's 102 MB
-        41.7-43.7 -> 36.3-36.5 ms in a loop here (docs/cache.md, "L3 loads").
+        Leading pages in memory mapped here (shared memory on this host) are copied once,
+        straight into ``out``, and checked after the copy (:mod:`kvpool.cache.viewcopy`):
+        the demo's 102 MB 31 -> ~15 ms. The rest go chunk by chunk of about
+        :data:`LOAD_CHUNK_BYTES`: copied out of the store into staging rows, checked
+        there and copied on into ``out`` while still in the CPU's cache.
         """
-        got = 0
         with self._load_rows.lock:
-            while got < len(keys):
+            got, ended = self._read_viewed(keys, first_index, out)
+            while not ended and got < len(keys):
                 chunk = list(keys[got:got + self._chunk_pages])
                 pages = self._read(chunk, first_index + got, self._load_rows)
                 out[got:got + pages.shape[0]].copy_(pages)
                 got += pages.shape[0]
-                if pages.shape[0] < len(chunk):
-                    break
+                ended = pages.shape[0] < len(chunk)
         return got
+
+    def _read_viewed(self, keys: Sequence[bytes], first_index: int, out: torch.Tensor
+                     ) -> tuple[int, bool]:
+        """Copy the leading pages of ``keys`` that have views (:meth:`PageStore.open_pages`)
+        into ``out`` and check them; returns (pages that landed and passed, whether the
+        read ends there: a page failed, or L3 could not answer)."""
+        try:
+            opened = self.store.open_pages(keys)
+        except BACKEND_ERRORS:
+            self.metrics.inc("l3_errors")
+            return 0, True
+        if opened is None:
+            return 0, False
+        try:
+            good, reason = self._copier.copy(
+                len(opened.views), lambda j: self.store.copy_of(opened.views[j], keys[j], first_index + j, out[j]),
+                self._copy_pages)
+        finally:
+            kept = opened.close()
+        if kept < good:
+            good, reason = kept, "stale"
+        self._count(self.store.result(good, reason))
+        return good, reason is not None
 
     def _read(self, keys: list[bytes], first_index: int, staging: _Staging) -> torch.Tensor:
         raw = staging.rows(len(keys))
@@ -149,6 +175,11 @@ class L3Tier:
         except BACKEND_ERRORS:
             self.metrics.inc("l3_errors")
             return torch.empty((0, *self.page_shape), dtype=self.dtype)
+        self._count(result)
+        return self.store.pages(raw, result.good, self.page_shape, self.dtype)
+
+    def _count(self, result: ReadResult) -> None:
+        """Count a read: its pages (verified: hits) and why the next page failed."""
         if result.reason == "vanished":
             self.metrics.inc("l3_vanished")
         elif result.reason is not None:
@@ -156,7 +187,6 @@ class L3Tier:
             self.metrics.inc(f"page_rejects_{result.reason}")
         self.metrics.inc("pages_loaded_l3", result.good)
         self.metrics.inc("bytes_loaded_l3", result.nbytes)
-        return self.store.pages(raw, result.good, self.page_shape, self.dtype)
 
     def reserve(self, pages: int) -> None:
         """Grow the rows loads land in to ``pages`` pages (at most one chunk,
@@ -267,3 +297,4 @@ class L3Tier:
             if worker is not None:
                 worker.close()
         self._backups = self._prefetcher = None
+        self._copier.close()

@@ -10,14 +10,17 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
+import warnings
 from collections.abc import Sequence
 
 import numpy as np
 import torch
 
-from kvpool.cache.codec import HEADER_SIZE, PageFormatError, PageHeader, decode_page, encode_page
+from kvpool.cache.codec import (HEADER_SIZE, PageFormatError, PageHeader, TruncatedPage, LengthMismatch, check_header,
+                                decode_page, encode_page)
 from kvpool.cache.keys import store_key
 from kvpool.cache.l3 import L3Backend
+from kvpool.cache.viewcopy import PageCopy
 from kvpool.errors import ErrorCode, InvalidParams
 
 OBJECT_LAYOUTS = {"page": ("",), "kv": ("k", "v")}
@@ -62,6 +65,7 @@ class PageStore:
         self.parts = (part,) if part else OBJECT_LAYOUTS[object_layout]
         self.part_bytes = (int(np.prod(page_shape)) * torch.empty((), dtype=dtype).element_size()
                            // len(self.parts))
+        self.page_shape, self.dtype = tuple(page_shape), dtype
 
     def object_keys(self, key: bytes) -> list[str]:
         """Store keys of every object of page ``key``."""
@@ -122,14 +126,67 @@ class PageStore:
         for i, size in enumerate(sizes):
             j, part = divmod(i, n)
             if size < 0:
-                return self._result(j, "length" if size == ErrorCode.BUFFER_OVERFLOW
+                return self.result(j, "length" if size == ErrorCode.BUFFER_OVERFLOW
                                     else "vanished")
             try:
                 decode_page(memoryview(rows[i])[:size],
                             self._header(keys[j], self.parts[part], first_index + j))
             except PageFormatError as exc:
-                return self._result(j, exc.reason)
-        return self._result(len(keys), None)
+                return self.result(j, exc.reason)
+        return self.result(len(keys), None)
+
+    def open_pages(self, keys: Sequence[bytes]) -> "OpenPages | None":
+        """Views of the leading pages of ``keys`` whose objects all sit in memory mapped
+        in this process; None when the backend has no views (``open_views``). The run
+        stops at the first page with an object that has no view (absent, or only over
+        the network: read it and those after it through :meth:`read_into`). Nothing is
+        checked yet (:meth:`copy_of` does, page by page). Close the result once its pages
+        are copied. Raises what the backend's ``open_views`` raises
+        (:data:`~kvpool.cache.l3.BACKEND_ERRORS`)."""
+        open_views = getattr(self.backend, "open_views", None)
+        if open_views is None:
+            return None
+        n = len(self.parts)
+        opened = open_views([k for key in keys for k in self.object_keys(key)])
+        pages = OpenPages(opened, n)
+        for j in range(len(keys)):
+            views = opened.views[j * n:(j + 1) * n]
+            if any(v is None for v in views):
+                break
+            pages.views.append(views)
+        return pages
+
+    def copy_of(self, views: list[memoryview], key: bytes, index: int, page: torch.Tensor) -> PageCopy:
+        """How to copy page ``key`` (page number ``index``; ``views``: its objects as
+        stored, :meth:`open_pages`) into ``page`` (``page_shape``, this store's dtype,
+        any strides, any device), once its headers are checked. Raises LengthMismatch
+        (an object larger than a page), the header's PageFormatError, or TruncatedPage
+        (shorter than its header says)."""
+        checksums = [self._checked(v, key, part, index) for part, v in zip(self.parts, views)]
+        payloads = [v[HEADER_SIZE:] for v in views]
+        if len(self.parts) == 1:
+            return PageCopy([page], [self._tensor(payloads[0], self.page_shape)], payloads, checksums)
+        half = (self.page_shape[0], *self.page_shape[2:])
+        return PageCopy([page.select(1, p) for p in range(len(self.parts))],
+                        [self._tensor(v, half) for v in payloads], payloads, checksums)
+
+    def _checked(self, view: memoryview, key: bytes, part: str, index: int) -> int:
+        """The payload checksum the header of ``view`` (one object as stored) records.
+        Raises LengthMismatch ("length": larger than a page), the header's
+        PageFormatError, or TruncatedPage (shorter than its header says)."""
+        if len(view) > HEADER_SIZE + self.part_bytes:
+            raise LengthMismatch(f"object of {len(view)} bytes is larger than a page")
+        checksum = check_header(view[:HEADER_SIZE], self._header(key, part, index))
+        if len(view) < HEADER_SIZE + self.part_bytes:
+            raise TruncatedPage(f"object of {len(view)} bytes is shorter than its header says")
+        return checksum
+
+    def _tensor(self, payload: memoryview, shape: tuple[int, ...]) -> torch.Tensor:
+        if not payload.readonly:
+            return torch.frombuffer(payload, dtype=self.dtype).view(shape)
+        with warnings.catch_warnings():  # only ever read from (2 us a page: not always)
+            warnings.simplefilter("ignore", UserWarning)
+            return torch.frombuffer(payload, dtype=self.dtype).view(shape)
 
     def pages(self, raw: np.ndarray, n: int, page_shape: Sequence[int], dtype: torch.dtype
               ) -> torch.Tensor:
@@ -142,7 +199,8 @@ class PageStore:
         halves = payload.view(n, len(self.parts), page_shape[0], *page_shape[2:])
         return halves.transpose(1, 2)
 
-    def _result(self, good: int, reason: str | None) -> ReadResult:
+    def result(self, good: int, reason: str | None) -> ReadResult:
+        """The ReadResult of ``good`` leading pages and ``reason`` for the next one."""
         return ReadResult(good, reason, good * len(self.parts) * self.part_bytes)
 
     def _header(self, key: bytes, part: str, index: int) -> PageHeader:
@@ -154,6 +212,23 @@ class PageStore:
         if len(self.parts) == 1:
             return [_as_bytes(page)]
         return [_as_bytes(page.select(1, i)) for i in range(len(self.parts))]
+
+
+class OpenPages:
+    """What :meth:`PageStore.open_pages` returns: ``views[j]``, the views of the objects
+    of leading page ``j`` as stored (header, then payload). Close it once."""
+
+    def __init__(self, opened, per_page: int):
+        self._opened, self._per_page = opened, per_page
+        self.views: list[list[memoryview]] = []
+
+    def close(self) -> int:
+        """Return the grants; how many leading pages may be kept (every object's
+        segment still mounted as when viewed and its read lease not run out)."""
+        kept = self._opened.close()
+        n = self._per_page
+        whole = [all(kept[j * n:(j + 1) * n]) for j in range(len(self.views))]
+        return whole.index(False) if False in whole else len(whole)
 
 
 def object_digest(key: bytes, part: str) -> bytes:
