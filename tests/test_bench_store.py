@@ -20,7 +20,7 @@ from proc_helpers import poll_until
 
 TINY = ["bench", "store", "--sizes", "4KiB,64KiB", "--batches", "4", "--repeats", "1",
         "--budget", "0.01", "--working-set", "256KiB", "--segment-size", "64MiB",
-        "--put-cap", "1MiB", "--no-progress"]
+        "--put-cap", "1MiB", "--no-progress", "--l3-load-repeats", "1"]
 
 
 @pytest.fixture(scope="module")
@@ -65,6 +65,11 @@ def test_tiny_run_records_memory_and_verdicts(tiny_run):
     targets = {v["target"] for v in doc["verdicts"]}
     assert any(t.startswith("node peak RSS") for t in targets)
     assert any(t.startswith("4KiB get p50") for t in targets)
+    # the demo's L3 load, side by side with a memcpy of its bytes
+    assert doc["l3_load"]["pages"] == 138 and doc["l3_load"]["bytes"] == 138 * 737_280
+    assert doc["l3_load"]["ratio"] > 0
+    assert any(v["target"].startswith("demo L3 load") and v["value"] == doc["l3_load"]["ratio"]
+               for v in doc["verdicts"])
 
 
 def test_tiny_run_writes_a_png(tiny_run):
@@ -86,6 +91,7 @@ def test_missing_anchor_binaries_become_absent_columns(tmp_path, capsys):
     rc = main(["bench", "store", "--sizes", "4KiB", "--apis", "bytes", "--ops", "get",
                "--repeats", "1", "--budget", "0.01", "--working-set", "64KiB",
                "--segment-size", "16MiB", "--no-progress", "--only", "redis,mooncake x-proc,memcpy",
+               "--l3-load-repeats", "0",
                "--redis-server", str(tmp_path / "no-redis"),
                "--mooncake-master", str(tmp_path / "no-mooncake"),
                "--json", str(tmp_path / "r.json")])

@@ -41,6 +41,7 @@ REFUSED = [
     (["master", "--busy-poll", "-5"], "bad value '-5' for busy-poll (from flag): must be >= 0"),
     # bench: before the first cell, not at the end of the run
     (["bench", "store", "--quick", "--repeats", "0"], "--repeats must be >= 1, got 0"),
+    (["bench", "store", "--quick", "--l3-load-repeats", "-1"], "--l3-load-repeats must be >= 0, got -1"),
     (["bench", "store", "--quick", "--json", "/nonexistent/x.json"], "folder /nonexistent"),
     (["bench", "store", "--quick", "--plot", "/nonexistent/x.png"], "folder /nonexistent"),
     (["bench", "cache", "--json", "/nonexistent/x.json"], "folder /nonexistent"),

@@ -80,10 +80,12 @@ _COUNTS = ("repeats", "instances", "limit", "sessions", "turns", "turn_tokens", 
 
 
 def check_arguments(args) -> None:
-    """Options every benchmark shares, checked before any cell runs: counts >= 1, a
+    """Options every benchmark shares, checked before any cell runs: counts >= 1 (0
+    allowed where it means "left out"), a
     positive ``--budget``, and output files whose folder exists and is writable (else
     they fail only after the whole run). Raises: UserError naming the flag."""
     check_at_least(args, 1, *_COUNTS)
+    check_at_least(args, 0, "l3_load_repeats")  # 0: left out
     budget = getattr(args, "budget", None)
     if budget is not None and not budget > 0:
         raise UserError(f"--budget must be > 0 seconds, got {budget:g}")

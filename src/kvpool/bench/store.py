@@ -33,6 +33,7 @@ import tempfile
 import time
 from dataclasses import asdict
 
+from kvpool.bench import l3load
 from kvpool.bench.harness import CellResult, CellSpec
 from kvpool.bench.store_plan import Column, Row, parse_list, plan_columns, plan_rows
 from kvpool.bench.store_report import (
@@ -41,6 +42,7 @@ from kvpool.bench.store_report import (
 from kvpool.bench.worker import Worker
 from kvpool.config import parse_size
 from kvpool.errors import UserError
+from kvpool.launch import LaunchError
 
 HELP = "benchmark the store's data path against Mooncake, Redis and the machine's limits"
 SCHEMA = "kvpool.bench.store/1"
@@ -132,6 +134,9 @@ def add_arguments(p) -> None:
     p.add_argument("--no-veth", action="store_true",
                    help="leave out the kvpool column across two network namespaces joined by a "
                         "veth pair (needs root; absent with the reason when refused)")
+    p.add_argument("--l3-load-repeats", type=int, default=None,
+                   help="loads of the demo's 138 pages through the L3 tier, each against a "
+                        "memcpy (default 15; --quick 7; 0 leaves it out)")
     p.add_argument("--only", default=None, help="comma-separated column names to keep")
     p.add_argument("--json", dest="json_path", default=None, help="write results as JSON here")
     p.add_argument("--plot", dest="plot_path", default=None, help="write a PNG plot here")
@@ -155,6 +160,8 @@ def resolve_args(args) -> None:
         raise UserError("sizes and batches must be > 0")
     args.repeats = args.repeats or (2 if args.quick else 5)
     args.budget = args.budget or (0.06 if args.quick else 0.25)
+    if args.l3_load_repeats is None:
+        args.l3_load_repeats = 7 if args.quick else 15
     if args.repeats < 1 or args.budget <= 0:
         raise UserError("--repeats must be >= 1 and --budget > 0")
     args.working_set = parse_size(args.working_set)
@@ -162,6 +169,19 @@ def resolve_args(args) -> None:
     args.max_batch_bytes = parse_size(args.max_batch_bytes)
     args.put_cap = parse_size(args.put_cap)
     args.only = parse_list(args.only, str) if args.only else None
+
+
+def measure_l3_load(args, log_dir: str) -> dict | None:
+    """The demo's L3 load against memcpy (:mod:`kvpool.bench.l3load`); None when left
+    out (``--l3-load-repeats 0``) or when its cluster could not start (said why)."""
+    if not args.l3_load_repeats:
+        return None
+    print(f"measuring the demo's L3 load ({args.l3_load_repeats} loads) ...", file=sys.stderr, flush=True)
+    try:
+        return l3load.measure(args.l3_load_repeats, log_dir=log_dir)
+    except LaunchError as exc:
+        print(f"absent: demo L3 load: {exc}")
+        return None
 
 
 def run(args) -> int:
@@ -185,10 +205,11 @@ def run(args) -> int:
     finally:
         for w in workers:
             w.stop()
+    l3 = measure_l3_load(args, log_dir)  # alone on the machine: the workers are gone
     summaries = {key: summarize(res) for key, res in results.items()}
     fig = Figures(summaries, columns)
     memory = {c.name: stats.get(c.name, {}) for c in columns if c.kind == "kvpool"}
-    vs = verdicts(rows, fig, memory)
+    vs = verdicts(rows, fig, memory) + ([l3load.verdict(l3)] if args.l3_load_repeats else [])
     print(format_table(rows, columns, fig))
     for w in workers:
         if w.absent:
@@ -210,6 +231,7 @@ def run(args) -> int:
                     "value": fig.ratio(a, b, row)}
                    for row in rows for label, a, b in RATIOS if fig.ratio(a, b, row) is not None],
         "verdicts": [v.as_target() for v in vs],
+        "l3_load": l3,
     }
     if args.json_path:
         with open(args.json_path, "w") as f:
