@@ -214,11 +214,15 @@ def test_a_bad_mapped_page_in_a_later_chunk_cuts_the_load_there(store, client, h
     cache.close()
 
 
-def test_pages_whose_grant_did_not_hold_through_the_copy_are_cut(store, client):
+@pytest.mark.parametrize("corrupt", [False, True])
+def test_pages_whose_grant_did_not_hold_through_the_copy_are_cut(store, client, corrupt):
     """A segment mounted again or a read lease run out while the pages were copied: the
-    bytes may be another object's, so the load stops at the first such page ("stale")."""
+    bytes may be another object's, so the load stops at the first such page ("stale"),
+    whatever its own check said (a checksum failure there is the remount's doing)."""
     tokens = list(range(4 * PAGE))
     make(store).insert(tokens, kv(4))
+    if corrupt:
+        _damage(client, store_key(page_keys(NS, tokens)[2]), "checksum")
     cache = make(store)
     open_views = store.open_views
 
@@ -234,6 +238,68 @@ def test_pages_whose_grant_did_not_hold_through_the_copy_are_cut(store, client):
     cache.release(m)
     assert m.num_pages == 2 and torch.equal(got, kv(4)[:2])
     assert cache.metrics["page_rejects_stale"] == 1 and cache.metrics["pages_loaded_l3"] == 2
+    assert cache.metrics["page_rejects"] == 1  # and not also a checksum reject
+    cache.close()
+
+
+def test_views_close_per_key_in_key_order():
+    """ObjectViews.close gives each key the flag of its own grant, also when a key
+    before it was granted without a view (a page on another host)."""
+    from kvpool.cache.l3 import ObjectViews
+
+    class Granted:  # the client's ValueViews: one flag per granted handle, in order
+        def close(self):
+            return [False, True, False]
+
+    views = ObjectViews([None, memoryview(b"b"), memoryview(b"c"), None], [0, 1, 2], Granted())
+    assert views.close() == [False, True, False, False]
+    assert views.close() == [False] * 4 and views.views == [None] * 4
+
+
+def test_a_copy_that_raises_stops_both_threads_and_raises():
+    from kvpool.cache.codec import payload_checksum
+    from kvpool.cache.viewcopy import CheckedCopier, PageCopy
+
+    prepared, empty = [], payload_checksum([b""])
+
+    def prepare(j):
+        prepared.append(j)
+        if j == 2:
+            raise RuntimeError("bug")
+        return PageCopy([torch.zeros(1)], [torch.ones(1)], [memoryview(b"")], [empty])
+
+    copier = CheckedCopier()
+    with pytest.raises(RuntimeError, match="bug"):
+        copier.copy(1000, prepare, 1)
+    assert len(prepared) < 1000  # the other thread stopped claiming pages
+    copier.close()
+
+
+def test_a_client_on_another_host_than_the_pages_stops_asking_for_views(store, client):
+    """Pages that are not mapped here (a client on another host): their grant query for
+    views is wasted, so later loads skip views for a while (VIEW_RETRY_LOADS)."""
+    from kvpool.cache.l3_tier import VIEW_RETRY_LOADS
+
+    class Elsewhere(StoreBackend):
+        asked = 0
+
+        def open_views(self, keys):
+            Elsewhere.asked += 1
+            opened = super().open_views(keys)
+            opened.close()
+            opened.views = [None] * len(keys)  # as though every object were on another host
+            return opened
+
+    tokens = list(range(3 * PAGE))
+    make(store).insert(tokens, kv(3))
+    cache = make(Elsewhere(client))
+    for _ in range(3):
+        m = cache.match(tokens)
+        got = cache.load(m, adopt=False)  # L3 every time
+        cache.release(m)
+        assert m.tiers == ["L3"] * 3 and torch.equal(got, kv(3))
+    assert Elsewhere.asked == 1 and cache.l3_tier._skip_views == VIEW_RETRY_LOADS - 2
+    wait_for(lambda: client.stats().open_grants == 0, 5, "every read grant returned")
     cache.close()
 
 
@@ -246,5 +312,6 @@ def test_a_client_without_mapped_segments_reads_through_staging_rows(module_clus
         n, tiers, got = lookup(cache, tokens)
         assert (n, tiers) == (3, ["L3"] * 3) and torch.equal(got, kv(3))
         assert cache.l3_tier._load_rows.rows(0).shape[0] == 3  # read into staging, no view
+        assert StoreBackend(tcp).open_views(["x"]) is None  # and no grant query for views
         cache.close()
         tcp.remove_all(force=True)

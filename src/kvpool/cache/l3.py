@@ -82,21 +82,29 @@ class StoreBackend:
         or a negative ErrorCode (Client.batch_get_into)."""
         return list(self.client.batch_get_into(list(keys), list(bufs))) if keys else []
 
-    def open_views(self, keys: Sequence[str]) -> "ObjectViews":
+    def open_views(self, keys: Sequence[str]) -> "ObjectViews | None":
         """Zero-copy views of the objects ``keys`` that sit in a segment mapped in this
         process (shared memory on this host, or a segment this process hosts), under a
         read grant each: the master neither evicts nor reuses their bytes until the
         views are closed. One grant query for all keys; objects that are absent or only
         reachable over the network get no view (their grants are returned at once).
+        None, with no query, for a client that moves every byte over TCP (``force_tcp``).
         Raises one of :data:`BACKEND_ERRORS` when the master cannot answer.
         """
+        if getattr(self.client, "force_tcp", False):
+            return None
         handles = self.client.batch_query(list(keys)) if keys else []
-        held = [h for h in handles if not isinstance(h, int)]  # else an ErrorCode
-        opened = self.client.open_views(held)
-        self.client.release([h for h, v in zip(held, opened.views) if v is None])
-        views = iter(opened.views)
-        return ObjectViews([next(views) if not isinstance(h, int) else None
-                            for h in handles], opened)
+        held = [i for i, h in enumerate(handles) if not isinstance(h, int)]  # else an ErrorCode
+        try:
+            opened = self.client.open_views([handles[i] for i in held])
+        except BaseException:
+            self.client.release([handles[i] for i in held])
+            raise
+        self.client.release([handles[i] for i, v in zip(held, opened.views) if v is None])
+        views: list = [None] * len(handles)
+        for i, v in zip(held, opened.views):
+            views[i] = v
+        return ObjectViews(views, held, opened)
 
     def get(self, keys: Sequence[str]) -> list[bytes | None]:
         """Whole objects as bytes, None when absent (for tools and tests; the cache reads
@@ -105,23 +113,23 @@ class StoreBackend:
 
 
 class ObjectViews:
-    """What :meth:`StoreBackend.open_views` hands out: ``views[i]`` is a read-only
-    memoryview of object ``keys[i]`` (its whole stored bytes) or None. The bytes are the
-    store's memory, not a snapshot: the reader checks what it copied out (page header
-    and checksum) and then calls :meth:`close` once."""
+    """What :meth:`StoreBackend.open_views` hands out: ``views[i]`` is a memoryview of
+    object ``keys[i]`` (its whole stored bytes) or None. The bytes are the store's
+    memory, not a snapshot (and writable: only ever read them): the reader checks what
+    it copied out (page header and checksum) and then calls :meth:`close` once."""
 
-    def __init__(self, views: list, opened):
+    def __init__(self, views: list, held: list[int], opened):
         self.views = views
+        self._held = held  # positions of the keys granted, in the order ``opened`` has them
         self._opened = opened
-        self._viewed = [i for i, v in enumerate(views) if v is not None]
 
     def close(self) -> list[bool]:
         """Per key: True when the bytes copied out of its view may be kept (it had a
         view, its segment was not mounted again meanwhile, its read lease had not run
         out); returns the grants. Idempotent after the first call (then all False)."""
         kept = [False] * len(self.views)
-        for i, ok in zip(self._viewed, self._opened.close()):
+        for i, ok in zip(self._held, self._opened.close()):
             kept[i] = ok
-        self._viewed = []
+        self._held = []
         self.views = [None] * len(self.views)
         return kept

@@ -54,6 +54,10 @@ class Backup:
 # the last-level cache (32 MiB here), so the rows are still cached when copied on
 LOAD_CHUNK_BYTES = 8 << 20
 
+# loads that skip the view path after one whose first page had no view (a client on
+# another host than the pages): one wasted grant query per this many loads at most
+VIEW_RETRY_LOADS = 32
+
 # land(handle, first, pages) -> pages the tree took, or None when the handle was cancelled
 LandFn = Callable[[PrefetchHandle, int, torch.Tensor], "int | None"]
 
@@ -107,6 +111,7 @@ class L3Tier:
         self._load_rows = _Staging(self.store)
         self._chunk_pages = max(1, LOAD_CHUNK_BYTES // self.store.row_bytes)
         self._copier = CheckedCopier()
+        self._skip_views = 0  # loads left that do not try views (see VIEW_RETRY_LOADS)
         self._copy_pages = max(1, COPY_CHUNK_BYTES // self.store.row_bytes)
         self._prefetch_rows = _Staging(self.store)
         self._backups = (JobThread("kvpool-backup", self._write, backup_queue)
@@ -149,7 +154,13 @@ class L3Tier:
                      ) -> tuple[int, bool]:
         """Copy the leading pages of ``keys`` that have views (:meth:`PageStore.open_pages`)
         into ``out`` and check them; returns (pages that landed and passed, whether the
-        read ends there: a page failed, or L3 could not answer)."""
+        read ends there: a page failed, or L3 could not answer). Only into host memory
+        (a device ``out`` takes the staging path: one transfer per 8 MiB, not per page)."""
+        if out.device.type != "cpu":
+            return 0, False
+        if self._skip_views > 0:
+            self._skip_views -= 1
+            return 0, False
         try:
             opened = self.store.open_pages(keys)
         except BACKEND_ERRORS:
@@ -157,13 +168,16 @@ class L3Tier:
             return 0, True
         if opened is None:
             return 0, False
+        if keys and not opened.views:  # the first page is not mapped here: its query wasted
+            self._skip_views = VIEW_RETRY_LOADS
         try:
-            good, reason = self._copier.copy(
-                len(opened.views), lambda j: self.store.copy_of(opened.views[j], keys[j], first_index + j, out[j]),
-                self._copy_pages)
+            good, reason = self._copier.copy(len(opened.views), lambda j: self.store.copy_of(
+                opened.views[j], keys[j], first_index + j, out[j]), self._copy_pages)
         finally:
             kept = opened.close()
-        if kept < good:
+        if kept < len(opened.views) and kept <= good:
+            # that page's segment was mounted again or its lease ran out: whatever its
+            # check said, its bytes may have been another object's
             good, reason = kept, "stale"
         self._count(self.store.result(good, reason))
         return good, reason is not None

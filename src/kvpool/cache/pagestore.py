@@ -10,14 +10,13 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
-import warnings
 from collections.abc import Sequence
 
 import numpy as np
 import torch
 
-from kvpool.cache.codec import (HEADER_SIZE, PageFormatError, PageHeader, TruncatedPage, LengthMismatch, check_header,
-                                decode_page, encode_page)
+from kvpool.cache.codec import (HEADER_SIZE, LengthMismatch, PageFormatError, PageHeader,
+                                TruncatedPage, check_header, decode_page, encode_page)
 from kvpool.cache.keys import store_key
 from kvpool.cache.l3 import L3Backend
 from kvpool.cache.viewcopy import PageCopy
@@ -137,7 +136,8 @@ class PageStore:
 
     def open_pages(self, keys: Sequence[bytes]) -> "OpenPages | None":
         """Views of the leading pages of ``keys`` whose objects all sit in memory mapped
-        in this process; None when the backend has no views (``open_views``). The run
+        in this process; None when the backend has no views (``open_views``, or it
+        returned None: a client over TCP only). The run
         stops at the first page with an object that has no view (absent, or only over
         the network: read it and those after it through :meth:`read_into`). Nothing is
         checked yet (:meth:`copy_of` does, page by page). Close the result once its pages
@@ -148,6 +148,8 @@ class PageStore:
             return None
         n = len(self.parts)
         opened = open_views([k for key in keys for k in self.object_keys(key)])
+        if opened is None:
+            return None
         pages = OpenPages(opened, n)
         for j in range(len(keys)):
             views = opened.views[j * n:(j + 1) * n]
@@ -182,11 +184,9 @@ class PageStore:
         return checksum
 
     def _tensor(self, payload: memoryview, shape: tuple[int, ...]) -> torch.Tensor:
-        if not payload.readonly:
-            return torch.frombuffer(payload, dtype=self.dtype).view(shape)
-        with warnings.catch_warnings():  # only ever read from (2 us a page: not always)
-            warnings.simplefilter("ignore", UserWarning)
-            return torch.frombuffer(payload, dtype=self.dtype).view(shape)
+        # a store view is writable memory (torch would warn, once, about a read-only one);
+        # the tensor is only ever read from
+        return torch.frombuffer(payload, dtype=self.dtype).view(shape)
 
     def pages(self, raw: np.ndarray, n: int, page_shape: Sequence[int], dtype: torch.dtype
               ) -> torch.Tensor:

@@ -4,10 +4,13 @@ An L3 page in a segment mapped in this process (shared memory on this host) is c
 straight from the segment into its destination (an engine's strided KV layout, a tree
 slot), with no staging copy, and then its payload is hashed where it was read from,
 while those bytes are still in the CPU's cache, and compared with the checksum its
-header records. Hashing *after* copying leaves no gap: a byte changed before or during
-the copy is also changed when hashed, so the page fails; the read grant keeps the
-master from reusing the bytes meanwhile, and a segment mounted again shows in the
-grant's epoch when the views are closed.
+header records. What keeps a copied page sound is, first, the read grant: the master
+neither evicts nor reuses a granted object's bytes, and a segment mounted again (a
+master restart) shows in the grant's epoch when the views are closed, after the hash;
+second, the hash after the copy: a stray write into the bytes before or during the copy
+is still there when they are hashed, so the page fails (only a write undone again
+before the hash would pass; hashing first and copying after would let any write in
+between pass).
 
 Two threads (the caller and one helper) take chunks of pages in turn: ``torch``
 copies release the interpreter lock, ``xxhash`` holds it, so one thread's copy runs
@@ -73,7 +76,8 @@ class CheckedCopier:
         Returns (how many leading pages were copied and passed their checks, why the
         next one did not: its PageFormatError reason, "checksum", or None when all
         passed). Pages after the first that failed may be copied or not. Raises what a
-        copy raised (a shape or dtype mismatch: a bug).
+        copy or ``prepare`` raised (a shape or dtype mismatch: a bug), once both
+        threads have stopped.
         """
         chunks = [(lo, min(count, lo + chunk_pages)) for lo in range(0, count, chunk_pages)]
         failed: list[tuple[int, str]] = []  # (page, why) of pages that failed
@@ -86,7 +90,11 @@ class CheckedCopier:
                     return
                 # a claimed chunk is always finished, so every page before a failure is
                 # done; preparing (Python) overlaps the other thread's copy (no lock)
-                _copy_chunk(range(*chunks[k]), prepare, failed)
+                try:
+                    _copy_chunk(range(*chunks[k]), prepare, failed)
+                except BaseException:
+                    failed.append((chunks[k][0], "error"))  # the other thread stops too
+                    raise
 
         with self._lock:
             helper = self._start() if len(chunks) > 1 else None
