@@ -174,6 +174,29 @@ def test_mapped_pages_are_copied_once_straight_into_a_strided_out(store, client,
     cache.close()
 
 
+def test_mapped_pages_land_in_an_inference_tensor_under_inference_mode(store):
+    """An engine makes its KV and loads into it under torch.inference_mode, which holds
+    per thread: the helper thread copies in that mode too."""
+    tokens = list(range(7 * PAGE))
+    make(store).insert(tokens, kv(7))
+    cache = make(store)
+    cache.l3_tier._copy_pages = 2  # both threads copy
+    with torch.inference_mode():
+        out = strided_out(7)
+        m = cache.match(tokens)
+        cache.load(m, out=out, adopt=False)
+        cache.release(m)
+        assert m.num_pages == 7 and torch.equal(out, kv(7))
+        cache.placement._copy_pages = 2
+        cache.insert(tokens, kv(7))  # now from L1, on two threads as well
+        out = strided_out(7)
+        m = cache.match(tokens)
+        cache.load(m, out=out)
+        cache.release(m)
+        assert m.tiers == ["L1"] * 7 and torch.equal(out, kv(7))
+    cache.close()
+
+
 def _damage(client, key, how):
     """Change the stored object ``key`` as a faulty writer, a remount or an eviction would."""
     if how == "vanished":

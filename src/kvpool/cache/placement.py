@@ -15,6 +15,7 @@ from kvpool.cache.metrics import CacheMetrics
 from kvpool.cache.pool import PagePool
 from kvpool.cache.prefetch import PrefetchHandle
 from kvpool.cache.tree import Node, RadixTree, Tier
+from kvpool.cache.viewcopy import COPY_CHUNK_BYTES, CheckedCopier, PageCopy
 
 
 class Placement:
@@ -34,6 +35,12 @@ class Placement:
         self.write_policy = write_policy
         self.metrics = metrics
         self.tree = RadixTree(write_back=l2 is not None and write_policy == "write_back")
+        self.copier = CheckedCopier()  # L1 pages out to a caller's layout (no checksum: our memory)
+        self._copy_pages = max(1, COPY_CHUNK_BYTES // max(1, pool.page_bytes))
+
+    def close(self) -> None:
+        """Stop the copier's helper thread."""
+        self.copier.close()
 
     def extend(self, start: Node, keys: list[bytes], toks: list[bytes], pages: torch.Tensor,
                tier: Tier, backed_up: bool) -> list[Node]:
@@ -186,10 +193,16 @@ class Placement:
 
     def read(self, nodes: list[Node], out: torch.Tensor) -> None:
         """Copy the KV of tree ``nodes`` into ``out``; L2-only pages are promoted to L1."""
-        for i, node in enumerate(nodes):
-            if node.holds(Tier.L1):
-                # page by page: one copy into any layout (a gather would copy twice)
-                out[i].copy_(self.pool.data[node.l1])
+        held = [i for i, node in enumerate(nodes) if node.holds(Tier.L1)]
+        data = self.pool.data
+        if data.device.type == out.device.type == "cpu":
+            # page by page (one copy into any layout: a gather would copy twice), on two
+            # threads: the demo's 138 L1 pages into the engine's layout 12.6-15.2 -> 8.7-9.3 ms
+            self.copier.copy(len(held), lambda j: PageCopy(
+                [out[held[j]]], [data[nodes[held[j]].l1]], (), ()), self._copy_pages)
+        else:
+            for i in held:
+                out[i].copy_(data[nodes[i].l1])
         for i, node in enumerate(nodes):
             if node.holds(Tier.L1):
                 continue

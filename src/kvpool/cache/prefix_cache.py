@@ -253,6 +253,7 @@ class PrefixCache:
             self.l3_tier.close()
         if self.l2 is not None:
             self.l2.close()
+        self.placement.close()
 
     def __enter__(self) -> PrefixCache:
         return self

@@ -42,7 +42,8 @@ class PageCopy:
 
     Attributes:
         dsts, srcs: tensors of equal shapes (srcs over the payload views, any dtype).
-        payloads: the payload bytes the sources are views of (one per object).
+        payloads: the payload bytes the sources are views of (one per object); empty
+            for a plain copy of memory this process owns (an L1 slot): nothing to check.
         checksums: the payload checksums the objects' headers record.
     """
 
@@ -96,9 +97,17 @@ class CheckedCopier:
                     failed.append((chunks[k][0], "error"))  # the other thread stops too
                     raise
 
+        # the helper copies as the caller would: into inference tensors (an engine's KV
+        # made under torch.inference_mode) only in inference mode, which is per thread
+        inference = torch.is_inference_mode_enabled()
+
+        def helper_work() -> None:
+            with torch.inference_mode(inference):
+                work()
+
         with self._lock:
             helper = self._start() if len(chunks) > 1 else None
-            other = helper.submit(work) if helper is not None else None
+            other = helper.submit(helper_work) if helper is not None else None
             try:
                 work()
             finally:
