@@ -46,7 +46,9 @@ class L3Backend(Protocol):
 
     Optional, for a medium mapped in this process: ``open_views(keys) -> ObjectViews``
     (see :meth:`StoreBackend.open_views`); the cache then copies such objects once,
-    straight out of the medium, instead of reading them into staging rows first.
+    straight out of the medium, instead of reading them into staging rows first. And
+    ``put_parts(keys, parts) -> list[bool]``: :meth:`put` of objects given as parts
+    (header, payload), written without joining them first.
     """
 
     def exists(self, keys: Sequence[str]) -> list[bool]: ...
@@ -74,6 +76,15 @@ class StoreBackend:
         if not keys:
             return []
         codes = self.client.batch_put(list(keys), list(blobs))
+        return [c in (ErrorCode.OK, ErrorCode.OBJECT_ALREADY_EXISTS) for c in codes]
+
+    def put_parts(self, keys: Sequence[str], parts: Sequence[Sequence]) -> list[bool]:
+        """:meth:`put` of objects given as parts (``parts[i]``: C-contiguous buffers,
+        e.g. a page header and the page's payload), each written straight from where it
+        lies into the store (``Client.batch_put_parts``: nothing joined in memory)."""
+        if not keys:
+            return []
+        codes = self.client.batch_put_parts(list(keys), [list(p) for p in parts])
         return [c in (ErrorCode.OK, ErrorCode.OBJECT_ALREADY_EXISTS) for c in codes]
 
     def get_into(self, keys: Sequence[str], bufs: Sequence) -> list[int]:

@@ -16,7 +16,7 @@ import numpy as np
 import torch
 
 from kvpool.cache.codec import (HEADER_SIZE, LengthMismatch, PageFormatError, PageHeader,
-                                TruncatedPage, check_header, decode_page, encode_page)
+                                TruncatedPage, check_header, decode_page, encode_header)
 from kvpool.cache.keys import store_key
 from kvpool.cache.l3 import L3Backend
 from kvpool.cache.viewcopy import PageCopy
@@ -86,18 +86,28 @@ class PageStore:
     def write(self, keys: Sequence[bytes], indices: Sequence[int],
               pages: Sequence[torch.Tensor]) -> tuple[list[bool], int]:
         """Store pages (``pages[j]`` is page number ``indices[j]`` with key ``keys[j]``).
+        With a backend that takes parts (``put_parts``), each object goes as its header
+        and its payload from where it lies (one copy, into the store); else as one
+        joined blob.
 
         Returns (per page: every object stored or already there, bytes written).
         """
-        names, blobs = [], []
+        names, objects = [], []
         for key, index, page in zip(keys, indices, pages, strict=True):
             for part, payload in zip(self.parts, self._split(page)):
                 names.append(store_key(key, part))
-                blobs.append(encode_page(self._header(key, part, index), payload))
-        stored = self.backend.put(names, blobs) if names else []
+                header = self._header(key, part, index)
+                objects.append([encode_header(header, [payload]), payload])
+        put_parts = getattr(self.backend, "put_parts", None)
+        if not names:
+            stored = []
+        elif put_parts is not None:
+            stored = put_parts(names, objects)
+        else:
+            stored = self.backend.put(names, [b"".join(o) for o in objects])
         n = len(self.parts)
         ok = [all(stored[i * n:(i + 1) * n]) for i in range(len(keys))]
-        return ok, sum(len(b) for b, s in zip(blobs, stored) if s)
+        return ok, sum(HEADER_SIZE + self.part_bytes for s in stored if s)
 
     @property
     def row_bytes(self) -> int:
