@@ -298,6 +298,19 @@ def test_a_copy_that_raises_stops_both_threads_and_raises():
     copier.close()
 
 
+def test_the_helper_thread_copies_in_the_callers_grad_mode_and_not_after_close():
+    from kvpool.cache.viewcopy import CheckedCopier, PageCopy
+
+    leaf = torch.zeros(8, 4, requires_grad=True)  # in-place writes only under no_grad
+    copier = CheckedCopier()
+    with torch.no_grad():
+        good, why = copier.copy(8, lambda j: PageCopy([leaf[j]], [torch.ones(4)], (), ()), 1)
+    assert (good, why) == (8, None) and bool((leaf == 1).all())
+    copier.close()
+    got = copier.copy(8, lambda j: PageCopy([torch.zeros(1)], [torch.ones(1)], (), ()), 1)
+    assert got == (8, None) and copier._helper is None  # the calling thread alone
+
+
 def test_a_client_on_another_host_than_the_pages_stops_asking_for_views(store, client):
     """Pages that are not mapped here (a client on another host): their grant query for
     views is wasted, so later loads skip views for a while (VIEW_RETRY_LOADS)."""

@@ -87,8 +87,9 @@ class PageStore:
               pages: Sequence[torch.Tensor]) -> tuple[list[bool], int]:
         """Store pages (``pages[j]`` is page number ``indices[j]`` with key ``keys[j]``).
         With a backend that takes parts (``put_parts``), each object goes as its header
-        and its payload from where it lies (one copy, into the store); else as one
-        joined blob.
+        and its payload from where it lies (for a contiguous host page, one copy: into
+        the store; a "kv" half or a device page is made a contiguous host copy first);
+        else as one joined blob.
 
         Returns (per page: every object stored or already there, bytes written).
         """

@@ -3,7 +3,8 @@
 Where a new page goes, which page is evicted to make room (least recently used and
 unlocked first; under write_back an L1 victim is copied to L2 first), copies between
 the tiers, and reading tree pages out. Every method expects the caller to hold the
-cache's lock: this class has no lock of its own.
+cache's lock: this class has no lock of its own for the tree (its copier's lock only
+keeps one copy at a time).
 """
 
 from __future__ import annotations

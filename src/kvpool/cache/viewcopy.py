@@ -1,4 +1,7 @@
-"""Checked copies out of mapped store memory: each page copied once, then its source hashed.
+"""Page copies on two threads; out of mapped store memory, each page checked after its copy.
+
+The same copier moves L1 pages (the cache's own memory: no checksum) into a caller's
+layout; what follows is about store pages.
 
 An L3 page in a segment mapped in this process (shared memory on this host) is copied
 straight from the segment into its destination (an engine's strided KV layout, a tree
@@ -61,10 +64,12 @@ class PageCopy:
 
 class CheckedCopier:
     """Copies and checks pages on the calling thread and one helper thread (started at
-    the first use, stopped by :meth:`close`). One copy at a time per copier."""
+    the first use, stopped by :meth:`close`; after it, copies run on the calling thread
+    alone). One copy at a time per copier."""
 
     def __init__(self):
         self._helper: ThreadPoolExecutor | None = None
+        self._closed = False
         self._lock = threading.Lock()
 
     def copy(self, count: int, prepare: Callable[[int], PageCopy], chunk_pages: int
@@ -97,12 +102,12 @@ class CheckedCopier:
                     failed.append((chunks[k][0], "error"))  # the other thread stops too
                     raise
 
-        # the helper copies as the caller would: into inference tensors (an engine's KV
-        # made under torch.inference_mode) only in inference mode, which is per thread
-        inference = torch.is_inference_mode_enabled()
+        # the helper copies as the caller would: inference and grad mode are per thread
+        # (an engine's KV made under torch.inference_mode takes writes only in that mode)
+        inference, grad = torch.is_inference_mode_enabled(), torch.is_grad_enabled()
 
         def helper_work() -> None:
-            with torch.inference_mode(inference):
+            with torch.inference_mode(inference), torch.set_grad_enabled(grad):
                 work()
 
         with self._lock:
@@ -115,14 +120,15 @@ class CheckedCopier:
                     other.result()
         return min(failed, default=(count, None))
 
-    def _start(self) -> ThreadPoolExecutor:
-        if self._helper is None:
-            self._helper = ThreadPoolExecutor(1, thread_name_prefix="kvpool-l3-copy")
+    def _start(self) -> ThreadPoolExecutor | None:
+        if self._helper is None and not self._closed:
+            self._helper = ThreadPoolExecutor(1, thread_name_prefix="kvpool-copy")
         return self._helper
 
     def close(self) -> None:
-        """Stop the helper thread (a later :meth:`copy` starts a new one)."""
+        """Stop the helper thread; later copies run on the calling thread alone."""
         with self._lock:
+            self._closed = True
             if self._helper is not None:
                 self._helper.shutdown(wait=True)
                 self._helper = None
