@@ -49,29 +49,27 @@ def measure(repeats: int, pages: int = DEMO_PAGES, page_shape=DEMO_PAGE_SHAPE,
     try:
         with Cluster(segment_size=2 * data.nbytes + (64 << 20), log_dir=log_dir) as cluster, \
                 Client(cluster.master_addr) as writer, Client(cluster.master_addr) as reader:
-            stored, _ = _tier(L3Tier, StoreBackend(writer), ns, page_shape, CacheMetrics()
-                              ).store.write(keys, list(range(pages)), list(data))
+            def tier(client) -> L3Tier:
+                return L3Tier(StoreBackend(client), ns, page_shape, torch.float32, CacheMetrics(),
+                              async_backup=False)
+
+            stored, _ = tier(writer).store.write(keys, list(range(pages)), list(data))
             assert all(stored), "the pages did not fit in the store"
-            tier = _tier(L3Tier, StoreBackend(reader), ns, page_shape, CacheMetrics())
+            reading = tier(reader)
             seq = kv_buffer(page_shape, pages * page_shape[3], torch.float32).zero_()
             out = pages_view(seq, pages, page_shape[3])
             src, dst = data.clone(), torch.empty_like(data)
             loads, copies = [], []
             for _ in range(max(1, repeats)):
-                loads.append(_timed(lambda: tier.read_into(keys, 0, out)))
+                loads.append(_timed(lambda: reading.read_into(keys, 0, out)))
                 copies.append(_timed(lambda: dst.copy_(src)))
             assert torch.equal(out, data), "the L3 load did not land the pages byte-exact"
-            tier.close()
+            reading.close()
     finally:
         torch.set_num_threads(threads)
     load_ms, memcpy_ms = statistics.median(loads), statistics.median(copies)
     return {"pages": pages, "bytes": data.nbytes, "load_ms": round(load_ms, 2),
             "memcpy_ms": round(memcpy_ms, 2), "ratio": round(memcpy_ms / load_ms, 3)}
-
-
-def _tier(cls, backend, ns, page_shape, metrics):
-    import torch
-    return cls(backend, ns, page_shape, torch.float32, metrics, async_backup=False)
 
 
 def _timed(fn) -> float:

@@ -73,15 +73,12 @@ class PageStore:
     def present(self, keys: Sequence[bytes]) -> int:
         """How many leading pages of ``keys`` have every object in L3 now."""
         flags = self.backend.exists([k for key in keys for k in self.object_keys(key)])
-        n = len(self.parts)
-        whole = [all(flags[i * n:(i + 1) * n]) for i in range(len(keys))]
-        return whole.index(False) if False in whole else len(whole)
+        return _leading(_whole_pages(flags, len(self.parts)))
 
     def missing(self, keys: Sequence[bytes]) -> list[bool]:
         """Per page: True when some object of it is absent from L3."""
         flags = self.backend.exists([k for key in keys for k in self.object_keys(key)])
-        n = len(self.parts)
-        return [not all(flags[i * n:(i + 1) * n]) for i in range(len(keys))]
+        return [not whole for whole in _whole_pages(flags, len(self.parts))]
 
     def write(self, keys: Sequence[bytes], indices: Sequence[int],
               pages: Sequence[torch.Tensor]) -> tuple[list[bool], int]:
@@ -106,9 +103,7 @@ class PageStore:
             stored = put_parts(names, objects)
         else:
             stored = self.backend.put(names, [b"".join(o) for o in objects])
-        n = len(self.parts)
-        ok = [all(stored[i * n:(i + 1) * n]) for i in range(len(keys))]
-        return ok, sum(HEADER_SIZE + self.part_bytes for s in stored if s)
+        return _whole_pages(stored, len(self.parts)), sum(HEADER_SIZE + self.part_bytes for s in stored if s)
 
     @property
     def row_bytes(self) -> int:
@@ -236,10 +231,18 @@ class OpenPages:
     def close(self) -> int:
         """Return the grants; how many leading pages may be kept (every object's
         segment still mounted as when viewed and its read lease not run out)."""
-        kept = self._opened.close()
-        n = self._per_page
-        whole = [all(kept[j * n:(j + 1) * n]) for j in range(len(self.views))]
-        return whole.index(False) if False in whole else len(whole)
+        kept = self._opened.close()[:len(self.views) * self._per_page]
+        return _leading(_whole_pages(kept, self._per_page))
+
+
+def _whole_pages(flags: Sequence[bool], per_page: int) -> list[bool]:
+    """Per page: whether every one of its ``per_page`` objects' flags is set (K17)."""
+    return [all(flags[i:i + per_page]) for i in range(0, len(flags), per_page)]
+
+
+def _leading(whole: list[bool]) -> int:
+    """How many leading entries of ``whole`` are True."""
+    return whole.index(False) if False in whole else len(whole)
 
 
 def object_digest(key: bytes, part: str) -> bytes:
