@@ -257,3 +257,31 @@ def test_every_request_type_has_a_handler_that_returns_its_reply():
         assert type(reply) is reply_type, (body, reply)
     assert replies[P.BatchExistKey].codes == [OK, NOT_FOUND]
     assert replies[P.Remove].code == NOT_FOUND
+
+
+def test_a_batch_get_grants_each_visible_key_and_only_those():
+    """The batch read loop's cases in one batch: one replica, two replicas, a put still in
+    flight (invisible), an absent key and a repeated key. Each visible key gets its own
+    grant, its lease extended to the batch's deadline, and is counted; the misses are
+    not. An exist batch over the same keys agrees."""
+    svc, clock = service(default_kv_lease_ttl_ms=2000)
+    svc.mount("owner2", P.SegmentInfo("seg2", "host", "shm2", 8 * MIB, "127.0.0.1:2"))
+    assert put(svc, "one") == OK and put(svc, "two", replica_num=2) == OK
+    assert svc.put_start(P.PutItem("flying", 1000)).code == OK  # no PutEnd yet
+    keys = ["one", "two", "flying", "absent", "one"]
+    before = svc.counters["leases_granted"]
+    clock.advance(1.0)
+    results = svc.batch_get_replica_list(keys).results
+    assert [r.code for r in results] == [OK, OK, NOT_FOUND, NOT_FOUND, OK]
+    assert [len(r.replicas) for r in results] == [1, 2, 0, 0, 1]
+    assert {x.segment.name for x in results[1].replicas} == {"seg", "seg2"}
+    assert results[0].size == results[1].size == 1000 and results[0].lease_ttl_ms == 2000
+    ids = [r.grant_id for r in results if r.code == OK]
+    assert 0 not in ids and len(set(ids)) == 3 and len(svc.grants.open) == 3
+    assert svc.counters["leases_granted"] - before == 3
+    for key in ("one", "two"):
+        assert svc.objects[key].lease_deadline == clock.now + 2.0
+    assert svc.remove("one").code == HAS_LEASE
+    assert exist(svc, keys) == [True, True, False, False, True]
+    assert svc.counters["leases_granted"] - before == 6
+    assert svc.get_replica_list("absent").code == NOT_FOUND and svc.get_replica_list("one").code == OK

@@ -59,7 +59,7 @@ class ObjectTable:
         self.grants: dict[int, Grants] = {}  # slot -> reads of the current version, while open
         self._free_slots: list[int] = []
         self._seg_ids: dict[str, int] = {}
-        self._seg_names: list[str | None] = []
+        self.seg_names: list[str | None] = []  # segment id -> name (read-only outside)
         self._free_ids: list[int] = []
 
     # ------------------------------------------------------------ mapping over keys
@@ -68,18 +68,8 @@ class ObjectTable:
         slot = self.slots.get(key)
         return None if slot is None else ObjectMeta(self, slot, key)
 
-    def visible_slot(self, key: str) -> int:
-        """The slot of ``key`` when it is visible (has COMPLETE replicas), else -1: the
-        read path's lookup, with no view made."""
-        slot = self.slots.get(key, -1)
-        return slot if slot >= 0 and self.is_visible(slot) else -1
-
     def is_visible(self, slot: int) -> bool:
         return self.seg[slot] != NO_SEG or slot in self.more
-
-    def seg_name(self, sid: int) -> str:
-        """The segment name of id ``sid`` (:meth:`seg_id`)."""
-        return self._seg_names[sid]
 
     def grants_of(self, slot: int) -> Grants:
         """The read grants of ``slot``'s current version (made on first use)."""
@@ -156,13 +146,13 @@ class ObjectTable:
         """The 16-bit id of segment ``name`` (given on first use)."""
         sid = self._seg_ids.get(name)
         if sid is None:
-            sid = self._free_ids.pop() if self._free_ids else len(self._seg_names)
+            sid = self._free_ids.pop() if self._free_ids else len(self.seg_names)
             if sid >= NO_SEG:
                 raise RuntimeError("more than 65535 segment names in use")
-            if sid == len(self._seg_names):
-                self._seg_names.append(name)
+            if sid == len(self.seg_names):
+                self.seg_names.append(name)
             else:
-                self._seg_names[sid] = name
+                self.seg_names[sid] = name
             self._seg_ids[name] = sid
         return sid
 
@@ -185,7 +175,7 @@ class ObjectTable:
         """Release ``name``'s id; no record may still name the segment."""
         sid = self._seg_ids.pop(name, None)
         if sid is not None:
-            self._seg_names[sid] = None
+            self.seg_names[sid] = None
             self._free_ids.append(sid)
 
     # ------------------------------------------------------------ grants
@@ -260,7 +250,7 @@ class ObjectMeta:
         t, s = self._t, self.slot
         sid = t.seg[s]
         if sid != NO_SEG:
-            return [Replica(t._seg_names[sid], t.offset[s], t.size[s])]
+            return [Replica(t.seg_names[sid], t.offset[s], t.size[s])]
         return list(t.more.get(s, ()))
 
     @replicas.setter
