@@ -9,6 +9,7 @@ from prometheus_client import CollectorRegistry, generate_latest
 from kvpool.cache import Namespace, PrefixCache, StoreBackend, page_keys, store_key
 from kvpool.cache.codec import HEADER_SIZE
 from kvpool.cache.prometheus import CacheCollector
+from kvpool.client import Client
 from cache_helpers import lookup
 from proc_helpers import wait_for
 
@@ -340,7 +341,6 @@ def test_a_client_on_another_host_than_the_pages_stops_asking_for_views(store, c
 
 
 def test_a_client_without_mapped_segments_reads_through_staging_rows(module_cluster):
-    from kvpool.client import Client
     tokens = list(range(3 * PAGE))
     with Client(module_cluster.master_addr, force_tcp=True) as tcp:
         make(StoreBackend(tcp)).insert(tokens, kv(3))
@@ -351,3 +351,36 @@ def test_a_client_without_mapped_segments_reads_through_staging_rows(module_clus
         assert StoreBackend(tcp).open_views(["x"]) is None  # and no grant query for views
         cache.close()
         tcp.remove_all(force=True)
+
+
+@pytest.mark.cluster(extra_master_args=["--client-ttl", "1"])
+def test_a_node_killed_during_a_mapped_load_gives_its_own_bytes_then_misses(cluster):
+    """kill -9 of the node between the views' opening and the copy: the reader's mapping
+    outlives the node and nobody can write the segment any more, so the load is byte
+    exact (and counted as such); once the master has dropped the dead node's segment
+    the same prefix is a miss, not an error, and no page of it is served from L3."""
+    tokens = list(range(7 * PAGE))
+    with Client(cluster.master_addr) as writer, Client(cluster.master_addr) as reader:
+        make(StoreBackend(writer)).insert(tokens, kv(7))
+        store = StoreBackend(reader)
+        cache = make(store)
+        cache.l3_tier._copy_pages = 2  # both copy threads read the dead node's pages
+        open_views = store.open_views
+
+        def killing(keys):
+            opened = open_views(keys)
+            cluster.stop_node(0, kill=True)
+            return opened
+
+        store.open_views = killing
+        m = cache.match(tokens)
+        got = cache.load(m, out=strided_out(m.num_pages), adopt=False)
+        cache.release(m)
+        assert m.num_pages == 7 and torch.equal(got, kv(7))
+        assert cache.metrics["pages_loaded_l3"] == 7
+        store.open_views = open_views
+        wait_for(lambda: not reader.stats().segments, 30, "the master drops the dead node's segment")
+        after = make(store)
+        assert lookup(after, tokens)[0] == 0 and after.metrics["pages_loaded_l3"] == 0
+        cache.close()
+        after.close()
