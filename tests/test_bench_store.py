@@ -13,7 +13,9 @@ import pytest
 
 from kvpool.bench.harness import Bench, CellSpec, Target
 from kvpool.bench.store_plan import Column, Row
-from kvpool.bench.store_report import Figures, Summary, format_table, format_verdicts, verdicts
+from kvpool.bench.store_report import (
+    Figures, Summary, format_small_ops, format_table, format_verdicts, small_ops, verdicts,
+)
 from kvpool.bench.worker import Worker
 from kvpool.cli import main
 from proc_helpers import poll_until
@@ -70,6 +72,12 @@ def test_tiny_run_records_memory_and_verdicts(tiny_run):
     assert doc["l3_load"]["ratio"] > 0
     assert any(v["target"].startswith("demo L3 load") and v["value"] == doc["l3_load"]["ratio"]
                for v in doc["verdicts"])
+    # a small get against the bare control-plane round trip, per kvpool column
+    small = {it["column"]: it for it in doc["small_ops"]}
+    assert {"kvpool in-proc", "kvpool shm", "kvpool tcp"} <= set(small)
+    for it in small.values():
+        assert it["ping_p50_us"] > 0 and it["get_4KiB_p50_us"] > 0
+        assert it["get_per_ping"] == pytest.approx(it["get_4KiB_p50_us"] / it["ping_p50_us"])
 
 
 def test_tiny_run_writes_a_png(tiny_run):
@@ -245,6 +253,18 @@ def test_in_process_is_held_to_mooncake_in_process_on_every_row(factor, met):
     assert [v.measured for v in (p50[0], obj[0], gbps[0])] == pytest.approx([factor] * 3)
     assert (p50[0].higher_is_better, obj[0].higher_is_better, gbps[0].higher_is_better) == (
         False, True, True)
+
+
+def test_small_ops_pair_each_ping_with_its_columns_4kib_get():
+    get = Row(4096, "bytes", "get")
+    fig = Figures({("kvpool shm", get): Summary(p50_us=60.0, repeats=[{"p50_us": 60.0}])},
+                  [Column("kvpool shm", "t", kind="kvpool"), Column("kvpool tcp", "t", kind="kvpool")])
+    items = small_ops(fig, {"kvpool shm": {"ping_p50_us": 20.0}, "kvpool tcp": {"ping_p50_us": 40.0},
+                            "mooncake x-proc": {}})
+    assert items == [{"column": "kvpool shm", "ping_p50_us": 20.0, "get_4KiB_p50_us": 60.0, "get_per_ping": 3.0},
+                     {"column": "kvpool tcp", "ping_p50_us": 40.0, "get_4KiB_p50_us": None, "get_per_ping": None}]
+    assert format_small_ops(items).splitlines() == [
+        "  kvpool shm: Ping p50 20 us; 4KiB get p50 60 us = 3.00x a Ping", "  kvpool tcp: Ping p50 40 us"]
 
 
 def test_format_verdicts_prints_the_issue_targets():

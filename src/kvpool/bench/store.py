@@ -37,7 +37,8 @@ from kvpool.bench import l3load
 from kvpool.bench.harness import CellResult, CellSpec
 from kvpool.bench.store_plan import Column, Row, parse_list, plan_columns, plan_rows
 from kvpool.bench.store_report import (
-    RATIOS, Figures, build_panels, format_table, format_verdicts, summarize, verdicts,
+    RATIOS, Figures, build_panels, format_small_ops, format_table, format_verdicts, small_ops, summarize,
+    verdicts,
 )
 from kvpool.bench.worker import Worker
 from kvpool.config import parse_size
@@ -210,10 +211,14 @@ def run(args) -> int:
     fig = Figures(summaries, columns)
     memory = {c.name: stats.get(c.name, {}) for c in columns if c.kind == "kvpool"}
     vs = verdicts(rows, fig, memory) + ([l3load.verdict(l3)] if args.l3_load_repeats else [])
+    small = small_ops(fig, memory)
     print(format_table(rows, columns, fig))
     for w in workers:
         if w.absent:
             print(f"absent: {w.column}: {w.absent}")
+    if small:
+        print("control plane (a bare Ping round trip, and a 4 KiB get against it):")
+        print(format_small_ops(small))
     print("targets (issue 16 and earlier ones: kvpool / anchor within this run, against Mooncake, "
           "Redis, memcpy and one TCP stream; node and client memory):")
     print(format_verdicts(vs))
@@ -231,6 +236,7 @@ def run(args) -> int:
                     "value": fig.ratio(a, b, row)}
                    for row in rows for label, a, b in RATIOS if fig.ratio(a, b, row) is not None],
         "verdicts": [v.as_target() for v in vs],
+        "small_ops": small,
         "l3_load": l3,
     }
     if args.json_path:

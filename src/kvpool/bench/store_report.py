@@ -182,6 +182,33 @@ def verdicts(rows: list[Row], fig: Figures, memory: dict[str, dict]) -> list[Ver
     return out
 
 
+SMALL_GET = Row(4 * KIB, "bytes", "get")
+
+
+def small_ops(fig: Figures, stats: dict[str, dict]) -> list[dict]:
+    """Per kvpool column that measured a Ping: its p50 (us), the 4 KiB get's p50 (us,
+    None without that row) and their ratio: how much a small get costs beyond the bare
+    control-plane round trip it cannot avoid (issue 16's figure to watch; no target)."""
+    out = []
+    for column, st in stats.items():
+        ping = st.get("ping_p50_us")
+        if ping:
+            get = fig.get(column, SMALL_GET, "p50_us")
+            out.append({"column": column, "ping_p50_us": ping, "get_4KiB_p50_us": get,
+                        "get_per_ping": get / ping if get else None})
+    return out
+
+
+def format_small_ops(items: list[dict]) -> str:
+    """One line per column of :func:`small_ops`."""
+    lines = []
+    for it in items:
+        get = it["get_4KiB_p50_us"]
+        tail = f"; 4KiB get p50 {get:.0f} us = {it['get_per_ping']:.2f}x a Ping" if get else ""
+        lines.append(f"  {it['column']}: Ping p50 {it['ping_p50_us']:.0f} us{tail}")
+    return "\n".join(lines)
+
+
 def format_verdicts(vs: list[Verdict]) -> str:
     """One line per target: met on k of n rows, and the worst row."""
     lines = []
