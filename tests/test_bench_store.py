@@ -264,7 +264,7 @@ def test_small_ops_pair_each_ping_with_its_columns_4kib_get():
     assert items == [{"column": "kvpool shm", "ping_p50_us": 20.0, "get_4KiB_p50_us": 60.0, "get_per_ping": 3.0},
                      {"column": "kvpool tcp", "ping_p50_us": 40.0, "get_4KiB_p50_us": None, "get_per_ping": None}]
     assert format_small_ops(items).splitlines() == [
-        "  kvpool shm: Ping p50 20 us; 4KiB get p50 60 us = 3.00x a Ping", "  kvpool tcp: Ping p50 40 us"]
+        "  kvpool shm: Ping p50 20 us; 4KiB bytes get p50 60 us = 3.00x a Ping", "  kvpool tcp: Ping p50 40 us"]
 
 
 def test_format_verdicts_prints_the_issue_targets():

@@ -353,7 +353,7 @@ def test_a_client_without_mapped_segments_reads_through_staging_rows(module_clus
         tcp.remove_all(force=True)
 
 
-@pytest.mark.cluster(extra_master_args=["--client-ttl", "1"])
+@pytest.mark.cluster(extra_master_args=["--client-ttl", "2"])
 def test_a_node_killed_during_a_mapped_load_gives_its_own_bytes_then_misses(cluster):
     """kill -9 of the node between the views' opening and the copy: the reader's mapping
     outlives the node and nobody can write the segment any more, so the load is byte
@@ -363,24 +363,28 @@ def test_a_node_killed_during_a_mapped_load_gives_its_own_bytes_then_misses(clus
     with Client(cluster.master_addr) as writer, Client(cluster.master_addr) as reader:
         make(StoreBackend(writer)).insert(tokens, kv(7))
         store = StoreBackend(reader)
-        cache = make(store)
-        cache.l3_tier._copy_pages = 2  # both copy threads read the dead node's pages
-        open_views = store.open_views
+        cache, after = make(store), make(store)
+        try:
+            cache.l3_tier._copy_pages = 2  # both copy threads read the dead node's pages
+            open_views = store.open_views
+            killed = []
 
-        def killing(keys):
-            opened = open_views(keys)
-            cluster.stop_node(0, kill=True)
-            return opened
+            def killing(keys):
+                opened = open_views(keys)
+                killed.append(cluster.stop_node(0, kill=True))
+                return opened
 
-        store.open_views = killing
-        m = cache.match(tokens)
-        got = cache.load(m, out=strided_out(m.num_pages), adopt=False)
-        cache.release(m)
-        assert m.num_pages == 7 and torch.equal(got, kv(7))
-        assert cache.metrics["pages_loaded_l3"] == 7
-        store.open_views = open_views
-        wait_for(lambda: not reader.stats().segments, 30, "the master drops the dead node's segment")
-        after = make(store)
-        assert lookup(after, tokens)[0] == 0 and after.metrics["pages_loaded_l3"] == 0
-        cache.close()
-        after.close()
+            store.open_views = killing
+            m = cache.match(tokens)
+            got = cache.load(m, out=strided_out(m.num_pages), adopt=False)
+            cache.release(m)
+            assert killed, "the load opened no views"
+            assert m.num_pages == 7 and torch.equal(got, kv(7))
+            assert cache.metrics["pages_loaded_l3"] == 7 and cache.metrics["page_rejects"] == 0
+            store.open_views = open_views
+            wait_for(lambda: not reader.stats().segments, 30, "the master drops the dead node's segment")
+            assert lookup(after, tokens)[0] == 0
+            assert after.metrics["pages_loaded_l3"] == 0 and after.metrics["l3_errors"] == 0
+        finally:
+            cache.close()
+            after.close()

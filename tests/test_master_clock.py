@@ -285,3 +285,17 @@ def test_a_batch_get_grants_each_visible_key_and_only_those():
     assert exist(svc, keys) == [True, True, False, False, True]
     assert svc.counters["leases_granted"] - before == 6
     assert svc.get_replica_list("absent").code == NOT_FOUND and svc.get_replica_list("one").code == OK
+
+
+def test_a_read_never_shortens_a_lease():
+    """A get or exist under a shorter lease TTL than an earlier read's keeps the later
+    deadline (and the record's place in the eviction order): leases only grow."""
+    svc, clock = service(default_kv_lease_ttl_ms=5000)
+    assert put(svc, "k") == OK
+    svc.get_replica_list("k")
+    long = svc.objects["k"].lease_deadline
+    svc.config.default_kv_lease_ttl_ms = 1000
+    assert svc.batch_get_replica_list(["k"]).results[0].code == OK and exist(svc, ["k"]) == [True]
+    assert svc.objects["k"].lease_deadline == long
+    clock.advance(2.0)  # past the short TTL, inside the long one: still held
+    assert svc.remove("k").code == HAS_LEASE

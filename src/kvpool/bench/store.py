@@ -217,7 +217,7 @@ def run(args) -> int:
         if w.absent:
             print(f"absent: {w.column}: {w.absent}")
     if small:
-        print("control plane (a bare Ping round trip, and a 4 KiB get against it):")
+        print("control plane (a bare Ping round trip, and the 4 KiB bytes get against it):")
         print(format_small_ops(small))
     print("targets (issue 16 and earlier ones: kvpool / anchor within this run, against Mooncake, "
           "Redis, memcpy and one TCP stream; node and client memory):")

@@ -186,7 +186,7 @@ SMALL_GET = Row(4 * KIB, "bytes", "get")
 
 
 def small_ops(fig: Figures, stats: dict[str, dict]) -> list[dict]:
-    """Per kvpool column that measured a Ping: its p50 (us), the 4 KiB get's p50 (us,
+    """Per kvpool column that measured a Ping: its p50 (us), the 4 KiB bytes get's p50 (us,
     None without that row) and their ratio: how much a small get costs beyond the bare
     control-plane round trip it cannot avoid (issue 16's figure to watch; no target)."""
     out = []
@@ -204,7 +204,7 @@ def format_small_ops(items: list[dict]) -> str:
     lines = []
     for it in items:
         get = it["get_4KiB_p50_us"]
-        tail = f"; 4KiB get p50 {get:.0f} us = {it['get_per_ping']:.2f}x a Ping" if get else ""
+        tail = f"; 4KiB bytes get p50 {get:.0f} us = {it['get_per_ping']:.2f}x a Ping" if get else ""
         lines.append(f"  {it['column']}: Ping p50 {it['ping_p50_us']:.0f} us{tail}")
     return "\n".join(lines)
 

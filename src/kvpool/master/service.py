@@ -372,9 +372,10 @@ class MasterService(Eviction, Restore, LeaseHandlers):
 
     def _gets(self, keys: list[str]) -> list[GetResp]:
         """A read grant on each key: its replicas, under a lease extended to one deadline
-        (one clock read for the batch). One loop over the table's arrays with every
-        lookup bound once, no record view and no call per key but the grant's: this is
-        the master's share of every get (docs/bench.md has the per-key figures)."""
+        (one clock read for the batch; never shortened). One loop over the table's
+        arrays with every lookup bound once and no record view: the Python calls per key
+        are the grant's and the eviction queue's touch. This is the master's share of
+        every get (docs/bench.md, "A batch read is one loop in the master")."""
         ttl_ms, deadline = self._lease_terms()
         t, infos = self.objects, self.segments.segments
         find, seg, more, lease, size, offset = t.slots.get, t.seg, t.more, t.lease, t.size, t.offset
