@@ -309,3 +309,42 @@ def test_client_contributed_segment_is_allocated_behind_its_puts_keeping_their_b
         path = f"/dev/shm/{seg.shm_name}"
         wait_for(lambda: _data_ranges(path, seg.size) == [(0, seg.size)], what="the whole segment allocated")
         assert {k: owner.get(k) for k in values} == values
+
+
+def test_a_batch_get_over_two_mapped_segments_lands_every_value_in_its_place():
+    """Same-host batch reads group their values per segment (one memcpy loop each):
+    values spread over two nodes' segments, with misses between them, land where they
+    belong; a key with two replicas in the batch takes the general path and lands too;
+    a segment whose node was killed and whose values the master dropped is a miss for
+    its keys only."""
+    with Cluster(segment_size="64MiB", num_nodes=2, extra_master_args=["--client-ttl", "2"]) as cluster:
+        # PutStart for each value (no allocation lease): the master places each one
+        with Client(cluster.master_addr, alloc_leases=False) as c:
+            keys = [f"k{i}" for i in range(40)]
+            for i, k in enumerate(keys):
+                c.put(k, bytes([i]) * (1000 + i))
+            where = {k: c.query(k).replicas[0].segment.name for k in keys}
+            assert len(set(where.values())) == 2, "the values should spread over both segments"
+            asked = keys[:20] + ["missing"] + keys[20:]
+            bufs = [bytearray(2000) for _ in asked]
+            got = c.batch_get_into(asked, bufs)
+            for k, n, buf in zip(asked, got, bufs):
+                if k == "missing":
+                    assert n == ErrorCode.OBJECT_NOT_FOUND
+                else:
+                    i = int(k[1:])
+                    assert n == 1000 + i and bytes(buf[:n]) == bytes([i]) * n
+            assert c.put("both", b"b" * 3000, replica_num=2) == 2
+            got = c.batch_get_into(["both", "k0", "k1"], [bytearray(4000) for _ in range(3)])
+            assert got == [3000, 1000, 1001]
+            cluster.stop_node(0, kill=True)
+            wait_for(lambda: len(c.stats().segments) == 1, 30, "the master drops the dead node's segment")
+            alive = c.stats().segments[0].name
+            bufs = [bytearray(2000) for _ in keys]
+            got = c.batch_get_into(keys, bufs)
+            for k, n, buf in zip(keys, got, bufs):
+                i = int(k[1:])
+                if where[k] == alive:
+                    assert n == 1000 + i and bytes(buf[:n]) == bytes([i]) * n
+                else:
+                    assert n == ErrorCode.OBJECT_NOT_FOUND

@@ -379,6 +379,10 @@ class GetPath:
         """
         if deadline is None:
             deadline = time.monotonic() + self.timeout_s
+        if len(jobs) > 1:
+            local = self._read_local(jobs, deadline)
+            if local is not None:
+                return local
         routes: dict = {}
         options = {i: self._ranked(replicas, routes) for i, replicas, _ in jobs}
         frags = {i: fragments for i, _, fragments in jobs}
@@ -410,20 +414,40 @@ class GetPath:
             pending = [i for i in pending if not done[i] and attempt < len(options[i])]
         return done
 
+    def _read_local(self, jobs: list, deadline: float) -> dict[int, bool] | None:
+        """:meth:`_read_all` in one pass when every job is one whole value with one
+        replica, in this host's memory (a batch get of small values from a local or
+        mapped segment, the common case): no per-key ranking or bookkeeping, one
+        :meth:`Transport.read_many` per segment. None when any job is not such a value
+        (the general path then reads them all)."""
+        groups: dict[tuple[str, int], tuple[P.ReplicaDesc, Transport, list[int], list]] = {}
+        for i, replicas, fragments in jobs:
+            if len(replicas) != 1 or len(fragments) != 1:
+                return None
+            d = replicas[0]
+            segment = d.segment
+            group = groups.get((segment.name, segment.epoch))
+            if group is None:
+                transport = self.engine.route(segment)
+                if transport is None or not transport.in_place:
+                    return None
+                group = groups[(segment.name, segment.epoch)] = (d, transport, [], [])
+            group[2].append(i)
+            group[3].append((d.offset + fragments[0][0], fragments[0][1]))
+        return _copy_groups(groups.values(), deadline)
+
     def _read_in_place(self, items: set[int], options: dict, frags: dict, deadline: float) -> dict[int, bool]:
         """:meth:`_read_all` of ``items``, each one whole value whose cheapest replica
         is in this host's memory: one :meth:`Transport.read_many` per segment (all its
         items kept or none); {index: copied}."""
-        groups: dict[tuple[str, int], list[int]] = {}
+        groups: dict[tuple[str, int], tuple] = {}
         for i in items:
-            segment = options[i][0][0].segment
-            groups.setdefault((segment.name, segment.epoch), []).append(i)
-        done: dict[int, bool] = {}
-        for group in groups.values():
-            replica, transport = options[group[0]][0]
-            ranges = [(options[i][0][0].offset + frags[i][0][0], frags[i][0][1]) for i in group]
-            done.update(dict.fromkeys(group, transport.read_many(replica.segment, ranges, deadline)))
-        return done
+            d, transport = options[i][0]
+            key = (d.segment.name, d.segment.epoch)
+            group = groups.get(key) or groups.setdefault(key, (d, transport, [], []))
+            group[2].append(i)
+            group[3].append((d.offset + frags[i][0][0], frags[i][0][1]))
+        return _copy_groups(groups.values(), deadline)
 
     def _read_one(self, options: list[tuple[P.ReplicaDesc, Transport]],
                   fragments: list[tuple[int, memoryview]], deadline: float | None = None) -> bool:
@@ -453,6 +477,16 @@ class GetPath:
             if value is not None:
                 return value
         raise TransferFailed(f"get {handle.key!r}: no replica could be read ({'; '.join(why.reasons) or 'none reachable'})")
+
+
+def _copy_groups(groups, deadline: float) -> dict[int, bool]:
+    """One :meth:`Transport.read_many` per group (replica naming the segment, its
+    transport, item indices, (offset in the segment, destination) ranges): all of a
+    group's items copied or none; {index: copied}."""
+    done: dict[int, bool] = {}
+    for replica, transport, items, ranges in groups:
+        done.update(dict.fromkeys(items, transport.read_many(replica.segment, ranges, deadline)))
+    return done
 
 
 def _fragment_reads(replica: P.ReplicaDesc, fragments: list[tuple[int, memoryview]]) -> list[TransferRequest]:
