@@ -311,40 +311,56 @@ def test_client_contributed_segment_is_allocated_behind_its_puts_keeping_their_b
         assert {k: owner.get(k) for k in values} == values
 
 
-def test_a_batch_get_over_two_mapped_segments_lands_every_value_in_its_place():
-    """Same-host batch reads group their values per segment (one memcpy loop each):
-    values spread over two nodes' segments, with misses between them, land where they
-    belong; a key with two replicas in the batch takes the general path and lands too;
-    a segment whose node was killed and whose values the master dropped is a miss for
-    its keys only."""
-    with Cluster(segment_size="64MiB", num_nodes=2, extra_master_args=["--client-ttl", "2"]) as cluster:
+def test_a_batch_get_over_two_mapped_segments_lands_every_value_in_its_place(monkeypatch):
+    """Same-host batch reads group their values per segment (one memcpy loop each,
+    ``GetPath._read_local``): values spread over two nodes' segments, with a miss
+    between them, land where they belong and nothing past them; a grant of a stale
+    mount epoch fails its own item only, not the others on its segment; a key with two
+    replicas in the batch takes the general path and lands too."""
+    from kvpool.client.get import GetPath
+
+    local = []
+    read_local = GetPath._read_local
+    monkeypatch.setattr(GetPath, "_read_local", lambda self, *a: local.append(read_local(self, *a)) or local[-1])
+    with Cluster(segment_size="64MiB", num_nodes=2) as cluster:
         # PutStart for each value (no allocation lease): the master places each one
         with Client(cluster.master_addr, alloc_leases=False) as c:
             keys = [f"k{i}" for i in range(40)]
             for i, k in enumerate(keys):
-                c.put(k, bytes([i]) * (1000 + i))
-            where = {k: c.query(k).replicas[0].segment.name for k in keys}
-            assert len(set(where.values())) == 2, "the values should spread over both segments"
+                c.put(k, bytes([i + 1]) * (1000 + i))
+            handles = c.batch_query(keys)
+            assert len({h.replicas[0].segment.name for h in handles}) == 2, "values on both segments"
+            c.release(handles)
+
+            def check(asked, got, bufs, failed=()):
+                for k, n, buf in zip(asked, got, bufs):
+                    if k == "missing":
+                        assert n == ErrorCode.OBJECT_NOT_FOUND
+                    elif k in failed:
+                        assert n == ErrorCode.TRANSFER_FAIL
+                    else:
+                        i = int(k[1:])
+                        assert n == 1000 + i and bytes(buf[:n]) == bytes([i + 1]) * n, k
+                        assert bytes(buf[n:]) == b"\xff" * (len(buf) - n), k  # nothing past the value
+
             asked = keys[:20] + ["missing"] + keys[20:]
-            bufs = [bytearray(2000) for _ in asked]
-            got = c.batch_get_into(asked, bufs)
-            for k, n, buf in zip(asked, got, bufs):
-                if k == "missing":
-                    assert n == ErrorCode.OBJECT_NOT_FOUND
-                else:
-                    i = int(k[1:])
-                    assert n == 1000 + i and bytes(buf[:n]) == bytes([i]) * n
+            bufs = [bytearray(b"\xff" * 2000) for _ in asked]
+            check(asked, c.batch_get_into(asked, bufs), bufs)
+            assert local and all(isinstance(r, dict) for r in local)
+
+            handles = c.batch_query(keys)
+            seg = handles[3].replicas[0].segment
+            first = handles[3].replicas[0]
+            stale = msgspec.structs.replace(seg, epoch=seg.epoch ^ 1)  # as after a remount
+            handles[3].replicas[0] = msgspec.structs.replace(first, segment=stale)
+            bufs = [bytearray(b"\xff" * 2000) for _ in keys]
+            got = c.batch_read_into(handles, bufs)
+            check(keys, got, bufs, failed={"k3"})
+            assert any(h.replicas[0].segment.name == seg.name for i, h in enumerate(handles) if i != 3)
+
+            local.clear()
             assert c.put("both", b"b" * 3000, replica_num=2) == 2
-            got = c.batch_get_into(["both", "k0", "k1"], [bytearray(4000) for _ in range(3)])
-            assert got == [3000, 1000, 1001]
-            cluster.stop_node(0, kill=True)
-            wait_for(lambda: len(c.stats().segments) == 1, 30, "the master drops the dead node's segment")
-            alive = c.stats().segments[0].name
-            bufs = [bytearray(2000) for _ in keys]
-            got = c.batch_get_into(keys, bufs)
-            for k, n, buf in zip(keys, got, bufs):
-                i = int(k[1:])
-                if where[k] == alive:
-                    assert n == 1000 + i and bytes(buf[:n]) == bytes([i]) * n
-                else:
-                    assert n == ErrorCode.OBJECT_NOT_FOUND
+            bufs = [bytearray(4000) for _ in range(3)]
+            assert c.batch_get_into(["both", "k0", "k1"], bufs) == [3000, 1000, 1001]
+            assert [bytes(b[:n]) for b, n in zip(bufs, (3000, 1000, 1001))] == [b"b" * 3000, b"\1" * 1000, b"\2" * 1001]
+            assert local == [None]  # the general path read them

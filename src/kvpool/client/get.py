@@ -415,11 +415,12 @@ class GetPath:
         return done
 
     def _read_local(self, jobs: list, deadline: float) -> dict[int, bool] | None:
-        """:meth:`_read_all` in one pass when every job is one whole value with one
-        replica, in this host's memory (a batch get of small values from a local or
+        """:meth:`_read_all` in one pass when every job is one fragment of a value with
+        one replica, in this host's memory (a batch get of small values from a local or
         mapped segment, the common case): no per-key ranking or bookkeeping, one
-        :meth:`Transport.read_many` per segment. None when any job is not such a value
-        (the general path then reads them all)."""
+        :meth:`Transport.read_many` per segment mount (name and epoch: a stale grant
+        fails only its own group). None when any job is not such a read (the general
+        path then reads them all)."""
         groups: dict[tuple[str, int], tuple[P.ReplicaDesc, Transport, list[int], list]] = {}
         for i, replicas, fragments in jobs:
             if len(replicas) != 1 or len(fragments) != 1:
