@@ -133,3 +133,18 @@ def test_second_ctrl_c_while_generate_winds_down_prints_no_traceback(tmp_path):
     err = "".join(seen)
     assert "kvpool generate: interrupted" in err
     assert "Traceback" not in err and "KeyboardInterrupt" not in err, err
+
+
+def test_serve_knows_a_signal_that_lands_inside_a_childs_fork():
+    """A Ctrl-C handled inside Popen's at-fork hooks must not raise (it would be printed
+    as "Exception ignored" and lost): serve's handler tells that place apart."""
+    from kvpool.node.serve import forking
+
+    seen, active = [], [True]
+    os.register_at_fork(after_in_parent=lambda: active[0] and seen.append(forking(sys._getframe())))
+    try:
+        # with a preexec_fn (as every child of ours has), Popen runs the at-fork hooks
+        subprocess.run(["true"], check=True, preexec_fn=lambda: None)
+    finally:
+        active[0] = False  # a hook cannot be unregistered: it stays, inert
+    assert seen == [True] and not forking(sys._getframe())
