@@ -135,16 +135,40 @@ def test_second_ctrl_c_while_generate_winds_down_prints_no_traceback(tmp_path):
     assert "Traceback" not in err and "KeyboardInterrupt" not in err, err
 
 
-def test_serve_knows_a_signal_that_lands_inside_a_childs_fork():
-    """A Ctrl-C handled inside Popen's at-fork hooks must not raise (it would be printed
-    as "Exception ignored" and lost): serve's handler tells that place apart."""
-    from kvpool.node.serve import forking
+def _children_marked(marker: str) -> list[int]:
+    """Pids of live processes whose command line holds ``marker``."""
+    pids = []
+    for entry in Path("/proc").iterdir():
+        try:
+            if entry.name.isdigit() and marker.encode() in (entry / "cmdline").read_bytes():
+                pids.append(int(entry.name))
+        except OSError:
+            pass  # gone meanwhile
+    return pids
 
-    seen, active = [], [True]
-    os.register_at_fork(after_in_parent=lambda: active[0] and seen.append(forking(sys._getframe())))
+
+def test_a_ctrl_c_inside_a_childs_fork_is_raised_after_it_and_the_child_stopped():
+    """A Ctrl-C handled inside Popen's at-fork hooks must not raise there (it would be
+    printed as "Exception ignored" and lost: serve once exited 0 after one): the handler
+    is held back, run once ``spawn`` has its child, and the child that nobody tracks yet
+    is stopped before the KeyboardInterrupt goes on."""
+    from kvpool.child import in_this_process, spawn
+
+    calls, active = [], [True]
+
+    def interrupt(signum, frame):
+        calls.append(signum)
+        raise KeyboardInterrupt
+
+    marker = f"kvpool-spawn-test-{os.getpid()}"
+    previous = signal.signal(signal.SIGUSR1, in_this_process(interrupt))
+    # every child of ours has a preexec_fn, so Popen runs the at-fork hooks
+    os.register_at_fork(after_in_parent=lambda: active[0] and os.kill(os.getpid(), signal.SIGUSR1))
     try:
-        # with a preexec_fn (as every child of ours has), Popen runs the at-fork hooks
-        subprocess.run(["true"], check=True, preexec_fn=lambda: None)
+        with pytest.raises(KeyboardInterrupt):
+            spawn([sys.executable, "-c", f"import time; time.sleep(60)  # {marker}"])
     finally:
         active[0] = False  # a hook cannot be unregistered: it stays, inert
-    assert seen == [True] and not forking(sys._getframe())
+        signal.signal(signal.SIGUSR1, previous)
+    assert calls == [signal.SIGUSR1]
+    assert _children_marked(marker) == []

@@ -73,21 +73,60 @@ def child_preexec(sig: int = signal.SIGTERM):
     return preexec
 
 
-def in_this_process(handler: Callable) -> Callable:
-    """Wrap a signal handler so that it acts only in the process that installed it.
+_deferred: list[tuple[Callable, int]] = []  # handlers held back while this process forked
 
-    CPython runs a Python-level handler at its next safe point; a signal that arrives
+
+def in_this_process(handler: Callable) -> Callable:
+    """Wrap a signal handler so that it acts only in the process that installed it, and
+    never inside a fork.
+
+    CPython runs a Python-level handler at its next safe point. A signal that arrives
     while ``subprocess`` forks is run again in the child's after-fork hook, before
     ``exec``, where raising (KeyboardInterrupt) prints "Exception ignored in
-    _after_fork" into the shared stderr. In that child the wrapper does nothing."""
+    _after_fork" into the shared stderr: in that child the wrapper does nothing. In the
+    parent, a handler that lands inside ``Popen``'s fork runs in the at-fork hooks
+    (logging registers one), where a raised KeyboardInterrupt is printed and lost (seen
+    in CI: ``kvpool serve`` started, then exited 0 after a Ctrl-C). There the wrapper
+    holds the signal back; :func:`spawn` runs it as soon as ``Popen`` has returned."""
     owner = os.getpid()
 
     def guarded(signum, frame):
-        if os.getpid() == owner:
-            return handler(signum, frame)
-        return None
+        if os.getpid() != owner:
+            return None
+        if _forking(frame):
+            _deferred.append((handler, signum))
+            return None
+        return handler(signum, frame)
 
     return guarded
+
+
+def _forking(frame) -> bool:
+    """Whether ``frame`` (where a signal handler interrupted) runs inside ``Popen``'s fork."""
+    while frame is not None:
+        if frame.f_code.co_name == "_execute_child" and frame.f_code.co_filename.endswith("subprocess.py"):
+            return True
+        frame = frame.f_back
+    return False
+
+
+def spawn(cmd: list[str], **popen_args) -> subprocess.Popen:
+    """``subprocess.Popen(cmd, **popen_args)`` for a child that dies with us
+    (:func:`child_preexec`), then the signal handlers that :func:`in_this_process` held
+    back during the fork. If one of them raises (a Ctrl-C during a start), the new child
+    is stopped (SIGTERM, then SIGKILL after 5 s) before the exception goes on, so no
+    child is left that nobody tracks.
+
+    Raises: OSError when ``cmd`` cannot be started; whatever a held-back handler raises."""
+    proc = subprocess.Popen(cmd, preexec_fn=child_preexec(), **popen_args)
+    try:
+        while _deferred:
+            handler, signum = _deferred.pop(0)
+            handler(signum, None)
+    except BaseException:
+        stop_ladder(proc)
+        raise
+    return proc
 
 
 def kvpool_env() -> dict[str, str]:
@@ -279,9 +318,8 @@ class ChildProcess:
         pipes = (dict(stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=log) if channel else
                  dict(stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT))
         try:
-            self.proc = subprocess.Popen(cmd, **pipes, env=env or kvpool_env(),
-                                         preexec_fn=child_preexec(),
-                                         process_group=0 if group else None)
+            self.proc = spawn(cmd, **pipes, env=env or kvpool_env(),
+                              process_group=0 if group else None)
         finally:
             if self.log_path:
                 log.close()

@@ -18,7 +18,7 @@ import time
 from pathlib import Path
 
 from kvpool import protocol as P
-from kvpool.child import child_preexec
+from kvpool.child import spawn
 from kvpool.errors import ErrorCode, KVPoolError
 from kvpool.etcd import Etcd, EtcdError
 from kvpool.launch import Child, LaunchError
@@ -61,8 +61,7 @@ class EtcdServer:
                "--initial-cluster", f"kvpool={peer_url}", "--log-level", "warn"]
         self.log_path = self.dir / "etcd.log"
         with open(self.log_path, "ab") as log:
-            self.proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
-                                         preexec_fn=child_preexec())
+            self.proc = spawn(cmd, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT)
         self.client = Etcd(self.url, timeout_s=1.0)
         deadline = time.monotonic() + timeout_s
         while True:

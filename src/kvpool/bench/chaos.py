@@ -192,15 +192,15 @@ class Clients:
         self._started = 0
 
     def start(self) -> str:
-        from kvpool.child import child_preexec, kvpool_env
+        from kvpool.child import kvpool_env, spawn
 
         self._started += 1
         name = f"c{self._started}"
         prefix = self.prefixes[self._started % len(self.prefixes)]
-        proc = subprocess.Popen([*prefix, sys.executable, "-m", "kvpool.bench.chaos", self.spec, name,
-                                 str(self.seed * 1000 + self._started)],
-                                stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, stdin=subprocess.DEVNULL,
-                                env=kvpool_env(), preexec_fn=child_preexec(), text=True)
+        proc = spawn([*prefix, sys.executable, "-m", "kvpool.bench.chaos", self.spec, name,
+                      str(self.seed * 1000 + self._started)],
+                     stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, stdin=subprocess.DEVNULL,
+                     env=kvpool_env(), text=True)
         self.procs[name] = proc
         threading.Thread(target=self._read, args=(name, proc), daemon=True).start()
         return name

@@ -26,7 +26,7 @@ import urllib.request
 from pathlib import Path
 
 import kvpool
-from kvpool.child import child_preexec
+from kvpool.child import spawn
 from kvpool.errors import UserError
 
 KINDS = ("plain", "example", "kvpool")
@@ -141,9 +141,9 @@ class Fleet:
         t0 = time.monotonic()
         for i in range(self.n):
             with open(self.log_path(i), "w") as log:
-                self.procs.append(subprocess.Popen(
+                self.procs.append(spawn(
                     self.command(i), stdout=log, stderr=subprocess.STDOUT, env=self._env(i),
-                    start_new_session=True, preexec_fn=child_preexec()))
+                    start_new_session=True))
         try:
             self._wait_healthy(t0 + self.startup_timeout_s)
         except BaseException:

@@ -55,20 +55,6 @@ def _exit_report(child) -> str:
     return "\n".join(lines)
 
 
-def forking(frame) -> bool:
-    """Whether ``frame`` (where a signal handler interrupted) runs inside
-    ``subprocess.Popen``'s fork of a child: there CPython calls the at-fork hooks (logging
-    registers one), and a KeyboardInterrupt raised in one is printed as "Exception
-    ignored" and lost, so a Ctrl-C during the start neither stopped it nor said so
-    (seen once in CI: serve started, then exited 0). The handler then only records the
-    signal, and the start is unwound right after it."""
-    while frame is not None:
-        if frame.f_code.co_name == "_execute_child" and frame.f_code.co_filename.endswith("subprocess.py"):
-            return True
-        frame = frame.f_back
-    return False
-
-
 def run(args) -> int:
     from kvpool.config import write_ready_file
     from kvpool.launch import Cluster
@@ -81,7 +67,7 @@ def run(args) -> int:
     def on_signal(signum, frame):
         first = not stop.is_set()
         stop.set()
-        if first and not started.is_set() and not forking(frame):
+        if first and not started.is_set():
             raise KeyboardInterrupt  # still starting: unwind (Cluster stops the rest)
 
     started = threading.Event()
@@ -90,8 +76,6 @@ def run(args) -> int:
     with Cluster(segment_size=size, lease_ttl_ms=values["default_kv_lease_ttl"],
                  master_port=values["port"], host=values["host"], log_dir=args.log_dir,
                  extra_master_args=() if values["http_port"] is None else ("--http-port", values["http_port"])) as cluster:
-        if stop.is_set():  # a signal during the start that could not unwind it (forking)
-            raise KeyboardInterrupt
         started.set()
         print(f"kvpool master: {cluster.master_addr}", flush=True)
         if cluster.master.info.get("http_addr"):
