@@ -271,11 +271,14 @@ def test_a_batch_get_grants_each_visible_key_and_only_those():
     keys = ["one", "two", "flying", "absent", "one"]
     before = svc.counters["leases_granted"]
     clock.advance(1.0)
-    results = svc.batch_get_replica_list(keys).results
+    reply = svc.batch_get_replica_list(keys)
+    results = reply.results
     assert [r.code for r in results] == [OK, OK, NOT_FOUND, NOT_FOUND, OK]
-    assert [len(r.replicas) for r in results] == [1, 2, 0, 0, 1]
-    assert {x.segment.name for x in results[1].replicas} == {"seg", "seg2"}
-    assert results[0].size == results[1].size == 1000 and results[0].lease_ttl_ms == 2000
+    assert [len(reply.replicas(r)) for r in results] == [1, 2, 0, 0, 1]
+    assert {x.segment.name for x in reply.replicas(results[1])} == {"seg", "seg2"}
+    assert sorted(s.name for s in reply.segments) == ["seg", "seg2"]  # each named once
+    assert reply.replicas(results[0]) == reply.replicas(results[4])
+    assert results[0].size == results[1].size == 1000 and reply.lease_ttl_ms == 2000
     ids = [r.grant_id for r in results if r.code == OK]
     assert 0 not in ids and len(set(ids)) == 3 and len(svc.grants.open) == 3
     assert svc.counters["leases_granted"] - before == 3

@@ -13,7 +13,7 @@ import pytest
 
 from kvpool import protocol as P
 from kvpool.config import Option, add_options, resolve
-from kvpool.errors import ErrorCode, UserError
+from kvpool.errors import ErrorCode, KVPoolError, UserError
 from kvpool.master.allocator import OffsetAllocator
 from kvpool.rpc import RpcChannel
 from proc_helpers import wait_ready_file
@@ -31,7 +31,7 @@ def test_every_size_and_offset_field_carries_64_bit_values(n):
         P.DataRead([n, n], [n, n]), P.DataResp(0, n), P.CountResp(0, n),
         P.StatsResp(n, n, n, [P.SegmentStats("s", "o", n, n, "a")], {"c": n}, leased_bytes=n),
         P.AllocLease("o", n), P.AllocLeaseResp(0, n, desc, n), P.PutCommit("o", n, [P.CommitItem("k", n, n)]),
-        P.ReturnLease("o", [n]),
+        P.ReturnLease("o", [n]), P.BatchGetResp([seg], n, [P.GetItem(0, n, [(0, n)], n, n)]),
     ]
     for msg in messages:
         frame = P.encode_frame(msg)
@@ -57,6 +57,22 @@ def test_decode_rejects_wrong_types_and_unknown_messages():
         P.parse_header(P.HEADER.pack(P.MAGIC, P.MAX_FRAME + 1))
 
 
+def test_a_batch_get_reply_naming_a_segment_it_lacks_is_refused_not_read():
+    """A batch reply names each segment once and points at it by index: an index
+    outside the list (a malformed or hostile reply) is an error, never another
+    segment's bytes; a negative one does not even decode."""
+    seg = P.SegmentInfo("s", "h", "shm", 1 << 20, "127.0.0.1:1")
+    reply = P.BatchGetResp([seg], 1000, [P.GetItem(0, 10, [(0, 64)]), P.GetItem(0, 10, [(0, 0), (1, 64)])])
+    assert reply.replicas(reply.results[0]) == [P.ReplicaDesc(seg, 64, 10)]
+    with pytest.raises(KVPoolError, match="names segment 1 of 1"):
+        reply.replicas(reply.results[1])
+    body = P.encode_frame(P.BatchGetResp([seg], 1000, [P.GetItem(0, 10, [(0, 64)])]))[P.HEADER.size:]
+    hostile = body.replace(msgspec.msgpack.encode([[0, 64]]), msgspec.msgpack.encode([[-1, 64]]))
+    assert hostile != body
+    with pytest.raises(msgspec.ValidationError):
+        P.reply_decoder.decode(hostile)
+
+
 def test_master_allocates_beyond_4_gib_on_a_large_segment(module_cluster):
     chan = RpcChannel(module_cluster.master_addr)
     seg = P.SegmentInfo("virtual-1TiB", "elsewhere", "none", 2**40, "127.0.0.1:9")
@@ -70,9 +86,9 @@ def test_master_allocates_beyond_4_gib_on_a_large_segment(module_cluster):
             tokens.append(P.PutToken(f"huge/{i}", r.put_id))
         assert max(t.put_id for t in tokens) > 0
         assert chan.call(P.BatchPutEnd(tokens)).codes == [0, 0, 0]
-        got = chan.call(P.BatchGetReplicaList([t.key for t in tokens])).results
-        assert [g.size for g in got] == sizes
-        assert got[-1].replicas[0].offset >= 2**32
+        reply = chan.call(P.BatchGetReplicaList([t.key for t in tokens]))
+        assert [g.size for g in reply.results] == sizes
+        assert reply.replicas(reply.results[-1])[0].offset >= 2**32
         stats = chan.call(P.GetStats())
         assert sum(s.used for s in stats.segments if s.name == seg.name) >= sum(sizes)
     finally:

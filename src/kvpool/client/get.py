@@ -21,6 +21,8 @@ from kvpool.transfer import as_byte_view
 from kvpool.transfer.buffers import RegisteredBuffer
 from kvpool.transfer.request import Cancel, Op, TransferRequest, TransferStatus, Transport
 
+_OK = int(ErrorCode.OK)  # a plain int: an enum member's lookup costs per key of a batch
+
 
 class GetPath:
     """The get methods of :class:`~kvpool.client.Client` (a mixin: it uses the client's
@@ -81,12 +83,18 @@ class GetPath:
         """:meth:`batch_query` of checked ``keys``; ``during`` runs while the master
         answers (:meth:`~kvpool.rpc.RpcChannel.call`)."""
         sent = time.monotonic()
-        replies = self._call(P.BatchGetReplicaList(list(keys)), during=during).results
-        return [
-            ReadHandle(k, r.size, r.replicas, sent + r.lease_ttl_ms / 1000, r.grant_id) if r.code == ErrorCode.OK
-            else code_of(r.code)
-            for k, r in zip(keys, replies)
-        ]
+        reply = self._call(P.BatchGetReplicaList(list(keys)), during=during)
+        deadline, segments, replicas = sent + reply.lease_ttl_ms / 1000, reply.segments, reply.replicas
+        out: list[ReadHandle | ErrorCode] = []
+        for k, r in zip(keys, reply.results):
+            if r.code != _OK:
+                out.append(code_of(r.code))
+            elif len(r.places) == 1 and r.places[0][0] < len(segments):  # one replica: no list to build
+                at, offset = r.places[0]
+                out.append(ReadHandle(k, r.size, [P.ReplicaDesc(segments[at], offset, r.size)], deadline, r.grant_id))
+            else:
+                out.append(ReadHandle(k, r.size, replicas(r), deadline, r.grant_id))
+        return out
 
     def _pipelined(self, keys: Sequence[str], item_bytes: int, read) -> None:
         """Query ``keys`` chunk by chunk (:mod:`kvpool.client.pipeline`; ``item_bytes``:
@@ -182,23 +190,30 @@ class GetPath:
         return self._read_handles(handles, [_destination(buf) for buf in bufs], bufs)
 
     def _read_handles(self, handles: Sequence[ReadHandle], dsts: Sequence[memoryview], bufs: Sequence,
-                      deadline: float | None = None) -> list[int]:
+                      deadline: float | None = None, own: bool = False) -> list[int]:
         """:meth:`batch_read_into` into the writable byte views ``dsts`` of ``bufs``, the
-        copies given up at ``deadline`` (time.monotonic; None: the client's timeout from now)."""
-        fresh = self._begin(handles)
+        copies given up at ``deadline`` (time.monotonic; None: the client's timeout from now).
+        ``own``: the handles were made by the caller's own query and no one else holds
+        them, so no read of them can be in progress or done: no bookkeeping per handle
+        before the copies, only their grants returned after."""
+        fresh = [True] * len(handles) if own else self._begin(handles)
         try:
             out, jobs = [], []
             for i, (h, dst, ok) in enumerate(zip(handles, dsts, fresh)):
+                size = h.size
                 if not ok:
                     out.append(int(ErrorCode.LEASE_EXPIRED))
-                elif len(dst) < h.size:
+                elif len(dst) < size:
                     out.append(int(ErrorCode.BUFFER_OVERFLOW))
                 else:
-                    out.append(h.size)
-                    jobs.append((i, h.replicas, [(0, dst[: h.size])]))
+                    out.append(size)
+                    jobs.append((i, h.replicas, [(0, dst if len(dst) == size else dst[:size])]))
             done = self._read_all(jobs, deadline)
         finally:
-            self._finish([h for h, ok in zip(handles, fresh) if ok])
+            if own:
+                self.release(handles)
+            else:
+                self._finish([h for h, ok in zip(handles, fresh) if ok])
         now = time.monotonic()
         for i, _, _ in jobs:
             if not done.get(i):
@@ -313,7 +328,8 @@ class GetPath:
             found = [j for j, h in enumerate(handles) if isinstance(h, ReadHandle)]
             bufs = [bytearray(handles[j].size) for j in found]
             # bytearray then bytes: two copies, but one exchange per node for the chunk
-            got = self._read_handles([handles[j] for j in found], [memoryview(b) for b in bufs], bufs, deadline)
+            got = self._read_handles([handles[j] for j in found], [memoryview(b) for b in bufs], bufs, deadline,
+                                     own=True)
             for j, n, buf in zip(found, got, bufs):
                 out[start + j] = bytes(buf) if n >= 0 else None
 
@@ -338,7 +354,7 @@ class GetPath:
                 else:
                     out[start + j] = int(h)
             got = self._read_handles([handles[j] for j in found], [dsts[start + j] for j in found],
-                                     [bufs[start + j] for j in found], deadline)
+                                     [bufs[start + j] for j in found], deadline, own=True)
             for j, n in zip(found, got):
                 out[start + j] = n
 

@@ -42,14 +42,16 @@ from kvpool.master.segments import SegmentTable, new_epoch
 from kvpool.master.table import NO_SEG, ObjectMeta, ObjectTable
 from kvpool.protocol import (
     MAX_KEY_BYTES, MAX_SEGMENTS, SOFT_PIN_DISABLE, SOFT_PIN_ENABLE, SOFT_PIN_PRESERVE, BatchGetResp,
-    BatchPutStartResp, CodesResp, CommitItem, GetResp, IndexEntry, MountResp, PutItem, PutStartResp,
+    BatchPutStartResp, CodesResp, CommitItem, GetItem, GetResp, IndexEntry, MountResp, PutItem, PutStartResp,
     PutToken, ReplicaDesc, Resp, SegmentInfo, SegmentStats, StatsResp,
 )
 
 MIN_SEGMENT_SIZE = 1 << 10  # bytes; Mooncake's MIN_SEGMENT_SIZE: smaller mounts are refused
 log = logging.getLogger("kvpool.master")
 OK = ErrorCode.OK
-_NOT_FOUND = GetResp(ErrorCode.OBJECT_NOT_FOUND)  # shared by every miss: replies are never changed
+_OK = int(OK)  # a plain int: the enum member's lookup would cost per key of a batch
+# shared by every miss: replies are never changed
+_NOT_FOUND, _MISS = GetResp(ErrorCode.OBJECT_NOT_FOUND), GetItem(ErrorCode.OBJECT_NOT_FOUND)
 
 
 def _key_ok(key: str) -> bool:
@@ -365,48 +367,64 @@ class MasterService(Eviction, Restore, LeaseHandlers):
     # ------------------------------------------------------------ reads
 
     def get_replica_list(self, key: str) -> GetResp:
-        return self._gets([key])[0]
+        reply = self._gets([key])
+        item = reply.results[0]
+        if item.code != OK:
+            return _NOT_FOUND
+        return GetResp(OK, item.size, reply.lease_ttl_ms, reply.replicas(item), item.grant_id, item.version)
 
     def batch_get_replica_list(self, keys: list[str]) -> BatchGetResp:
-        return BatchGetResp(self._gets(keys))
+        return self._gets(keys)
 
-    def _gets(self, keys: list[str]) -> list[GetResp]:
+    def _gets(self, keys: list[str]) -> BatchGetResp:
         """A read grant on each key: its replicas, under a lease extended to one deadline
         (one clock read for the batch; never shortened). One loop over the table's
         arrays with every lookup bound once and no record view: the Python calls per key
-        are the grant's and the eviction queue's touch. This is the master's share of
-        every get (docs/bench.md, "A batch read is one loop in the master")."""
+        are the grant's and the eviction queue's touch. Each segment is named once in
+        the reply, the keys pointing at it by index. This is the master's share of every
+        get (docs/bench.md, "A batch read is one loop in the master")."""
         ttl_ms, deadline = self._lease_terms()
-        t, infos = self.objects, self.segments.segments
+        t = self.objects
         find, seg, more, lease, size, offset = t.slots.get, t.seg, t.more, t.lease, t.size, t.offset
         version, names, touch = t.version, t.seg_names, self.queue.touch
         grant, open_grants, grants_of = self.grants.grant, t.grants.get, t.grants_of
-        out: list[GetResp] = []
+        segments: list[SegmentInfo] = []
+        index: dict[str, int] = {}  # segment name -> its place in ``segments``
+        out: list[GetItem] = []
         missed = 0
         for key in keys:
             slot = find(key, -1)
             if slot < 0:
-                out.append(_NOT_FOUND)
+                out.append(_MISS)
                 missed += 1
                 continue
             sid = seg[slot]
             if sid != NO_SEG:  # one replica, the common case
-                n = size[slot]
-                replicas = [ReplicaDesc(infos[names[sid]].info, offset[slot], n)]
+                at = index.get(names[sid])
+                if at is None:
+                    at = self._segment_index(names[sid], index, segments)
+                places = [(at, offset[slot])]
             elif slot in more:
-                n = size[slot]
-                replicas = [self._desc(r) for r in more[slot]]
+                places = [(self._segment_index(r.segment, index, segments), r.offset) for r in more[slot]]
             else:  # only a put in flight: invisible
-                out.append(_NOT_FOUND)
+                out.append(_MISS)
                 missed += 1
                 continue
             if deadline > lease[slot]:
                 lease[slot] = deadline
                 touch(slot)
             grants = open_grants(slot) or grants_of(slot)
-            out.append(GetResp(OK, n, ttl_ms, replicas, grant(grants, deadline), version[slot]))
+            out.append(GetItem(_OK, size[slot], places, grant(grants, deadline), version[slot]))
         self.counters["leases_granted"] += len(out) - missed
-        return out
+        return BatchGetResp(segments, ttl_ms, out)
+
+    def _segment_index(self, name: str, index: dict[str, int], segments: list[SegmentInfo]) -> int:
+        """The place of segment ``name`` in a batch reply's ``segments`` (added if new)."""
+        at = index.get(name)
+        if at is None:
+            at = index[name] = len(segments)
+            segments.append(self.segments.segments[name].info)
+        return at
 
     def exist_key(self, key: str) -> Resp:
         return Resp(self._exists([key])[0])
