@@ -434,37 +434,24 @@ class GetPath:
         """:meth:`_read_all` in one pass when every job is one fragment of a value with
         one replica, in this host's memory (a batch get of small values from a local or
         mapped segment, the common case): no per-key ranking or bookkeeping, one
-        :meth:`Transport.read_many` per segment mount (name and epoch: a stale grant
-        fails only its own group). None when any job is not such a read (the general
-        path then reads them all)."""
-        groups: dict[tuple[str, int], tuple[P.ReplicaDesc, Transport, list[int], list]] = {}
-        for i, replicas, fragments in jobs:
-            if len(replicas) != 1 or len(fragments) != 1:
-                return None
-            d = replicas[0]
-            segment = d.segment
-            group = groups.get((segment.name, segment.epoch))
-            if group is None:
-                transport = self.engine.route(segment)
-                if transport is None or not transport.in_place:
-                    return None
-                group = groups[(segment.name, segment.epoch)] = (d, transport, [], [])
-            group[2].append(i)
-            group[3].append((d.offset + fragments[0][0], fragments[0][1]))
-        return _copy_groups(groups.values(), deadline)
+        :meth:`Transport.read_many` per segment mount. None when any job is not such a
+        read (the general path then reads them all)."""
+        def in_place(d: P.ReplicaDesc) -> Transport | None:
+            transport = self.engine.route(d.segment)
+            return transport if transport is not None and transport.in_place else None
+
+        groups = _segment_groups(((i, replicas[0], fragments[0]) if len(replicas) == 1 and len(fragments) == 1
+                                  else None for i, replicas, fragments in jobs), in_place)
+        return None if groups is None else _copy_groups(groups, deadline)
 
     def _read_in_place(self, items: set[int], options: dict, frags: dict, deadline: float) -> dict[int, bool]:
         """:meth:`_read_all` of ``items``, each one whole value whose cheapest replica
-        is in this host's memory: one :meth:`Transport.read_many` per segment (all its
-        items kept or none); {index: copied}."""
-        groups: dict[tuple[str, int], tuple] = {}
-        for i in items:
-            d, transport = options[i][0]
-            key = (d.segment.name, d.segment.epoch)
-            group = groups.get(key) or groups.setdefault(key, (d, transport, [], []))
-            group[2].append(i)
-            group[3].append((d.offset + frags[i][0][0], frags[i][0][1]))
-        return _copy_groups(groups.values(), deadline)
+        is in this host's memory: one :meth:`Transport.read_many` per segment mount (all
+        its items kept or none); {index: copied}."""
+        transports = {d.segment.name: transport for d, transport in (options[i][0] for i in items)}
+        groups = _segment_groups(((i, options[i][0][0], frags[i][0]) for i in items),
+                                 lambda d: transports[d.segment.name])
+        return _copy_groups(groups, deadline)
 
     def _read_one(self, options: list[tuple[P.ReplicaDesc, Transport]],
                   fragments: list[tuple[int, memoryview]], deadline: float | None = None) -> bool:
@@ -494,6 +481,29 @@ class GetPath:
             if value is not None:
                 return value
         raise TransferFailed(f"get {handle.key!r}: no replica could be read ({'; '.join(why.reasons) or 'none reachable'})")
+
+
+def _segment_groups(reads, transport_of) -> list | None:
+    """Group ``reads`` per segment mount (name and epoch: a stale grant fails only its
+    own group): each read is (item index, replica, (offset in the value, destination)),
+    or None, which gives up (returns None). ``transport_of(replica)`` is asked once
+    per group for its transport; None gives up too. Returns groups as
+    :func:`_copy_groups` takes them."""
+    groups: dict[tuple[str, int], tuple[P.ReplicaDesc, Transport, list[int], list]] = {}
+    for read in reads:
+        if read is None:
+            return None
+        i, d, (src, dst) = read
+        segment = d.segment
+        group = groups.get((segment.name, segment.epoch))
+        if group is None:
+            transport = transport_of(d)
+            if transport is None:
+                return None
+            group = groups[(segment.name, segment.epoch)] = (d, transport, [], [])
+        group[2].append(i)
+        group[3].append((d.offset + src, dst))
+    return list(groups.values())
 
 
 def _copy_groups(groups, deadline: float) -> dict[int, bool]:
