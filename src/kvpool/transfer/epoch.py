@@ -68,6 +68,19 @@ class EpochWord:
         """True if a copy under a grant of ``epoch`` may be kept (NO_EPOCH: unchecked)."""
         return epoch == NO_EPOCH or self._word[0] == epoch
 
+    def await_mount(self, epoch: int, deadline: float) -> None:
+        """Before a copy under a grant of ``epoch``: while the word is NO_EPOCH (the node
+        is between its fence and the end of its new mount, whose grant may already be
+        out: the master answers the mount before the node stores its epoch), wait for
+        the mount, at most MOUNT_WAIT_S and until ``deadline`` (time.monotonic). Without
+        it a read right after a master restart failed as stale (seen in CI). Whether the
+        copy may be kept is still :meth:`valid`'s to say."""
+        if epoch == NO_EPOCH or self._word[0] != NO_EPOCH:
+            return
+        limit = min(deadline, time.monotonic() + MOUNT_WAIT_S)
+        while self._word[0] == NO_EPOCH and time.monotonic() < limit:
+            time.sleep(0.001)
+
     # ---------------------------------------------------------------- hosting node
 
     def set(self, epoch: int) -> None:
@@ -95,14 +108,12 @@ class EpochWord:
     def writing(self, epoch: int, deadline: float) -> Iterator[bool]:
         """Hold the segment for a write under a grant of ``epoch``; yields whether the
         write may go ahead. A grant of a new epoch may reach a writer just before the
-        node finishes mounting (the word still NO_EPOCH): it waits for that, at most
-        MOUNT_WAIT_S and until ``deadline``."""
+        node finishes mounting (the word still NO_EPOCH): it waits for that
+        (:meth:`await_mount`)."""
         if epoch == NO_EPOCH:
             yield True
             return
-        limit = min(deadline, time.monotonic() + MOUNT_WAIT_S)
-        while self._word[0] == NO_EPOCH and time.monotonic() < limit:
-            time.sleep(0.001)
+        self.await_mount(epoch, deadline)
         self._enter()
         try:
             yield self._word[0] == epoch

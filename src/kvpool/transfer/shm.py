@@ -17,10 +17,11 @@ from __future__ import annotations
 import mmap
 import os
 import threading
+import time
 
 from kvpool.protocol import SegmentInfo
 from kvpool.transfer import local_host_id
-from kvpool.transfer.epoch import SHM_DIR, EpochWord
+from kvpool.transfer.epoch import MOUNT_WAIT_S, SHM_DIR, EpochWord
 from kvpool.transfer.request import Cancel, Op, Transport, TransferRequest
 
 # shm name -> (writable view, epoch word, before_write or None) of a segment hosted here
@@ -92,6 +93,7 @@ class _MemoryTransport(Transport):
         found = self._found(segment, cancel)
         if found is None:
             return None
+        found[1].await_mount(segment.epoch, deadline)
         out = bytes(found[0][offset : offset + length])
         return out if _kept(segment, found[1], cancel) else None
 
@@ -103,6 +105,7 @@ class _MemoryTransport(Transport):
         if found is None or not self._all_in(segment, ranges, cancel):
             return False
         view = found[0]
+        found[1].await_mount(segment.epoch, deadline)
         for offset, dst in ranges:
             dst[:] = view[offset : offset + len(dst)]
         return _kept(segment, found[1], cancel)
@@ -146,6 +149,7 @@ class _MemoryTransport(Transport):
         if found is None or offset < 0 or offset + length > segment.size:
             return None
         view, word, _ = found
+        word.await_mount(segment.epoch, time.monotonic() + MOUNT_WAIT_S)
         return view[offset : offset + length], lambda: word.valid(segment.epoch)
 
 
