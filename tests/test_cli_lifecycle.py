@@ -172,3 +172,28 @@ def test_a_ctrl_c_inside_a_childs_fork_is_raised_after_it_and_the_child_stopped(
         signal.signal(signal.SIGUSR1, previous)
     assert calls == [signal.SIGUSR1]
     assert _children_marked(marker) == []
+
+
+def test_a_signal_held_back_during_a_start_that_fails_is_not_left_for_a_later_one():
+    """A start whose command cannot run (OSError from Popen) still runs the handlers held
+    back meanwhile: the Ctrl-C is raised there, and nothing is left to fire at the next,
+    healthy start."""
+    from kvpool import child
+
+    calls, active = [], [True]
+
+    def interrupt(signum, frame):
+        calls.append(signum)
+        raise KeyboardInterrupt
+
+    previous = signal.signal(signal.SIGUSR1, child.in_this_process(interrupt))
+    os.register_at_fork(after_in_parent=lambda: active[0] and os.kill(os.getpid(), signal.SIGUSR1))
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            child.spawn(["/nonexistent/kvpool-no-such-command"])
+    finally:
+        active[0] = False
+        signal.signal(signal.SIGUSR1, previous)
+    assert calls == [signal.SIGUSR1] and child._deferred == []
+    child.spawn(["true"]).wait()  # a later start: no stale signal goes off
+    assert calls == [signal.SIGUSR1]

@@ -133,21 +133,22 @@ def test_k18_a_read_handle_of_the_old_master_never_reads_another_keys_bytes(kind
 
 
 @contextlib.contextmanager
-def _between_mounts(segment: P.SegmentInfo):
+def _between_mounts(segment: P.SegmentInfo, fenced: int = 0):
     """Store NO_EPOCH in ``segment``'s epoch word, as its node does from its fence until
     its new mount is made (the window in which the master has already answered the
-    mount and may hand out grants of the new epoch); the word's old value is put back
-    on leaving. Yields a function that puts it back now (the mount finishing)."""
+    mount and may hand out grants of the new epoch), and ``fenced`` as the last epoch
+    fenced; the word's old value is put back on leaving. Yields a function that puts it
+    back now (the mount finishing)."""
     fd = os.open(os.path.join(SHM_DIR, segment.shm_name), os.O_RDWR)
     try:
         with mmap.mmap(fd, shm_bytes(segment.size)) as mapped:
-            word = memoryview(mapped)[epoch_offset(segment.size):][:8].cast("Q")
+            word = memoryview(mapped)[epoch_offset(segment.size):][:16].cast("Q")
             epoch = word[0]
 
             def mounted() -> None:
                 word[0] = epoch
 
-            word[0] = NO_EPOCH
+            word[1], word[0] = fenced, NO_EPOCH
             try:
                 yield mounted
             finally:
@@ -175,6 +176,25 @@ def test_a_grant_of_a_new_mount_read_before_the_node_finished_mounting_waits_for
             finally:
                 timer.cancel()
         assert got[16:] == original[16:]
+
+
+def test_a_grant_of_the_epoch_just_fenced_fails_at_once_without_waiting():
+    """A grant of the epoch the node fenced is stale for certain: it does not wait for
+    the mount in progress (which would let it read once the word showed the epoch
+    again here), so leftover handles and location hints of a remounted or stopped
+    node cost no wait."""
+    with setup("shm") as (_, client):
+        client.put("k", value("k"))
+        handle = client.query("k")
+        segment = handle.replicas[0].segment
+        with _between_mounts(segment, fenced=segment.epoch) as mounted:
+            timer = threading.Timer(0.5, mounted)  # a wait would see the epoch come back
+            timer.start()
+            try:
+                with pytest.raises(KVPoolError, match="stale"):
+                    client.read(handle)
+            finally:
+                timer.cancel()
 
 
 def test_a_read_between_mounts_gives_up_as_stale_when_no_mount_comes():

@@ -73,12 +73,13 @@ def child_preexec(sig: int = signal.SIGTERM):
     return preexec
 
 
-_deferred: list[tuple[Callable, int]] = []  # handlers held back while this process forked
+_deferred: list[tuple[Callable, int]] = []  # handlers held back while the main thread spawned
+_spawning = 0  # spawns in progress on the main thread
 
 
 def in_this_process(handler: Callable) -> Callable:
     """Wrap a signal handler so that it acts only in the process that installed it, and
-    never inside a fork.
+    never while the main thread starts a child (:func:`spawn`).
 
     CPython runs a Python-level handler at its next safe point. A signal that arrives
     while ``subprocess`` forks is run again in the child's after-fork hook, before
@@ -86,14 +87,15 @@ def in_this_process(handler: Callable) -> Callable:
     _after_fork" into the shared stderr: in that child the wrapper does nothing. In the
     parent, a handler that lands inside ``Popen``'s fork runs in the at-fork hooks
     (logging registers one), where a raised KeyboardInterrupt is printed and lost (seen
-    in CI: ``kvpool serve`` started, then exited 0 after a Ctrl-C). There the wrapper
-    holds the signal back; :func:`spawn` runs it as soon as ``Popen`` has returned."""
+    in CI: ``kvpool serve`` started, then exited 0 after a Ctrl-C). So while
+    :func:`spawn` runs on the main thread (the only one that runs handlers) the
+    wrapper holds the signal back, and :func:`spawn` runs it once ``Popen`` returned."""
     owner = os.getpid()
 
     def guarded(signum, frame):
         if os.getpid() != owner:
             return None
-        if _forking(frame):
+        if _spawning:
             _deferred.append((handler, signum))
             return None
         return handler(signum, frame)
@@ -101,31 +103,33 @@ def in_this_process(handler: Callable) -> Callable:
     return guarded
 
 
-def _forking(frame) -> bool:
-    """Whether ``frame`` (where a signal handler interrupted) runs inside ``Popen``'s fork."""
-    while frame is not None:
-        if frame.f_code.co_name == "_execute_child" and frame.f_code.co_filename.endswith("subprocess.py"):
-            return True
-        frame = frame.f_back
-    return False
-
-
 def spawn(cmd: list[str], **popen_args) -> subprocess.Popen:
     """``subprocess.Popen(cmd, **popen_args)`` for a child that dies with us
-    (:func:`child_preexec`), then the signal handlers that :func:`in_this_process` held
-    back during the fork. If one of them raises (a Ctrl-C during a start), the new child
-    is stopped (SIGTERM, then SIGKILL after 5 s) before the exception goes on, so no
-    child is left that nobody tracks.
+    (:func:`child_preexec`). On the main thread, signal handlers wrapped by
+    :func:`in_this_process` are held back meanwhile and run right after, whether
+    ``Popen`` succeeded or raised; if one raises (a Ctrl-C during a start), the new
+    child is stopped (SIGTERM, then SIGKILL after 5 s) before the exception goes on,
+    so no child is left that nobody tracks. Held-back handlers after the first that
+    raised are dropped (they asked for the same stop).
 
     Raises: OSError when ``cmd`` cannot be started; whatever a held-back handler raises."""
-    proc = subprocess.Popen(cmd, preexec_fn=child_preexec(), **popen_args)
+    global _spawning
+    main = threading.current_thread() is threading.main_thread()
+    proc = None
+    _spawning += main
     try:
-        while _deferred:
-            handler, signum = _deferred.pop(0)
-            handler(signum, None)
-    except BaseException:
-        stop_ladder(proc)
-        raise
+        proc = subprocess.Popen(cmd, preexec_fn=child_preexec(), **popen_args)
+    finally:
+        try:
+            _spawning -= main
+            if main and not _spawning:
+                pending, _deferred[:] = _deferred[:], []
+                for handler, signum in pending:
+                    handler(signum, None)
+        except BaseException:
+            if proc is not None:
+                stop_ladder(proc)
+            raise
     return proc
 
 

@@ -16,9 +16,11 @@ from kvpool.client import pipeline
 from kvpool.client.grants import ReadHandle
 from kvpool.client.hints import copy_timeout
 from kvpool.client.keys import check_key
-from kvpool.errors import BufferOverflow, ErrorCode, InvalidParams, LeaseExpired, TransferFailed, code_name, code_of, raise_for
+from kvpool.errors import (BufferOverflow, ErrorCode, InvalidParams, KVPoolError, LeaseExpired, TransferFailed,
+                           code_name, code_of, raise_for)
 from kvpool.transfer import as_byte_view
 from kvpool.transfer.buffers import RegisteredBuffer
+from kvpool.transfer.epoch import MOUNT_WAIT_S
 from kvpool.transfer.request import Cancel, Op, TransferRequest, TransferStatus, Transport
 
 _OK = int(ErrorCode.OK)  # a plain int: an enum member's lookup costs per key of a batch
@@ -74,7 +76,9 @@ class GetPath:
         return handle, None
 
     def batch_query(self, keys: Sequence[str]) -> list[ReadHandle | ErrorCode]:
-        """:meth:`query` for many keys in one RPC: a ReadHandle or an ErrorCode per key."""
+        """:meth:`query` for many keys in one RPC: a ReadHandle or an ErrorCode per key.
+        Raises InvalidParams (a bad key), KVPoolError (a malformed reply: its grants are
+        returned)."""
         for key in keys:
             check_key(key)
         return self._batch_query(keys)
@@ -86,14 +90,20 @@ class GetPath:
         reply = self._call(P.BatchGetReplicaList(list(keys)), during=during)
         deadline, segments, replicas = sent + reply.lease_ttl_ms / 1000, reply.segments, reply.replicas
         out: list[ReadHandle | ErrorCode] = []
-        for k, r in zip(keys, reply.results):
-            if r.code != _OK:
-                out.append(code_of(r.code))
-            elif len(r.places) == 1 and r.places[0][0] < len(segments):  # one replica: no list to build
-                at, offset = r.places[0]
-                out.append(ReadHandle(k, r.size, [P.ReplicaDesc(segments[at], offset, r.size)], deadline, r.grant_id))
-            else:
-                out.append(ReadHandle(k, r.size, replicas(r), deadline, r.grant_id))
+        try:
+            for k, r in zip(keys, reply.results):
+                if r.code != _OK:
+                    out.append(code_of(r.code))
+                elif len(r.places) == 1 and r.places[0][0] < len(segments):  # one replica: no list to build
+                    at, offset = r.places[0]
+                    out.append(ReadHandle(k, r.size, [P.ReplicaDesc(segments[at], offset, r.size)], deadline,
+                                          r.grant_id))
+                else:
+                    out.append(ReadHandle(k, r.size, replicas(r), deadline, r.grant_id))
+        except KVPoolError:  # a malformed reply: none of it is read, every grant goes back
+            self.release([ReadHandle(k, r.size, [], deadline, r.grant_id)
+                          for k, r in zip(keys, reply.results) if r.code == _OK])
+            raise
         return out
 
     def _pipelined(self, keys: Sequence[str], item_bytes: int, read) -> None:
@@ -273,10 +283,11 @@ class GetPath:
         """
         routes: dict = {}
         found = []
+        deadline = time.monotonic() + MOUNT_WAIT_S  # one wait for a mount in progress, for all
         for h in handles:
             hit = None
             for desc, transport in self._ranked(h.replicas, routes):
-                hit = transport.value_view(desc.segment, desc.offset, h.size)
+                hit = transport.value_view(desc.segment, desc.offset, h.size, deadline)
                 if hit is not None:
                     break
             found.append(hit)
@@ -448,9 +459,9 @@ class GetPath:
         """:meth:`_read_all` of ``items``, each one whole value whose cheapest replica
         is in this host's memory: one :meth:`Transport.read_many` per segment mount (all
         its items kept or none); {index: copied}."""
-        transports = {d.segment.name: transport for d, transport in (options[i][0] for i in items)}
+        transports = {(d.segment.name, d.segment.epoch): transport for d, transport in (options[i][0] for i in items)}
         groups = _segment_groups(((i, options[i][0][0], frags[i][0]) for i in items),
-                                 lambda d: transports[d.segment.name])
+                                 lambda d: transports[(d.segment.name, d.segment.epoch)])
         return _copy_groups(groups, deadline)
 
     def _read_one(self, options: list[tuple[P.ReplicaDesc, Transport]],

@@ -127,7 +127,8 @@ class DataServer:
         that arrives while the node is still mounting waits for the mount (bounded)."""
         with self._gate:
             if self.word is not None and epoch != NO_EPOCH:
-                self._gate.wait_for(lambda: self.word.read() != NO_EPOCH, MOUNT_WAIT_S)
+                if self.word.mounting(epoch):
+                    self._gate.wait_for(lambda: self.word.read() != NO_EPOCH, MOUNT_WAIT_S)
                 if self.word.read() != epoch:
                     return False
             self._busy.add(conn)
@@ -143,7 +144,7 @@ class DataServer:
         those in flight are cut and waited for (at most ``timeout_s``). True when none
         is left."""
         with self._gate:
-            self.word.set(NO_EPOCH)
+            self.word.close_epoch()
             for conn in self._busy:
                 with contextlib.suppress(OSError):
                     conn.shutdown(socket.SHUT_RDWR)

@@ -4,7 +4,8 @@ A segment's shared memory is ``size`` value bytes followed, at :func:`epoch_offs
 one 64-byte cache line whose first 8 bytes (u64, native order, aligned) hold the
 segment's current mount epoch: the number the master stamped on this mount
 (:attr:`kvpool.protocol.SegmentInfo.epoch`), or :data:`NO_EPOCH` while the segment is
-between mounts. The hosting node writes it; every process that maps the segment reads
+between mounts; the next 8 bytes hold the last epoch fenced (so a grant of it, certainly
+stale, need not wait for a mount in progress). The hosting node writes them; every process that maps the segment reads
 it. A grant names the epoch it was issued under, and its bytes may move only while the
 word holds that epoch:
 
@@ -56,7 +57,7 @@ class EpochWord:
 
     def __init__(self, view: memoryview, size: int, shm_name: str):
         start = epoch_offset(size)
-        self._word = view[start : start + 8].cast("Q")
+        self._word = view[start : start + 16].cast("Q")  # [current epoch, last fenced epoch]
         self._fd = os.open(os.path.join(SHM_DIR, shm_name), os.O_RDWR)
         self._lock = threading.Lock()
         self._writers = 0
@@ -68,14 +69,20 @@ class EpochWord:
         """True if a copy under a grant of ``epoch`` may be kept (NO_EPOCH: unchecked)."""
         return epoch == NO_EPOCH or self._word[0] == epoch
 
+    def mounting(self, epoch: int) -> bool:
+        """Whether a grant of ``epoch`` may belong to a mount still being made: the word
+        is NO_EPOCH (the node is between its fence and the end of its new mount, whose
+        grants may already be out: the master answers the mount before the node stores
+        its epoch) and ``epoch`` is not the one fenced (a grant of that one is stale)."""
+        return epoch != NO_EPOCH and self._word[0] == NO_EPOCH and self._word[1] != epoch
+
     def await_mount(self, epoch: int, deadline: float) -> None:
-        """Before a copy under a grant of ``epoch``: while the word is NO_EPOCH (the node
-        is between its fence and the end of its new mount, whose grant may already be
-        out: the master answers the mount before the node stores its epoch), wait for
-        the mount, at most MOUNT_WAIT_S and until ``deadline`` (time.monotonic). Without
-        it a read right after a master restart failed as stale (seen in CI). Whether the
-        copy may be kept is still :meth:`valid`'s to say."""
-        if epoch == NO_EPOCH or self._word[0] != NO_EPOCH:
+        """Before a copy under a grant of ``epoch``: while it may belong to a mount in
+        progress (:meth:`mounting`), wait for the mount, at most MOUNT_WAIT_S and until
+        ``deadline`` (time.monotonic). Without it a read right after a master restart
+        failed as stale (seen in CI). Whether the copy may be kept is still
+        :meth:`valid`'s to say."""
+        if not self.mounting(epoch):
             return
         limit = min(deadline, time.monotonic() + MOUNT_WAIT_S)
         while self._word[0] == NO_EPOCH and time.monotonic() < limit:
@@ -86,11 +93,17 @@ class EpochWord:
     def set(self, epoch: int) -> None:
         self._word[0] = epoch
 
+    def close_epoch(self) -> None:
+        """Store NO_EPOCH, the current epoch (if any) kept as the last one fenced first."""
+        if self._word[0] != NO_EPOCH:
+            self._word[1] = self._word[0]
+        self._word[0] = NO_EPOCH
+
     def fence(self, deadline: float) -> bool:
         """Store NO_EPOCH, then wait (until ``deadline``, time.monotonic) for the writers
         that saw the old epoch. False if one still holds the lock (a stopped process):
         the caller must not mount again yet."""
-        self.set(NO_EPOCH)
+        self.close_epoch()
         while True:
             try:
                 fcntl.flock(self._fd, fcntl.LOCK_EX | fcntl.LOCK_NB)

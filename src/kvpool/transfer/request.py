@@ -204,11 +204,13 @@ class Transport:
             return False
         return self.run([req], deadline, cancel)[0]
 
-    def value_view(self, segment: SegmentInfo, offset: int, length: int):
+    def value_view(self, segment: SegmentInfo, offset: int, length: int, deadline: float | None = None):
         """A view of ``length`` bytes at ``offset`` of a segment mapped in this process,
         and a callable telling whether bytes copied out of it under the grant's epoch
         may still be kept (call it after copying); None when this transport moves bytes
-        over a wire instead (every transport but the same-host ones)."""
+        over a wire instead (every transport but the same-host ones). A grant of a mount
+        still being made waits for it until ``deadline`` (time.monotonic; None: at most
+        :data:`~kvpool.transfer.epoch.MOUNT_WAIT_S` from now)."""
         return None
 
     def close(self) -> None:

@@ -144,12 +144,12 @@ class _MemoryTransport(Transport):
                 return False
         return True
 
-    def value_view(self, segment: SegmentInfo, offset: int, length: int):
+    def value_view(self, segment: SegmentInfo, offset: int, length: int, deadline: float | None = None):
         found = self._find(segment)
         if found is None or offset < 0 or offset + length > segment.size:
             return None
         view, word, _ = found
-        word.await_mount(segment.epoch, time.monotonic() + MOUNT_WAIT_S)
+        word.await_mount(segment.epoch, time.monotonic() + MOUNT_WAIT_S if deadline is None else deadline)
         return view[offset : offset + length], lambda: word.valid(segment.epoch)
 
 
