@@ -64,11 +64,11 @@ def run(args) -> int:
     check_fits(size, prefault=True)
     stop = threading.Event()
 
-    def on_signal(signum, frame):
+    def on_signal(*_):
         first = not stop.is_set()
         stop.set()
-        if first and not started.is_set():
-            raise KeyboardInterrupt  # still starting: unwind (Cluster stops the rest)
+        if first and not started.is_set():  # still starting: unwind (Cluster stops the rest)
+            raise KeyboardInterrupt
 
     started = threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):

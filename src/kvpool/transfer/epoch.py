@@ -5,9 +5,9 @@ one 64-byte cache line whose first 8 bytes (u64, native order, aligned) hold the
 segment's current mount epoch: the number the master stamped on this mount
 (:attr:`kvpool.protocol.SegmentInfo.epoch`), or :data:`NO_EPOCH` while the segment is
 between mounts; the next 8 bytes hold the last epoch fenced (so a grant of it, certainly
-stale, need not wait for a mount in progress). The hosting node writes them; every process that maps the segment reads
-it. A grant names the epoch it was issued under, and its bytes may move only while the
-word holds that epoch:
+stale, need not wait for a mount in progress). The hosting node writes them; every
+process that maps the segment reads them. A grant names the epoch it was issued under,
+and its bytes may move only while the word holds that epoch:
 
 - a reader copies, then checks the word (:meth:`EpochWord.valid`): a copy that may
   have overlapped a later mount's writes is discarded, as a late copy is after its lease;
