@@ -239,30 +239,34 @@ def test_a_bad_mapped_page_in_a_later_chunk_cuts_the_load_there(store, client, h
 
 
 @pytest.mark.parametrize("corrupt", [False, True])
-def test_pages_whose_grant_did_not_hold_through_the_copy_are_cut(store, client, corrupt):
+@pytest.mark.parametrize("stale", [2, 5])  # chunks of 2 pages: the second and third chunk
+def test_pages_whose_grant_did_not_hold_through_the_copy_are_cut(store, client, corrupt, stale):
     """A segment mounted again or a read lease run out while the pages were copied: the
     bytes may be another object's, so the load stops at the first such page ("stale"),
     whatever its own check said (a checksum failure there is the remount's doing)."""
-    tokens = list(range(4 * PAGE))
-    make(store).insert(tokens, kv(4))
+    tokens = list(range(7 * PAGE))
+    make(store).insert(tokens, kv(7))
+    bad = store_key(page_keys(NS, tokens)[stale])
     if corrupt:
-        _damage(client, store_key(page_keys(NS, tokens)[2]), "checksum")
+        _damage(client, bad, "checksum")
     cache = make(store)
+    cache.l3_tier._copy_pages = 2  # both copy threads at work
     open_views = store.open_views
 
     def lapsing(keys):
         opened = open_views(keys)
         close = opened.close
-        opened.close = lambda: [ok and i != 2 for i, ok in enumerate(close())]
+        opened.close = lambda: [ok and k != bad for k, ok in zip(keys, close())]
         return opened
 
     store.open_views = lapsing
     m = cache.match(tokens)
     got = cache.load(m)
     cache.release(m)
-    assert m.num_pages == 2 and torch.equal(got, kv(4)[:2])
-    assert cache.metrics["page_rejects_stale"] == 1 and cache.metrics["pages_loaded_l3"] == 2
+    assert m.num_pages == stale and torch.equal(got, kv(7)[:stale])
+    assert cache.metrics["page_rejects_stale"] == 1 and cache.metrics["pages_loaded_l3"] == stale
     assert cache.metrics["page_rejects"] == 1  # and not also a checksum reject
+    wait_for(lambda: client.stats().open_grants == 0, 5, "every read grant returned")
     cache.close()
 
 

@@ -11,7 +11,8 @@ import numpy as np
 import pytest
 
 from kvpool.client import Client
-from kvpool.errors import ErrorCode, LeaseExpired, NoSpace, ObjectHasLease
+from kvpool import protocol as P
+from kvpool.errors import ErrorCode, KVPoolError, LeaseExpired, NoSpace, ObjectHasLease
 from proc_helpers import wait_for
 
 MIB = 1 << 20
@@ -155,3 +156,29 @@ def test_value_views_show_same_host_values_and_hold_their_grants_until_closed(mo
         buf = bytearray(300)
         assert tcp.batch_read_into([handle], [buf]) == [300] and bytes(buf) == b"b" * 300
         shm.batch_remove(["view-a", "view-b"], force=True)
+
+
+@pytest.mark.parametrize("call", ["batch_query", "batch_get"])
+def test_a_batch_reply_naming_a_segment_it_lacks_returns_every_grant(client, call):
+    """A reply whose second key points past its segment list (a bug or a corrupt frame)
+    is not read at all: it is an error, and the grants the master made for the other
+    keys go back at once rather than staying open until their leases run out."""
+    client.batch_put(["g0", "g1", "g2"], [b"a" * 100, b"b" * 100, b"c" * 100])
+    wait_for(lambda: client.stats().open_grants == 0, what="no grant open before the batch")
+    call_master = client._call
+
+    def corrupting(request, *args, **kwargs):
+        reply = call_master(request, *args, **kwargs)
+        if isinstance(request, P.BatchGetReplicaList):
+            reply.results[1].places = [(len(reply.segments), 0)]
+        return reply
+
+    client._call = corrupting
+    try:
+        with pytest.raises(KVPoolError, match="segment"):
+            getattr(client, call)(["g0", "g1", "g2"])
+    finally:
+        del client._call
+    wait_for(lambda: client.stats().open_grants == 0, 10, "every grant of the bad reply returned")
+    assert client.batch_get(["g0", "g1", "g2"]) == [b"a" * 100, b"b" * 100, b"c" * 100]
+    client.batch_remove(["g0", "g1", "g2"], force=True)
