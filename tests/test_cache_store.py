@@ -2,6 +2,7 @@
 
 import dataclasses
 
+import numpy as np
 import pytest
 import torch
 from prometheus_client import CollectorRegistry, generate_latest
@@ -300,6 +301,43 @@ def test_a_copy_that_raises_stops_both_threads_and_raises():
     with pytest.raises(RuntimeError, match="bug"):
         copier.copy(1000, prepare, 1)
     assert len(prepared) < 1000  # the other thread stopped claiming pages
+    copier.close()
+
+
+@pytest.mark.parametrize("raising", [False, True])
+def test_copy_each_copies_every_page_and_names_each_that_failed(raising):
+    """Blocks of several requests form no prefix: every page is copied and checked on
+    both threads, and each failed one is named, not only the first (vLLM's whole loads).
+    A prepare that raises stops both threads and raises."""
+    import threading
+
+    from kvpool.cache.codec import payload_checksum
+    from kvpool.cache.viewcopy import CheckedCopier, PageCopy
+
+    src = [np.full(4, j, np.float32) for j in range(40)]
+    dst = torch.zeros(40, 4)
+    threads, prepared = set(), []
+    both = threading.Barrier(2, timeout=10)  # the first two chunks' first pages meet here
+
+    def prepare(j):
+        threads.add(threading.current_thread().name)
+        prepared.append(j)
+        if not raising and j in (0, 3):
+            both.wait()
+        if raising and j == 2:
+            raise RuntimeError("bug")
+        stored = payload_checksum([src[j]]) ^ (j in (5, 17, 33))  # three bad checksums
+        return PageCopy([dst[j]], [torch.from_numpy(src[j])], [memoryview(src[j])], [stored])
+
+    copier = CheckedCopier()
+    if raising:
+        with pytest.raises(RuntimeError, match="bug"):
+            copier.copy_each(40, prepare, 1)
+        assert len(prepared) < 40  # the other thread stopped claiming pages
+    else:
+        assert copier.copy_each(40, prepare, 3) == [5, 17, 33]
+        assert torch.equal(dst, torch.from_numpy(np.stack(src)))  # after a failure too
+        assert len(threads) == 2
     copier.close()
 
 

@@ -85,22 +85,57 @@ class CheckedCopier:
         copy or ``prepare`` raised (a shape or dtype mismatch: a bug), once both
         threads have stopped.
         """
-        chunks = [(lo, min(count, lo + chunk_pages)) for lo in range(0, count, chunk_pages)]
         failed: list[tuple[int, str]] = []  # (page, why) of pages that failed
+
+        def chunk(pages: range) -> None:
+            try:
+                _copy_chunk(pages, prepare, failed)
+            except BaseException:
+                failed.append((pages[0], "error"))  # the other thread stops too
+                raise
+
+        # every chunk claimed is finished, so every page before a failure is done
+        self._on_two_threads(count, chunk_pages, chunk, lambda: bool(failed))
+        return min(failed, default=(count, None))
+
+    def copy_each(self, count: int, prepare: Callable[[int], PageCopy], chunk_pages: int
+                  ) -> list[int]:
+        """Copy and check every page ``0..count-1``, ``chunk_pages`` at a time per thread,
+        as :meth:`copy` does, but without stopping at a failure: for pages that do not
+        form one prefix (a step's blocks of several requests). ``prepare(j)`` must not
+        raise for a page it cannot copy (check headers first). Returns the pages whose
+        checksum failed, ascending. Raises what a copy or ``prepare`` raised, once both
+        threads have stopped."""
+        bad: list[int] = []
+        errors: list[BaseException] = []
+
+        def chunk(pages: range) -> None:
+            try:
+                ready = [prepare(j) for j in pages]
+                _copy(ready)
+            except BaseException as exc:
+                errors.append(exc)  # the other thread stops too
+                raise
+            bad.extend(j for j, page in zip(pages, ready) if not page.good())
+
+        self._on_two_threads(count, chunk_pages, chunk, lambda: bool(errors))
+        return sorted(bad)
+
+    def _on_two_threads(self, count: int, chunk_pages: int, chunk: Callable[[range], None],
+                        stop: Callable[[], bool]) -> None:
+        """Run ``chunk(pages)`` over ``0..count-1`` in chunks of ``chunk_pages``, claimed
+        in order by the calling thread and the helper until none is left or ``stop()``;
+        raises what a chunk raised once both threads have stopped."""
+        chunks = [range(lo, min(count, lo + chunk_pages)) for lo in range(0, count, chunk_pages)]
         claims = itertools.count()  # next() on a count is atomic under the interpreter lock
 
         def work() -> None:
-            while not failed:
+            # preparing a chunk (Python) overlaps the other thread's copy (no lock)
+            while not stop():
                 k = next(claims)
                 if k >= len(chunks):
                     return
-                # a claimed chunk is always finished, so every page before a failure is
-                # done; preparing (Python) overlaps the other thread's copy (no lock)
-                try:
-                    _copy_chunk(range(*chunks[k]), prepare, failed)
-                except BaseException:
-                    failed.append((chunks[k][0], "error"))  # the other thread stops too
-                    raise
+                chunk(chunks[k])
 
         # the helper copies as the caller would: inference and grad mode are per thread
         # (an engine's KV made under torch.inference_mode takes writes only in that mode)
@@ -118,7 +153,6 @@ class CheckedCopier:
             finally:
                 if other is not None:
                     other.result()
-        return min(failed, default=(count, None))
 
     def _start(self) -> ThreadPoolExecutor | None:
         if self._helper is None and not self._closed:
@@ -144,8 +178,13 @@ def _copy_chunk(pages: range, prepare: Callable[[int], PageCopy], failed: list) 
         except PageFormatError as exc:
             failed.append((j, exc.reason))
             break
-    if ready:
-        torch._foreach_copy_([d for p in ready for d in p.dsts], [s for p in ready for s in p.srcs])
+    _copy(ready)
     bad = next((i for i, p in enumerate(ready) if not p.good()), None)
     if bad is not None:
         failed.append((pages[0] + bad, "checksum"))
+
+
+def _copy(ready: list[PageCopy]) -> None:
+    """Every copy of ``ready``, in one call (``torch`` releases the interpreter lock)."""
+    if ready:
+        torch._foreach_copy_([d for p in ready for d in p.dsts], [s for p in ready for s in p.srcs])

@@ -2,12 +2,15 @@
 
 A stored page holds one block of every layer (``[L, 2, H, B, D]`` after its header).
 When it sits in a segment mapped in this process, :class:`ViewLoader` copies each layer's
-part from the segment into vLLM's block with no staging copy, on a thread (``torch``
-copies release the interpreter lock), while the calling thread checks the pages'
-checksums over the same segment bytes (``xxhash`` holds the lock, so the two overlap
-only this way). Measured here (SmolLM2, 69 blocks of 1.47 MB, a fresh vLLM process):
-reading into staging, checking, then scattering took 40-64 ms; vLLM's bundled
-ExampleConnector loads the same blocks in 26 ms.
+part from the segment into vLLM's block with no staging copy. A load of every layer
+before the forward pass goes through the prefix cache's copier
+(:class:`~kvpool.cache.viewcopy.CheckedCopier`): the calling thread and a helper take
+chunks of pages, and each chunk's segment bytes are hashed right after its copy, while
+still in the CPU's cache; every page gets its own verdict, since a step's blocks belong
+to several requests. A layered load (:class:`LayeredLoad`) copies layer by layer on the
+loader's own thread, then checks. Measured here (SmolLM2, 69 blocks of 1.47 MB, a fresh
+vLLM process): reading into staging, checking, then scattering took 40-64 ms; vLLM's
+bundled ExampleConnector loads the same blocks in 26 ms.
 
 The checksum is over the segment's bytes, which cannot change under the read lease
 (the master neither evicts nor reuses a leased object's bytes); a master restart that
@@ -18,6 +21,7 @@ and fails every page of that segment.
 from __future__ import annotations
 
 import ctypes
+import math
 import mmap
 import threading
 from concurrent.futures import ThreadPoolExecutor
@@ -25,6 +29,7 @@ from concurrent.futures import ThreadPoolExecutor
 import torch
 
 from kvpool.cache.codec import HEADER_SIZE, payload_checksum
+from kvpool.cache.viewcopy import COPY_CHUNK_BYTES, CheckedCopier, PageCopy
 from kvpool.transfer.shm import MADV_POPULATE_WRITE
 
 
@@ -58,10 +63,12 @@ def prefault(tensors) -> int:
 
 
 class ViewLoader:
-    """Copies viewed pages into vLLM's block views (one per worker; one thread)."""
+    """Copies viewed pages into vLLM's block views (one per worker; a thread for layered
+    loads and the copier's helper for whole ones)."""
 
     def __init__(self):
-        self._pool = ThreadPoolExecutor(1, thread_name_prefix="kvpool-load")
+        self._pool = ThreadPoolExecutor(1, thread_name_prefix="kvpool-load")  # layered loads
+        self._copier = CheckedCopier()  # whole loads
 
     def load(self, views: dict[str, torch.Tensor], index: dict[str, int], opened,
              items: list, page_shape: tuple[int, ...], dtype: torch.dtype) -> dict[int, str]:
@@ -78,18 +85,17 @@ class ViewLoader:
         """
         bad: dict[int, str] = {}
         try:
-            payloads = [opened.views[pos][HEADER_SIZE:] for _, pos, _ in items]
             layers = [(view, index[name]) for name, view in views.items()]
-            jobs = [(block, payload, stored) for (block, _, stored), payload in zip(items, payloads)]
-            def one(job):
-                block, payload, stored = job
+
+            def prepare(j: int) -> PageCopy:
+                block, pos, stored = items[j]
+                payload = opened.views[pos][HEADER_SIZE:]
                 page = torch.frombuffer(payload, dtype=dtype).view(page_shape)
-                torch._foreach_copy_([view[block] for view, _ in layers], [page[l] for _, l in layers])
-                return payload_checksum([payload]) != stored
-            half = len(jobs) // 2
-            other = self._pool.submit(lambda: [one(j) for j in jobs[half:]])
-            failed = [one(j) for j in jobs[:half]] + other.result()
-            bad.update((j[0], "checksum") for j, f in zip(jobs, failed) if f)
+                return PageCopy([view[block] for view, _ in layers], [page[layer] for _, layer in layers],
+                                [payload], [stored])
+
+            chunk = max(1, COPY_CHUNK_BYTES // max(1, _nbytes(page_shape, dtype)))
+            bad.update((items[j][0], "checksum") for j in self._copier.copy_each(len(items), prepare, chunk))
         finally:
             _close_views(opened, items, bad)
         return bad
@@ -104,6 +110,12 @@ class ViewLoader:
 
     def close(self) -> None:
         self._pool.shutdown(wait=True)
+        self._copier.close()
+
+
+def _nbytes(shape: tuple[int, ...], dtype: torch.dtype) -> int:
+    """Bytes of a tensor of ``shape`` and ``dtype``."""
+    return math.prod(shape) * dtype.itemsize
 
 
 def _close_views(opened, items: list, bad: dict[int, str]) -> None:
