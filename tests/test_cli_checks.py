@@ -69,6 +69,17 @@ def test_bad_option_is_refused_at_once_in_one_line(args, message):
     assert "loading model" not in r.stderr and "kvpool master" not in r.stdout
 
 
+@pytest.mark.parametrize("command", [["master"], ["bench", "store"]])
+def test_an_unknown_flag_comes_with_its_subcommands_usage(command):
+    """argparse's usage and error line, of the subcommand typed, not of ``kvpool``."""
+    r = run_kvpool(*command, "--bogus", timeout_s=60)
+    name = " ".join(["kvpool", *command])
+    assert r.returncode == 2, r.stdout + r.stderr
+    lines = r.stderr.strip().splitlines()
+    assert lines[0].startswith(f"usage: {name} [-h]"), r.stderr
+    assert lines[-1] == f"{name}: error: unrecognized arguments: --bogus", r.stderr
+
+
 def test_one_bad_count_names_only_its_flag():
     r = run_kvpool(*DEMO, "--page-size", "0")
     assert "--page-size" in r.stderr
@@ -95,5 +106,6 @@ def test_invalid_json_config_is_reported_as_invalid_json(tmp_path, name):
 
 def test_yaml_config_still_reads(tmp_path):
     assert _resolve_file(tmp_path, "m.yaml", "client-ttl: 4\n") == {"client_ttl": 4.0}
-    with pytest.raises(UserError, match="is not valid YAML"):
+    with pytest.raises(UserError, match="is not valid YAML") as bad:
         _resolve_file(tmp_path, "m.yaml", "client-ttl: [4\n")
+    assert "\n" not in str(bad.value) and "(line 2, column 1)" in str(bad.value)  # one line

@@ -262,6 +262,34 @@ def test_master_refuses_bad_put_parameters_on_the_wire(module_cluster):
     chan.close()
 
 
+@pytest.mark.parametrize("replica_num", [0, -1, 1.5, True, "2"])
+def test_a_bad_replica_count_is_refused_before_any_request(module_cluster, replica_num):
+    """InvalidParams on every put path, not a wire-level refusal (RpcFailed) of a
+    negative count, and nothing of the key stored."""
+    with Client(module_cluster.master_addr) as c:
+        for put in (lambda: c.put("rn", b"x", replica_num), lambda: c.upsert("rn", b"x", replica_num),
+                    lambda: c.batch_put(["rn"], [b"x"], replica_num)):
+            with pytest.raises(InvalidParams, match="replica_num"):
+                put()
+        assert not c.is_exist("rn")
+
+
+def test_a_closed_client_refuses_every_call(module_cluster):
+    """A call after close() would open a new connection and go through unnoticed: it
+    raises instead (close itself may be called again)."""
+    c = Client(module_cluster.master_addr)
+    c.put("closed-k", b"x")
+    c.close()
+    for call in (lambda: c.get("closed-k"), lambda: c.put("closed-k2", b"y"), lambda: c.is_exist("closed-k"),
+                 lambda: c.batch_get(["closed-k"]), c.ping):
+        with pytest.raises(RpcFailed, match="closed"):
+            call()
+    c.close()
+    with Client(module_cluster.master_addr) as other:
+        assert other.get("closed-k") == b"x" and not other.is_exist("closed-k2")
+        other.remove("closed-k", force=True)
+
+
 def test_allocation_strategies_place_replicas_as_named():
     from kvpool.master.segments import SegmentTable
 

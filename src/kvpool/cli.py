@@ -58,7 +58,7 @@ def build_parser(names: list[str] | None = None) -> argparse.ArgumentParser:
             continue
         p = sub.add_parser(name, help=mod.HELP, description=mod.HELP)
         mod.add_arguments(p)
-        p.set_defaults(_run=mod.run)
+        p.set_defaults(_run=mod.run, _parser=p)
     return parser
 
 
@@ -92,7 +92,9 @@ def _main(argv: list[str] | None) -> int:
     # import torch just to build the help of `kvpool demo`.
     chosen = [a for a in argv[:1] if a in COMMANDS]
     parser = build_parser(chosen or None)
-    args = parser.parse_args(argv)
+    args, unknown = parser.parse_known_args(argv)
+    if unknown:  # the subcommand's usage, not the top-level one, goes with the error
+        getattr(args, "_parser", parser).error(f"unrecognized arguments: {' '.join(unknown)}")
     if getattr(args, "_missing", None):
         print(f"kvpool {args.command}: needs the package {args._missing!r}; "
               "install with: pip install -e '.[model]'", file=sys.stderr)

@@ -206,7 +206,7 @@ def load_config_file(path: str | None) -> dict:
         try:
             data = yaml.safe_load(text) or {}
         except yaml.YAMLError as exc:
-            raise UserError(f"config file {path!r} is not valid YAML: {exc}") from None
+            raise UserError(f"config file {path!r} is not valid YAML: {_yaml_problem(exc)}") from None
     if not isinstance(data, dict):
         raise UserError(f"config file {path!r} must hold a mapping of settings")
     return {str(k).replace("-", "_"): v for k, v in data.items()}
@@ -287,3 +287,13 @@ def check_output_path(flag: str, path: str | None, make_folders: bool = False) -
         raise UserError(f"{flag} {path}: folder {folder} is not writable")
     if os.path.isdir(path):
         raise UserError(f"{flag} {path}: is a folder, not a file")
+
+
+def _yaml_problem(exc) -> str:
+    """One line of a YAML parser's error: what it expected and where (PyYAML's own
+    text spans several lines, with the source line and a caret)."""
+    problem, mark = getattr(exc, "problem", None), getattr(exc, "problem_mark", None)
+    if not problem:
+        return " ".join(str(exc).split())
+    where = f" (line {mark.line + 1}, column {mark.column + 1})" if mark is not None else ""
+    return f"{problem}{where}"

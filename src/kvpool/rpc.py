@@ -197,9 +197,12 @@ class RpcChannel:
             self._answered = True
             return reply
         except BlockingIOError:  # the kernel's timeout (SO_RCVTIMEO / SO_SNDTIMEO)
+            hint = ("" if self._answered else
+                    " (nothing has answered on this connection: is a kvpool master listening there?)")
             self.masters.failed(self.addr)
             self.close()
-            raise _Broken(RpcFailed(f"master {self.addr}: no answer within {self.timeout_s:g} s"), broke) from None
+            raise _Broken(RpcFailed(f"master {self.addr}: no answer within {self.timeout_s:g} s{hint}"),
+                          broke) from None
         except P.VersionMismatch as exc:
             self.close()
             raise RpcFailed(f"master {self.addr}: protocol version {P.PROTOCOL_VERSION}, "

@@ -55,7 +55,7 @@ class _LazyParser(argparse.ArgumentParser):
             return
         self.description = getattr(mod, "HELP", self.description)
         mod.add_arguments(self)
-        self.set_defaults(_bench_run=mod.run)
+        self.set_defaults(_bench_run=mod.run, _parser=self)
 
 
 def add_arguments(parser) -> None:

@@ -44,7 +44,7 @@ from kvpool.client.hints import LocationHints
 from kvpool.client.keys import check_key
 from kvpool.client.lease import LocalLeases
 from kvpool.client.put import PutPath
-from kvpool.errors import ErrorCode, InvalidParams, KVPoolError, code_name, code_of, raise_for
+from kvpool.errors import ErrorCode, InvalidParams, KVPoolError, RpcFailed, code_name, code_of, raise_for
 from kvpool.node.segment_host import SegmentHost
 from kvpool.rpc import RpcChannel
 from kvpool.transfer import local_host_id
@@ -107,6 +107,7 @@ class Client(ReadGrants, PutPath, GetPath):
         self._done_waiting = threading.Event()  # wakes the flusher
         self._flusher: threading.Thread | None = None
         self._closing = False
+        self._closed = False  # set once close() has finished: every later call fails
         self.hints = LocationHints()  # where keys read before were (kvpool.client.hints)
         self.hint_counts = self.hints.counts  # copies from a hint: "confirmed", "missed"
         self.segment: SegmentHost | None = None
@@ -134,6 +135,8 @@ class Client(ReadGrants, PutPath, GetPath):
     # ------------------------------------------------------------ plumbing
 
     def _channel(self) -> RpcChannel:
+        if self._closed:  # a channel would open again, and the call go through unnoticed
+            raise RpcFailed(f"this client of {self.master_addr} is closed")
         chan = getattr(self._local, "chan", None)
         if chan is None:
             chan = self._local.chan = RpcChannel(self.master_addr, self.timeout_s, local=not self.force_tcp)
@@ -229,7 +232,8 @@ class Client(ReadGrants, PutPath, GetPath):
     # ------------------------------------------------------------ lifecycle
 
     def close(self) -> None:
-        """Close every connection and mapping (queued ReadDones go first). Safe to call twice."""
+        """Close every connection and mapping (queued ReadDones go first). Safe to call twice;
+        every other call afterwards raises RpcFailed."""
         with self._grant_lock:
             self._closing, flusher = True, self._flusher
         if flusher is not None:
@@ -254,6 +258,7 @@ class Client(ReadGrants, PutPath, GetPath):
         if self.segment is not None:
             self.segment.stop()
             self.segment = None
+        self._closed = True
 
     def __enter__(self) -> "Client":
         return self

@@ -14,6 +14,7 @@ gather write), and put() returns and raises the same.
 from __future__ import annotations
 
 import contextlib
+import numbers
 import threading
 import time
 from typing import Sequence
@@ -381,12 +382,15 @@ class PutPath:
 
 def _item(key: str, replica_num: int, upsert: bool, soft_pin: bool | None, soft_pin_ttl_ms: int | None,
           hard_pin: bool, preferred_segment: str) -> P.PutItem:
-    """The PutItem of one put (size filled in later). Raises InvalidParams for a TTL
-    given without ``soft_pin=True`` or a negative one (Mooncake refuses both)."""
+    """The PutItem of one put (size filled in later). Raises InvalidParams for a
+    ``replica_num`` below 1, or a TTL given without ``soft_pin=True`` or a negative one
+    (Mooncake refuses all three)."""
+    if isinstance(replica_num, bool) or not isinstance(replica_num, numbers.Integral) or replica_num < 1:
+        raise InvalidParams(f"replica_num must be an int >= 1, got {replica_num!r}")
     if soft_pin_ttl_ms is not None and (soft_pin is not True or soft_pin_ttl_ms < 0):
         raise InvalidParams("soft_pin_ttl_ms needs soft_pin=True and must be >= 0")
     action = P.SOFT_PIN_PRESERVE if soft_pin is None else P.SOFT_PIN_ENABLE if soft_pin else P.SOFT_PIN_DISABLE
-    return P.PutItem(key, 0, replica_num, upsert, action, bool(hard_pin), preferred_segment,
+    return P.PutItem(key, 0, int(replica_num), upsert, action, bool(hard_pin), preferred_segment,
                      -1 if soft_pin_ttl_ms is None else int(soft_pin_ttl_ms))
 
 
