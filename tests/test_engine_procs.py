@@ -40,6 +40,9 @@ def test_a_long_wait_says_what_it_waits_for(tmp_path, monkeypatch):
     engine = EngineProcess("A", TINY, tmp_path / "a.log", lambda name, text: lines.append(text))
     try:
         engine.wait_ready(120)
+        engine.call({"prompt_ids": list(range(1, 64)), "max_new_tokens": 16}, 120)
     finally:
         engine.stop()
     assert any(line.startswith("still loading (") for line in lines), lines
+    # the operation, not the child's own request count (a demo's cold "request 1" was its 4th)
+    assert any(line.startswith("still working on generate (") for line in lines), lines

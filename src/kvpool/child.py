@@ -439,15 +439,18 @@ class ChildProcess:
             raise self._fail(" is gone") from None
         return self._next_id
 
-    def answer(self, request_id: int, timeout_s: float = 300.0) -> Reply | Error:
-        """The Reply or Error to request ``request_id``. Raises :attr:`error` when the
-        child exits or ``timeout_s`` seconds pass first."""
+    def answer(self, request_id: int, timeout_s: float = 300.0, op: str = "") -> Reply | Error:
+        """The Reply or Error to request ``request_id`` (``op``: its operation, named in
+        the progress lines). Raises :attr:`error` when the child exits or ``timeout_s``
+        seconds pass first."""
+        # the id counts every request the child has had, so it is not named: a demo's
+        # "request 1" of its cold replay is the child's fourth
         return self._until(lambda m: isinstance(m, (Reply, Error)) and m.id == request_id,
-                           f"working on request {request_id}", timeout_s)
+                           f"working on {op}" if op else "working", timeout_s)
 
     def request(self, op: str, args: dict | None = None, timeout_s: float = 300.0) -> dict:
         """Send a Request and return its result; an Error reply raises :attr:`error`."""
-        msg = self.answer(self.send(op, args), timeout_s)
+        msg = self.answer(self.send(op, args), timeout_s, op)
         if isinstance(msg, Error):
             raise self.error(f"{self.label}: {msg.reason}")
         return msg.result

@@ -125,7 +125,7 @@ class Worker:
         if self.absent or self.child is None:
             return None
         try:
-            return self.child.answer(self.child.send(op, args), self.timeout_s)
+            return self.child.answer(self.child.send(op, args), self.timeout_s, op)
         except ChildError:
             code = self.child.proc.poll()
             why = "worker exited" if code is not None else "no reply within deadline"
