@@ -108,4 +108,6 @@ def test_yaml_config_still_reads(tmp_path):
     assert _resolve_file(tmp_path, "m.yaml", "client-ttl: 4\n") == {"client_ttl": 4.0}
     with pytest.raises(UserError, match="is not valid YAML") as bad:
         _resolve_file(tmp_path, "m.yaml", "client-ttl: [4\n")
-    assert "\n" not in str(bad.value) and "(line 2, column 1)" in str(bad.value)  # one line
+    assert "\n" not in str(bad.value)  # one line, with where the [ opened and where it ended
+    assert "while parsing a flow sequence (line 1, column 13): expected ',' or ']'" in str(bad.value)
+    assert str(bad.value).endswith("(line 2, column 1)")

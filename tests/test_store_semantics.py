@@ -276,15 +276,19 @@ def test_a_bad_replica_count_is_refused_before_any_request(module_cluster, repli
 
 def test_a_closed_client_refuses_every_call(module_cluster):
     """A call after close() would open a new connection and go through unnoticed: it
-    raises instead (close itself may be called again)."""
+    raises instead, and a second close() does nothing (it used to send a late release
+    through a connection it opened again and never closed)."""
     c = Client(module_cluster.master_addr)
     c.put("closed-k", b"x")
+    held = c.query("closed-k")  # a read grant still held at close
     c.close()
     for call in (lambda: c.get("closed-k"), lambda: c.put("closed-k2", b"y"), lambda: c.is_exist("closed-k"),
                  lambda: c.batch_get(["closed-k"]), c.ping):
         with pytest.raises(RpcFailed, match="closed"):
             call()
+    c.release([held])  # queued: no connection opens for it, not even at a second close
     c.close()
+    assert c._local.chan._sock is None and not c._channels
     with Client(module_cluster.master_addr) as other:
         assert other.get("closed-k") == b"x" and not other.is_exist("closed-k2")
         other.remove("closed-k", force=True)

@@ -93,12 +93,12 @@ def _main(argv: list[str] | None) -> int:
     chosen = [a for a in argv[:1] if a in COMMANDS]
     parser = build_parser(chosen or None)
     args, unknown = parser.parse_known_args(argv)
-    if unknown:  # the subcommand's usage, not the top-level one, goes with the error
-        getattr(args, "_parser", parser).error(f"unrecognized arguments: {' '.join(unknown)}")
-    if getattr(args, "_missing", None):
+    if getattr(args, "_missing", None):  # its flags are unknown: the package is the news
         print(f"kvpool {args.command}: needs the package {args._missing!r}; "
               "install with: pip install -e '.[model]'", file=sys.stderr)
         return 2
+    if unknown:  # the subcommand's usage, not the top-level one, goes with the error
+        getattr(args, "_parser", parser).error(f"unrecognized arguments: {' '.join(unknown)}")
     if not getattr(args, "_run", None):
         parser.print_help()
         return 2

@@ -290,10 +290,17 @@ def check_output_path(flag: str, path: str | None, make_folders: bool = False) -
 
 
 def _yaml_problem(exc) -> str:
-    """One line of a YAML parser's error: what it expected and where (PyYAML's own
-    text spans several lines, with the source line and a caret)."""
-    problem, mark = getattr(exc, "problem", None), getattr(exc, "problem_mark", None)
+    """One line of a YAML parser's error: what it was parsing and where, what it
+    expected and where (PyYAML's own text spans several lines, with source lines and
+    carets)."""
+    problem = getattr(exc, "problem", None)
     if not problem:
         return " ".join(str(exc).split())
-    where = f" (line {mark.line + 1}, column {mark.column + 1})" if mark is not None else ""
-    return f"{problem}{where}"
+    parts = [(getattr(exc, "context", None), getattr(exc, "context_mark", None)),
+             (problem, getattr(exc, "problem_mark", None))]
+    return ": ".join(f"{text}{_at(mark)}" for text, mark in parts if text)
+
+
+def _at(mark) -> str:
+    """`` (line L, column C)`` of a PyYAML mark (1-based), or nothing."""
+    return "" if mark is None else f" (line {mark.line + 1}, column {mark.column + 1})"

@@ -83,6 +83,7 @@ class RpcChannel:
         self._sock: socket.socket | None = None
         self._inbox: bytearray | None = None  # bytes of unasked frames not yet whole (:meth:`receive_pending`)
         self._answered = False  # the master has answered on this connection
+        self._ever_answered = False  # some master has answered on this channel
         self._replies = ReplyWait()  # polls briefly for quick replies (kvpool.spin)
 
     def connect(self) -> None:
@@ -194,11 +195,11 @@ class RpcChannel:
             body = P.recv_frame(self._sock)
             self._replies.record(kind, sent_at)
             reply = P.reply_decoder.decode(body)
-            self._answered = True
+            self._answered = self._ever_answered = True
             return reply
         except BlockingIOError:  # the kernel's timeout (SO_RCVTIMEO / SO_SNDTIMEO)
-            hint = ("" if self._answered else
-                    " (nothing has answered on this connection: is a kvpool master listening there?)")
+            hint = ("" if self._ever_answered else
+                    " (nothing has ever answered on this channel: is a kvpool master listening there?)")
             self.masters.failed(self.addr)
             self.close()
             raise _Broken(RpcFailed(f"master {self.addr}: no answer within {self.timeout_s:g} s{hint}"),

@@ -29,7 +29,7 @@ from kvpool.cache.metrics import CacheMetrics
 from kvpool.cache.namespace import Namespace
 from kvpool.cache.pagestore import PageStore, ReadResult
 from kvpool.cache.prefetch import PrefetchHandle
-from kvpool.cache.viewcopy import COPY_CHUNK_BYTES, CheckedCopier
+from kvpool.cache.viewcopy import CheckedCopier, chunk_pages
 from kvpool.cache.worker import JobThread
 
 
@@ -112,7 +112,7 @@ class L3Tier:
         self._chunk_pages = max(1, LOAD_CHUNK_BYTES // self.store.row_bytes)
         self._copier = CheckedCopier()
         self._skip_views = 0  # loads left that do not try views (see VIEW_RETRY_LOADS)
-        self._copy_pages = max(1, COPY_CHUNK_BYTES // self.store.row_bytes)
+        self._copy_pages = chunk_pages(self.store.row_bytes)
         self._prefetch_rows = _Staging(self.store)
         self._backups = (JobThread("kvpool-backup", self._write, backup_queue)
                          if async_backup else None)

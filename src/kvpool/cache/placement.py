@@ -16,7 +16,7 @@ from kvpool.cache.metrics import CacheMetrics
 from kvpool.cache.pool import PagePool
 from kvpool.cache.prefetch import PrefetchHandle
 from kvpool.cache.tree import Node, RadixTree, Tier
-from kvpool.cache.viewcopy import COPY_CHUNK_BYTES, CheckedCopier, PageCopy
+from kvpool.cache.viewcopy import CheckedCopier, PageCopy, chunk_pages
 
 
 class Placement:
@@ -37,7 +37,7 @@ class Placement:
         self.metrics = metrics
         self.tree = RadixTree(write_back=l2 is not None and write_policy == "write_back")
         self.copier = CheckedCopier()  # L1 pages out to a caller's layout (no checksum: our memory)
-        self._copy_pages = max(1, COPY_CHUNK_BYTES // max(1, pool.page_bytes))
+        self._copy_pages = chunk_pages(pool.page_bytes)
 
     def close(self) -> None:
         """Stop the copier's helper thread."""

@@ -39,6 +39,12 @@ from kvpool.cache.codec import PageFormatError, payload_checksum
 COPY_CHUNK_BYTES = 4 << 20
 
 
+def chunk_pages(page_bytes: int) -> int:
+    """Pages of ``page_bytes`` bytes each that one thread copies, then hashes, at a time
+    (:data:`COPY_CHUNK_BYTES` of them, at least one)."""
+    return max(1, COPY_CHUNK_BYTES // max(1, page_bytes))
+
+
 class PageCopy:
     """One page to copy and check: ``dsts[i].copy_(srcs[i])`` for each of its objects,
     then ``xxh3_64(payloads[i]) == checksums[i]``.
@@ -107,18 +113,18 @@ class CheckedCopier:
         checksum failed, ascending. Raises what a copy or ``prepare`` raised, once both
         threads have stopped."""
         bad: list[int] = []
-        errors: list[BaseException] = []
+        raised = threading.Event()
 
         def chunk(pages: range) -> None:
             try:
                 ready = [prepare(j) for j in pages]
                 _copy(ready)
-            except BaseException as exc:
-                errors.append(exc)  # the other thread stops too
+                bad.extend(j for j, page in zip(pages, ready) if not page.good())
+            except BaseException:
+                raised.set()  # the other thread stops too
                 raise
-            bad.extend(j for j, page in zip(pages, ready) if not page.good())
 
-        self._on_two_threads(count, chunk_pages, chunk, lambda: bool(errors))
+        self._on_two_threads(count, chunk_pages, chunk, raised.is_set)
         return sorted(bad)
 
     def _on_two_threads(self, count: int, chunk_pages: int, chunk: Callable[[range], None],

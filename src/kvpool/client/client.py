@@ -135,13 +135,17 @@ class Client(ReadGrants, PutPath, GetPath):
     # ------------------------------------------------------------ plumbing
 
     def _channel(self) -> RpcChannel:
-        if self._closed:  # a channel would open again, and the call go through unnoticed
+        # after close() a channel would connect again and the call go through unnoticed
+        if self._closed:
             raise RpcFailed(f"this client of {self.master_addr} is closed")
         chan = getattr(self._local, "chan", None)
         if chan is None:
-            chan = self._local.chan = RpcChannel(self.master_addr, self.timeout_s, local=not self.force_tcp)
+            chan = RpcChannel(self.master_addr, self.timeout_s, local=not self.force_tcp)
             with self._lock:
+                if self._closed:
+                    raise RpcFailed(f"this client of {self.master_addr} is closed")
                 self._channels.append(chan)
+            self._local.chan = chan
         return chan
 
     def _call(self, request, idempotent: bool = True, during=None):
@@ -232,8 +236,10 @@ class Client(ReadGrants, PutPath, GetPath):
     # ------------------------------------------------------------ lifecycle
 
     def close(self) -> None:
-        """Close every connection and mapping (queued ReadDones go first). Safe to call twice;
-        every other call afterwards raises RpcFailed."""
+        """Close every connection and mapping (queued ReadDones go first). Safe to call twice
+        (the second does nothing); every later call that asks the master raises RpcFailed."""
+        if self._closed:
+            return
         with self._grant_lock:
             self._closing, flusher = True, self._flusher
         if flusher is not None:
@@ -249,7 +255,8 @@ class Client(ReadGrants, PutPath, GetPath):
         done = self._take_done()
         if done and getattr(self._local, "chan", None) is not None:
             self._local.chan.notify(P.ReadDone(done))
-        with self._lock:
+        with self._lock:  # from here no channel opens again (_channel)
+            self._closed = True
             channels, self._channels = self._channels, []
         for chan in channels:
             chan.close()
@@ -258,7 +265,6 @@ class Client(ReadGrants, PutPath, GetPath):
         if self.segment is not None:
             self.segment.stop()
             self.segment = None
-        self._closed = True
 
     def __enter__(self) -> "Client":
         return self

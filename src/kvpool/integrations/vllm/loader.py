@@ -29,7 +29,7 @@ from concurrent.futures import ThreadPoolExecutor
 import torch
 
 from kvpool.cache.codec import HEADER_SIZE, payload_checksum
-from kvpool.cache.viewcopy import COPY_CHUNK_BYTES, CheckedCopier, PageCopy
+from kvpool.cache.viewcopy import CheckedCopier, PageCopy, chunk_pages
 from kvpool.transfer.shm import MADV_POPULATE_WRITE
 
 
@@ -94,7 +94,7 @@ class ViewLoader:
                 return PageCopy([view[block] for view, _ in layers], [page[layer] for _, layer in layers],
                                 [payload], [stored])
 
-            chunk = max(1, COPY_CHUNK_BYTES // max(1, _nbytes(page_shape, dtype)))
+            chunk = chunk_pages(math.prod(page_shape) * dtype.itemsize)
             bad.update((items[j][0], "checksum") for j in self._copier.copy_each(len(items), prepare, chunk))
         finally:
             _close_views(opened, items, bad)
@@ -112,10 +112,6 @@ class ViewLoader:
         self._pool.shutdown(wait=True)
         self._copier.close()
 
-
-def _nbytes(shape: tuple[int, ...], dtype: torch.dtype) -> int:
-    """Bytes of a tensor of ``shape`` and ``dtype``."""
-    return math.prod(shape) * dtype.itemsize
 
 
 def _close_views(opened, items: list, bad: dict[int, str]) -> None:
@@ -147,9 +143,16 @@ class LayeredLoad:
         self.waited = [False] * len(views)
         self._done = threading.Event()
         self._bad: dict[int, str] = {}
+        # the loader thread copies in the caller's modes (per thread; an engine's KV made
+        # under torch.inference_mode takes writes only in that mode)
+        self._modes = torch.is_inference_mode_enabled(), torch.is_grad_enabled()
 
     def run(self) -> None:
         """Copy every layer, then check every page (the loader thread's job)."""
+        with torch.inference_mode(self._modes[0]), torch.set_grad_enabled(self._modes[1]):
+            self._run()
+
+    def _run(self) -> None:
         blocks = [block for block, _, _ in self.items]
         try:
             payloads = [self.opened.views[pos][HEADER_SIZE:] for _, pos, _ in self.items]

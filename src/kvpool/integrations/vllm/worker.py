@@ -371,8 +371,10 @@ class WorkerSide:
             SAVES_SKIPPED.labels("preempted").inc(self.sender.drop(preempted))
 
     def close(self) -> None:
-        """Save what is queued (within the sender's drain time), then stop the sender."""
+        """Save what is queued (within the sender's drain time), then stop the sender and
+        the loader's threads."""
         self._finish_layered()
+        self._loader.close()
         if not self.sender.close(self.sender.drain_s):
             self.log.warning("kvpool: save batches still in flight after %.0f s at shutdown; "
                              "they may not be stored", self.sender.drain_s)
