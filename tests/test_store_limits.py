@@ -106,9 +106,9 @@ def test_the_facade_logs_why_the_master_refused_a_put(module_cluster, caplog, mo
     store = MooncakeDistributedStore()
     assert store.setup("localhost", "m", 0, 16 * MIB, "tcp", "", module_cluster.master_addr) == 0
     config = ReplicateConfig()
-    # a bool where the wire wants an int: the master refuses the body (set past the
-    # field's own check, which would turn True into 1 as Mooncake's binding does)
-    config._replica_num = True
+    # a count past the protocol's limit: the client lets it through (the master's
+    # config sets the largest count), and the master refuses the body at decode
+    config._replica_num = 10**6
     with caplog.at_level(logging.WARNING, logger="kvpool.rpc"):
         assert store.put("refused", b"v", config) == ErrorCode.INVALID_PARAMS
     store.close()
