@@ -107,7 +107,7 @@ class Client(ReadGrants, PutPath, GetPath):
         self._done_waiting = threading.Event()  # wakes the flusher
         self._flusher: threading.Thread | None = None
         self._closing = False
-        self._closed = False  # set once close() has finished: every later call fails
+        self._closed = False  # set by close() before its channels go: no call opens one after
         self.hints = LocationHints()  # where keys read before were (kvpool.client.hints)
         self.hint_counts = self.hints.counts  # copies from a hint: "confirmed", "missed"
         self.segment: SegmentHost | None = None
@@ -136,17 +136,20 @@ class Client(ReadGrants, PutPath, GetPath):
 
     def _channel(self) -> RpcChannel:
         # after close() a channel would connect again and the call go through unnoticed
-        if self._closed:
-            raise RpcFailed(f"this client of {self.master_addr} is closed")
+        self._check_open()
         chan = getattr(self._local, "chan", None)
         if chan is None:
             chan = RpcChannel(self.master_addr, self.timeout_s, local=not self.force_tcp)
             with self._lock:
-                if self._closed:
-                    raise RpcFailed(f"this client of {self.master_addr} is closed")
+                self._check_open()  # close() may have taken the channels meanwhile
                 self._channels.append(chan)
             self._local.chan = chan
         return chan
+
+    def _check_open(self) -> None:
+        """Raise RpcFailed once close() has begun to close the channels."""
+        if self._closed:
+            raise RpcFailed(f"this client of {self.master_addr} is closed")
 
     def _call(self, request, idempotent: bool = True, during=None):
         done = self._take_done()  # ReadDone rides along in the same write
