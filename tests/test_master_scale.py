@@ -159,3 +159,34 @@ def test_silent_owners_are_found_in_heartbeat_order():
     svc.tick()
     assert set(svc.segments.last_seen) == alive
     assert {s.owner_id for s in svc.segments.segments.values()} == alive
+
+
+def test_a_withheld_segment_gets_no_new_buffer_keeps_its_objects_and_is_not_evicted_for_room():
+    """A segment whose node's index stream closed (stream_lost) takes no new buffer under
+    any strategy, even as a preferred segment or once space is freed on it; eviction does
+    not empty it to make room it could not use; a mount by its owner lifts it."""
+    for strategy in ("random", "free_ratio_first", "local_first"):
+        table = SegmentTable(strategy)
+        for name in ("a", "b"):
+            table.mount(f"o-{name}", P.SegmentInfo(name, "h", "", 1 << 12, "127.0.0.1:1"), 0.0)
+        on_a = table.allocate(64, 1, host_id="h", preferred="a")[0]
+        assert table.withhold("a") and not table.withhold("a")
+        table.free(on_a)
+        got = [table.allocate(64, 2, host_id="h", preferred="a") for _ in range(64)]
+        assert all([r.segment for r in g] == ["b"] for g in got) and table.allocate(64, 1) == []
+        assert table.mount("o-a", table.segments["a"].info, 0.0) is table.segments["a"]
+        assert table.allocate(64, 1)[0].segment == "a"
+        table.withhold("a")
+        table.unmount("a")
+        assert table.withheld == set()
+    svc = MasterService(MasterConfig(eviction_high_watermark_ratio=1.0))
+    for name in ("a", "b"):
+        svc.mount(f"o-{name}", P.SegmentInfo(name, "host", "shm", 1 << 20, "127.0.0.1:1"))
+    batch_put(svc, [f"old/{i}" for i in range(32)], size=64 << 10)  # both segments full
+    on_a = {k for k in svc.objects if svc.objects[k].replicas[0].segment == "a"}
+    svc.stream_lost("a", svc.segments.segments["a"].info.epoch)
+    assert svc.stats().counters["segments_withheld"] == 1
+    assert [s.withheld for s in svc.stats().segments] == [True, False]
+    batch_put(svc, [f"new/{i}" for i in range(8)], size=64 << 10)  # evicts on b only
+    assert on_a <= set(svc.objects)
+    assert all(svc.objects[f"new/{i}"].replicas[0].segment == "b" for i in range(8))

@@ -122,6 +122,58 @@ def test_killed_reader_holding_a_lease_does_not_block_removal_for_long(cluster):
         assert not c.is_exist("held")
 
 
+def _withheld(c: Client) -> set[str]:
+    return {s.name for s in c.stats().segments if s.withheld}
+
+
+@pytest.mark.cluster(num_nodes=2, extra_master_args=["--client-ttl", "120"])
+def test_puts_after_a_node_is_killed_go_to_the_living_node_at_once(cluster):
+    """A killed node's index stream closes at once; from then on no buffer is placed on
+    its segment, although the master keeps it mounted (and its objects listed) until the
+    owner's TTL (here 120 s) runs out. Before, a put that drew it failed over TCP for the
+    whole TTL. Every put path: lease commits, a batch, PutStart (a client without
+    allocation leases, where each put draws a segment anew, and a value too big for a
+    lease)."""
+    dead, alive = (n["segment"] for n in cluster.nodes)
+    values = {f"k{i}": bytes([i]) * (64 << 10) for i in range(50)}
+    keys = list(values)
+    with Client(cluster.master_addr, force_tcp=True, timeout_s=5) as leased, \
+            Client(cluster.master_addr, force_tcp=True, timeout_s=5, alloc_leases=False) as started:
+        cluster.stop_node(0, kill=True)
+        wait_for(lambda: _withheld(leased) == {dead}, what="the dead node's segment withheld")
+        for key in keys[:10]:
+            leased.put(key, values[key])
+        assert leased.batch_put(keys[10:30], [values[k] for k in keys[10:30]]) == [0] * 20
+        for key in keys[30:]:
+            started.put(key, values[key])
+        started.put("large", b"L" * (40 << 20))
+        for key in [*keys, "large"]:
+            assert [r.segment.name for r in leased.query(key).replicas] == [alive]
+        assert all(leased.get(k) == v for k, v in values.items())
+        assert {s.name for s in leased.stats().segments} == {dead, alive}  # still mounted
+
+
+def test_a_node_that_only_breaks_its_stream_is_not_withheld_a_gone_one_is(cluster):
+    """The master withholds a segment whose stream ended only when its data port no longer
+    takes connections: a node that breaks its stream to mount again (its data port still
+    listening) keeps receiving buffers."""
+    listening = socket.create_server(("127.0.0.1", 0))
+    closed = socket.create_server(("127.0.0.1", 0))
+    gone_addr = f"127.0.0.1:{closed.getsockname()[1]}"
+    closed.close()  # nothing listens there any more: connections are refused
+    alive = P.SegmentInfo("alive", "h", "", 1 << 20, f"127.0.0.1:{listening.getsockname()[1]}")
+    for info in (alive, P.SegmentInfo("gone", "h", "", 1 << 20, gone_addr)):
+        chan = RpcChannel(cluster.master_addr)
+        assert chan.call(P.MountSegment(f"owner-{info.name}", info, True)).code == ErrorCode.OK
+        chan.close()  # the index stream ends
+        if info is alive:
+            listening.settimeout(10)
+            listening.accept()[0].close()  # the master's check reached the data port
+    with Client(cluster.master_addr) as c:
+        wait_for(lambda: _withheld(c) == {"gone"}, what="the gone node's segment withheld")
+    listening.close()
+
+
 def _try_remove(c: Client, key: str) -> bool:
     return c.batch_remove([key])[0] == ErrorCode.OK
 

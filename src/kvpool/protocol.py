@@ -505,6 +505,7 @@ class SegmentStats(msgspec.Struct, array_like=True):
     size: int
     used: int
     data_addr: str
+    withheld: bool = False  # no new buffers go there: its node's index stream closed
 
 
 class StatsResp(_Msg):

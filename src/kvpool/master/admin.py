@@ -207,7 +207,7 @@ class MasterAdmin:
     async def segments(self, request: web.Request) -> web.Response:
         s = self.service.stats()
         segs = [{"name": g.name, "owner_id": g.owner_id, "size": g.size, "used": g.used,
-                 "free": g.size - g.used, "data_addr": g.data_addr} for g in s.segments]
+                 "free": g.size - g.used, "data_addr": g.data_addr, "withheld": g.withheld} for g in s.segments]
         return web.json_response({"segments": segs, "used_bytes": s.used_bytes, "total_bytes": s.total_bytes})
 
     async def query_key(self, request: web.Request) -> web.Response:

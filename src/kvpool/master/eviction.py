@@ -122,13 +122,16 @@ class EvictionQueue:
 
 def _adds_room(obj: ObjectMeta, room: dict[str, int], need: int, segments) -> bool:
     """Count ``obj``'s buffers into ``room`` (free bytes per segment, filled in as
-    segments are first touched); True if one of its segments now reaches ``need``."""
+    segments are first touched); True if one of its segments now reaches ``need``.
+    A withheld segment takes no new buffer, so room there is no room: it is skipped."""
     for r in obj.replicas:
+        if r.segment in segments.withheld:
+            continue
         if r.segment not in room:
             a = segments.segments[r.segment].allocator
             room[r.segment] = a.capacity - a.used
         room[r.segment] += segments.rounded(r.length)
-    return any(room[r.segment] >= need for r in obj.replicas)
+    return any(room.get(r.segment, 0) >= need for r in obj.replicas)
 
 
 class Eviction:
@@ -253,14 +256,15 @@ class Eviction:
 
     def _no_space_message(self, size: int, now: float) -> str:
         """Why ``size`` bytes found no buffer: the value against the largest segment and
-        free extent, and the space held by old versions and abandoned puts (K10)."""
+        free extent, and the space held by old versions, abandoned puts, allocation leases
+        and withheld segments (K10)."""
         segs = self.segments.segments.values()
         if not segs:
             return f"no space for {size} bytes: no segment is mounted"
         largest = max(s.allocator.capacity for s in segs)
         if self.segments.rounded(size) > largest:
             return f"a value of {size} bytes is larger than the largest segment ({largest} bytes)"
-        extent = max(s.allocator.largest_free for s in segs)
+        extent = max((s.allocator.largest_free for s in segs if s.info.name not in self.segments.withheld), default=0)
         text = (f"no free extent of {size} bytes (largest free extent {extent} bytes; "
                 f"{self.segments.used_bytes} of {self.segments.total_bytes} bytes allocated; "
                 f"leased and pinned objects are not evicted)")
@@ -272,6 +276,9 @@ class Eviction:
                 until = max(z.free_at for z in held) - now
                 text += (f"; {self.grants.nbytes(held)} bytes are held by {len(held)} {kind} "
                          f"(at the latest in {until:.1f} s)")
+        if self.segments.withheld:
+            text += (f"; {len(self.segments.withheld)} segments take no new buffers, their nodes seen dead "
+                     f"(until they mount again or their owners time out)")
         leases = self.alloc_leases
         if leases.leased_bytes:
             text += (f"; {leases.leased_bytes} bytes are held unused by {len(leases.open)} allocation "

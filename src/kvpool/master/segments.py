@@ -14,6 +14,12 @@ their largest free extent (:class:`FreeIndex`), so the ones that can take ``n`` 
 a suffix found by bisection and a random pick among them costs O(log segments); used and
 total bytes are kept as allocations change; owners are kept in heartbeat order, so
 finding silent ones looks only at those.
+
+A segment whose node was seen to die (its index stream closed: the kernel closes a
+killed process's sockets at once) is *withheld*: it stays mounted, so its objects stay
+until its owner's heartbeat times out, but no new buffer is placed on it. Without that,
+for the whole client TTL every put that drew the dead node failed over TCP, or over shm
+landed in a segment about to be dropped.
 """
 
 from __future__ import annotations
@@ -94,6 +100,7 @@ class SegmentTable:
         self._by_free = FreeIndex()  # largest free extent
         self._by_ratio = FreeIndex()  # used share (free_ratio_first)
         self._by_host: dict[str, FreeIndex] = {}  # host_id -> largest free extent (local_first)
+        self.withheld: set[str] = set()  # mounted, but no new buffer goes there (node seen dead)
 
     def mount(self, owner_id: str, info: SegmentInfo, now: float) -> Segment | None:
         """Add ``info`` under a new mount epoch; returns the segment (also when already
@@ -101,7 +108,11 @@ class SegmentTable:
         seg = self.segments.get(info.name)
         if seg is not None:
             same = seg.owner_id == owner_id and msgspec.structs.replace(seg.info, epoch=info.epoch) == info
-            return seg if same else None
+            if not same:
+                return None
+            self.withheld.discard(info.name)  # its node is back: place on it again
+            self._listed(seg)
+            return seg
         stamped = msgspec.structs.replace(info, epoch=new_epoch())
         seg = self.segments[info.name] = Segment(stamped, owner_id, OffsetAllocator(info.size, self.alignment))
         self.total_bytes += seg.allocator.capacity
@@ -118,9 +129,8 @@ class SegmentTable:
         self.used_bytes -= seg.allocator.used
         self.total_bytes -= seg.allocator.capacity
         self.largest_capacity = max((s.allocator.capacity for s in self.segments.values()), default=0)
-        for index in (self._by_free, self._by_ratio, self._by_host.get(seg.info.host_id)):
-            if index is not None:
-                index.remove(name)
+        self._unlisted(seg)
+        self.withheld.discard(name)
         if not self.owned_by(seg.owner_id):
             self.last_seen.pop(seg.owner_id, None)
         return seg
@@ -130,6 +140,17 @@ class SegmentTable:
         self.used_bytes += allocator.used - seg.allocator.used
         seg.allocator = allocator
         self._listed(seg)
+
+    def withhold(self, name: str) -> bool:
+        """Place no new buffer on mounted segment ``name`` until it is mounted again
+        (by the same owner) or unmounted; buffers already on it are untouched. False:
+        not mounted, or already withheld."""
+        seg = self.segments.get(name)
+        if seg is None or name in self.withheld:
+            return False
+        self.withheld.add(name)
+        self._unlisted(seg)
+        return True
 
     def owned_by(self, owner_id: str) -> list[str]:
         return [n for n, s in self.segments.items() if s.owner_id == owner_id]
@@ -149,7 +170,7 @@ class SegmentTable:
         for ``random`` and ``local_first``."""
         need = self.rounded(size)
         out: list[Replica] = []
-        first = self.segments.get(preferred) if preferred else None
+        first = self.segments.get(preferred) if preferred and preferred not in self.withheld else None
         if first is not None:
             self._take(first, size, out)
         for name in self._candidates(need, count - len(out), host_id, {r.segment for r in out}):
@@ -188,13 +209,21 @@ class SegmentTable:
             self._listed(seg)
 
     def _listed(self, seg: Segment) -> None:
-        """Re-index ``seg`` after its allocator changed."""
+        """Re-index ``seg`` after its allocator changed (a withheld one stays out)."""
         a, name = seg.allocator, seg.info.name
+        if name in self.withheld:
+            return
         self._by_free.set(name, a.largest_free)
         if self.strategy == "free_ratio_first":
             self._by_ratio.set(name, a.used / max(1, a.capacity))
         elif self.strategy == "local_first":
             self._by_host.setdefault(seg.info.host_id, FreeIndex()).set(name, a.largest_free)
+
+    def _unlisted(self, seg: Segment) -> None:
+        """Take ``seg`` out of every placement index."""
+        for index in (self._by_free, self._by_ratio, self._by_host.get(seg.info.host_id)):
+            if index is not None:
+                index.remove(seg.info.name)
 
     def rounded(self, size: int) -> int:
         return max(self.alignment, -(-size // self.alignment) * self.alignment)

@@ -14,7 +14,10 @@ A node that mounts with ``index`` keeps its connection as its index stream: afte
 request (and tick) the queued index changes (:class:`~kvpool.master.restore.IndexLog`)
 are written to the streams of their segments *before* the request's reply, so a commit
 is in the node's socket buffer before the client hears of it. A stream is closed when
-its segment is unmounted or mounted again (the node then re-mounts at once).
+its segment is unmounted or mounted again (the node then re-mounts at once). A stream
+that ends otherwise, from a node whose data port no longer takes connections, means a
+dead node: its segment takes no new buffers until it mounts again or times out
+(:meth:`MasterService.stream_lost`).
 
 What a connection may cost (K22): a body is buffered only as its bytes arrive (a header
 announcing :data:`~kvpool.protocol.MAX_FRAME` costs nothing until the bytes come), and a
@@ -41,7 +44,7 @@ import msgspec
 
 from kvpool import auth, local_socket
 from kvpool import protocol as P
-from kvpool.config import format_addr
+from kvpool.config import format_addr, parse_addr
 from kvpool.errors import ErrorCode, UserError
 from kvpool.master import scans
 from kvpool.master.busy_poll import BUSY_POLL_US, BusyPoll
@@ -50,6 +53,8 @@ from kvpool.master.service import MasterService
 log = logging.getLogger("kvpool.master")
 TICK_S = 0.05
 STALL_S = 30.0  # seconds a frame may take to arrive after its header
+PROBE_S = 2.0  # seconds a node's data port has to accept a connection once its stream ended
+PROBES, PROBE_EVERY_S = 5, 0.1  # tries of the data port, and the pause between them
 
 
 def _handlers(svc: MasterService) -> dict[type, Callable[[msgspec.Struct], msgspec.Struct | None]]:
@@ -111,6 +116,7 @@ class MasterServer:
         self._new_stream: tuple[str, int] | None = None  # set by an index mount, taken by its connection
         self._server: asyncio.base_events.Server | None = None
         self._local_servers: list[asyncio.base_events.Server] = []  # Unix sockets (same-host clients)
+        self._tasks: set[asyncio.Task] = set()  # node checks under way (_check_node)
 
     def _mount(self, req: P.MountSegment) -> P.MountResp:
         reply = self.service.mount(req.owner_id, req.segment, req.index, req.objects, req.prev_incarnation)
@@ -217,6 +223,7 @@ class MasterServer:
         return True
 
     async def _serve_conn(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        shutting_down = False
         try:
             if not await self._authenticated(reader, writer):
                 return
@@ -245,13 +252,39 @@ class MasterServer:
         except (asyncio.IncompleteReadError, ConnectionError, P.FrameError):
             pass  # peer left or sent garbage framing: drop this connection only
         except asyncio.CancelledError:
-            pass  # the master is shutting down: end quietly instead of logging a cancel
+            shutting_down = True  # end quietly instead of logging a cancel
         finally:
             self._mid_frame.pop(writer, None)
-            for name, (_, stream) in list(self._streams.items()):
-                if stream is writer:
+            for name, (epoch, stream) in list(self._streams.items()):
+                if stream is writer:  # still this mount's stream: no new mount replaced it
                     del self._streams[name]
+                    if not shutting_down:
+                        self._spawn(self._check_node(name, epoch))
             writer.close()
+
+    def _spawn(self, coro) -> None:
+        """Run ``coro`` as a task the server holds until it ends (asyncio keeps only a
+        weak reference to a task)."""
+        task = asyncio.get_running_loop().create_task(coro)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    async def _check_node(self, name: str, epoch: int) -> None:
+        """The index stream of ``name``'s mount ``epoch`` ended with no new mount in its
+        place. A node that broke its stream to mount again still listens on its data
+        port and soon has a new stream; a dead one refuses connections (a dying process
+        may close its stream before its listener, hence :data:`PROBES` tries), and a host
+        gone from the network does not answer within :data:`PROBE_S`: then the segment
+        is withheld from placement (:meth:`MasterService.stream_lost`)."""
+        for _ in range(PROBES):
+            seg = self.service.segments.segments.get(name)
+            if seg is None or seg.info.epoch != epoch or name in self._streams:
+                return  # unmounted, or mounted again
+            if not await _answers(seg.info.data_addr):
+                if self.gate() is None and self._streams.get(name) is None:
+                    self.service.stream_lost(name, epoch)
+                return
+            await asyncio.sleep(PROBE_EVERY_S)
 
     def close_stalled(self) -> int:
         """Close every connection whose frame began over ``stall_s`` ago (its read then
@@ -303,6 +336,22 @@ class MasterServer:
                 self.close_stalled()
             except Exception:  # upkeep must keep running; the bug is logged
                 log.exception("master tick failed")
+
+
+async def _answers(addr: str) -> bool:
+    """Whether a TCP connection to ``addr`` ("host:port") opens within :data:`PROBE_S`
+    (it is closed at once); an address that does not parse counts as answering, since
+    nothing can be told from it."""
+    try:
+        host, port = parse_addr(addr)
+    except UserError:
+        return True
+    try:
+        _, writer = await asyncio.wait_for(asyncio.open_connection(host, port), PROBE_S)
+    except (OSError, asyncio.TimeoutError):
+        return False
+    writer.close()
+    return True
 
 
 def run_event_loop(coro):

@@ -150,6 +150,18 @@ class MasterService(Eviction, Restore, LeaseHandlers):
         self._drop_segment(name)
         return Resp(OK)
 
+    def stream_lost(self, name: str, epoch: int) -> None:
+        """The index stream of segment ``name``'s mount ``epoch`` closed without a new
+        mount taking its place, and its node's data port refuses connections: the node
+        died. Withhold the segment from placement (segments.py) until it mounts again or
+        its owner times out."""
+        seg = self.segments.segments.get(name)
+        if seg is not None and seg.info.epoch == epoch and self.segments.withhold(name):
+            self.counters["segments_withheld"] += 1
+            log.warning("node of segment %s is gone (index stream closed, data port closed): placing no new "
+                        "buffers on it until it mounts again "
+                        "(its objects stay until owner %s times out)", name, seg.owner_id)
+
     def _drop_segment(self, name: str) -> None:
         """Unmount ``name``: every replica on it disappears; emptied objects go."""
         self.segments.unmount(name)
@@ -500,7 +512,8 @@ class MasterService(Eviction, Restore, LeaseHandlers):
     def stats(self) -> StatsResp:
         """Counts and segments: O(segments), no scan of the objects."""
         segs = [
-            SegmentStats(n, s.owner_id, s.allocator.capacity, s.allocator.used, s.info.data_addr)
+            SegmentStats(n, s.owner_id, s.allocator.capacity, s.allocator.used, s.info.data_addr,
+                         n in self.segments.withheld)
             for n, s in self.segments.segments.items()
         ]
         return StatsResp(
