@@ -54,7 +54,7 @@ log = logging.getLogger("kvpool.master")
 TICK_S = 0.05
 STALL_S = 30.0  # seconds a frame may take to arrive after its header
 PROBE_S = 2.0  # seconds a node's data port has to accept a connection once its stream ended
-PROBES, PROBE_EVERY_S = 5, 0.1  # tries of the data port, and the pause between them
+PROBES, PROBE_EVERY_S = 25, 0.02  # tries of the data port (0.5 s), and the pause between them
 
 
 def _handlers(svc: MasterService) -> dict[type, Callable[[msgspec.Struct], msgspec.Struct | None]]:
