@@ -134,7 +134,9 @@ def test_a_quiet_index_stream_is_not_taken_for_a_dead_one():
 def test_a_master_that_never_answers_fails_the_call_after_the_channel_timeout(local):
     """The channel's timeout lives in the kernel (SO_RCVTIMEO, no poll per call): a
     master that takes a request and never answers still ends the call, with RpcFailed
-    saying so, once the timeout has passed, over TCP and over the Unix socket."""
+    saying so, once the timeout has passed, over TCP and over the Unix socket. An
+    idempotent request is not asked again there (one connection, one timeout): nothing
+    has ever answered at that address, so it is no master that restarted."""
     listener = socket.create_server(("127.0.0.1", 0))
     port = listener.getsockname()[1]
     unix = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
@@ -150,6 +152,13 @@ def test_a_master_that_never_answers_fails_the_call_after_the_channel_timeout(lo
             chan.call(P.Ping(), idempotent=False)
         assert 0.25 <= time.monotonic() - started < 5
         assert "is a kvpool master listening there?" in str(silent.value)  # nothing ever answered
+        with pytest.raises(RpcFailed, match="no answer within 0.3 s"):
+            chan.call(P.Ping())  # idempotent
+        accepted = unix if local else listener
+        accepted.setblocking(False)
+        assert len([accepted.accept()[0].close() for _ in range(2)]) == 2  # the two calls
+        with pytest.raises(BlockingIOError):
+            accepted.accept()  # and no third connection: the Ping was not asked again
     finally:
         chan.close()
         listener.close()

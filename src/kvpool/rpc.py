@@ -155,7 +155,7 @@ class RpcChannel:
                 continue
             except _Broken as exc:
                 broke = True
-                if not idempotent or (time.monotonic() >= deadline and exc.second):
+                if not idempotent or exc.final or (time.monotonic() >= deadline and exc.second):
                     raise exc.error from None
                 during = None  # it may have run: a retry only asks again
                 continue
@@ -203,7 +203,7 @@ class RpcChannel:
             self.masters.failed(self.addr)
             self.close()
             raise _Broken(RpcFailed(f"master {self.addr}: no answer within {self.timeout_s:g} s{hint}"),
-                          broke) from None
+                          broke, final=not self._ever_answered and not self.masters.ha) from None
         except P.VersionMismatch as exc:
             self.close()
             raise RpcFailed(f"master {self.addr}: protocol version {P.PROTOCOL_VERSION}, "
@@ -338,7 +338,9 @@ class _Undelivered(Exception):
 
 
 class _Broken(Exception):
-    """The connection failed after the request was sent; ``second``: not the first time."""
+    """The connection failed after the request was sent; ``second``: not the first time;
+    ``final``: asking again cannot help (a lone address where nothing has ever
+    answered let the request time out: no master restart to wait out)."""
 
-    def __init__(self, error: RpcFailed, second: bool):
-        self.error, self.second = error, second
+    def __init__(self, error: RpcFailed, second: bool, final: bool = False):
+        self.error, self.second, self.final = error, second, final
