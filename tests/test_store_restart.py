@@ -343,3 +343,103 @@ def test_a_master_ignores_the_index_of_a_segment_it_dropped_itself():
     again = svc.mount("n1", _seg("s1"), True, [P.IndexEntry("a", 0, 100, 5)], first.incarnation)
     assert again.dropped == ["a"] and svc.stats().object_count == 0
     assert again.epoch != first.epoch
+
+
+def test_restore_keeps_the_newest_of_overlapping_entries_not_the_first_by_offset():
+    """Overlapping entries (an index that missed a drop) keep the newest version: the
+    first by offset could be a key whose range was since given to another, and serve
+    that other key's bytes under its name."""
+    svc = MasterService()
+    entries = [P.IndexEntry("stale", 0, 8192, 5), P.IndexEntry("reused", 4096, 100, 9),
+               P.IndexEntry("after", 8192, 100, 6),
+               P.IndexEntry("a", 16384, 200, 1), P.IndexEntry("b", 16512, 200, 3), P.IndexEntry("c", 16640, 100, 2)]
+    reply = svc.mount("n1", _seg("s1"), True, entries, 0)
+    assert sorted(reply.dropped) == ["a", "c", "stale"]
+    assert {k: svc.lookup(k).replicas[0].offset for k in ("reused", "after", "b")} == {
+        "reused": 4096, "after": 8192, "b": 16512}
+    assert svc.stats().used_bytes == 128 + 128 + 256
+
+
+def test_index_changes_go_out_adds_first_and_an_add_replaces_its_own_drop():
+    """A master killed between two index writes must leave a key's new version with some
+    node (the rebuild keeps the newest) rather than neither: adds go out before drops."""
+    svc = MasterService()
+    log = svc.index_log
+    log.drop("s1", "moved")
+    log.add("s2", P.IndexEntry("moved", 0, 10, 2))
+    log.drop("s2", "replaced")
+    log.add("s2", P.IndexEntry("replaced", 64, 10, 3))
+    log.drop("s1", "gone")
+    updates = log.take()
+    assert [(u.name, u.drops, [e.key for e in u.adds]) for u in updates] == [
+        ("s2", [], ["moved", "replaced"]), ("s1", ["moved", "gone"], [])]
+
+
+def test_a_node_mounting_again_with_the_same_master_gets_its_index_made_exact():
+    """A node whose stream broke mounts again with the master that still holds its
+    segment; its index may have missed updates sent meanwhile (and a later restart would
+    rebuild from it). The master tells it which reported keys to forget and queues what
+    it lacks or holds wrongly for the new stream."""
+    svc = MasterService()
+    first = svc.mount("n1", _seg("s1"), True, [], 0)
+    for key in ("kept", "moved", "missed"):
+        r = svc.put_start(P.PutItem(key, 100))
+        assert svc.put_end(P.PutToken(key, r.put_id)).code == 0
+    truth = {k: P.IndexEntry(k, svc.lookup(k).replicas[0].offset, 100, svc.lookup(k).version)
+             for k in ("kept", "moved", "missed")}
+    svc.index_log.take()
+    reported = [truth["kept"], P.IndexEntry("moved", truth["moved"].offset + 4096, 100, 1),
+                P.IndexEntry("ghost", 8192, 100, 1)]
+    again = svc.mount("n1", _seg("s1"), True, reported, first.incarnation)
+    assert again.code == 0 and again.epoch == first.epoch
+    assert again.dropped == ["ghost"]
+    assert sorted(svc.index_log.resyncs.pop("s1"), key=lambda e: e.key) == [truth["missed"], truth["moved"]]
+    assert svc.stats().object_count == 3 and svc.stats().counters["index_resyncs"] == 1
+
+
+def test_k18_a_commit_is_acknowledged_only_once_its_index_update_left_the_master():
+    """A node that stops reading its index stream (SIGSTOP) lets the kernel's buffer fill;
+    the master then holds back the replies of commits on its segment instead of keeping
+    their index updates in its own memory, which a kill -9 loses. Every put acknowledged
+    before the master is killed is there after the restart."""
+    with Cluster(segment_size="64MiB", extra_master_args=["--client-ttl", "60"]) as cluster:
+        with Client(cluster.master_addr, timeout_s=30) as client:
+            pid = cluster.nodes[0]["pid"]
+            acked: list[str] = []
+            stop = threading.Event()
+
+            def put_until_held() -> None:
+                for i in range(30_000):
+                    if stop.is_set():
+                        return
+                    try:
+                        client.put(f"k{i}", value(f"k{i}", 64))
+                    except KVPoolError:
+                        return  # the put held back when the master died: in flight, not checked
+                    acked.append(f"k{i}")
+
+            os.kill(pid, signal.SIGSTOP)
+            writer = threading.Thread(target=put_until_held, daemon=True)
+            try:
+                writer.start()
+                held = proc_helpers.poll_until(_stops_growing(acked), 60, every_s=0.5)
+                cluster.restart_master(kill=True)
+            finally:
+                stop.set()
+                os.kill(pid, signal.SIGCONT)
+            writer.join(30)
+            assert held, f"puts went on past {len(acked)} with the node's index stream unread"
+            wait_for(lambda: len(client.stats().segments) == 1, what="the node to mount again")
+            missing = [k for k in acked if not client.is_exist(k)]
+            assert not missing, f"{len(missing)} of {len(acked)} acknowledged puts lost, e.g. {missing[:3]}"
+            assert all(client.get(k) == value(k, 64) for k in acked[-50:])
+
+
+def _stops_growing(items: list):
+    """A check that is True once ``items`` (not empty) has not grown since its last call."""
+    seen = [-1]
+
+    def check() -> bool:
+        before, seen[0] = seen[0], len(items)
+        return 0 < before == len(items)
+    return check

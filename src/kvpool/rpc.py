@@ -49,7 +49,7 @@ _logged: set[str] = set()
 _logged_lock = threading.Lock()
 NOT_LEADER = ErrorCode.UNAVAILABLE_IN_CURRENT_STATUS  # a standby's (or fenced leader's) refusal
 RETRY_S = 0.05  # pause between rounds over the candidates during a change of leader
-STREAM_RCVBUF = 4 << 20  # bytes of unasked frames the kernel holds between two polls
+STREAM_RCVBUF = 4 << 20  # bytes of unasked frames the kernel holds between two polls (TCP)
 
 
 def _log_once(message: str) -> None:
@@ -255,7 +255,9 @@ class RpcChannel:
         whose reader sleeps in recv() wakes that reader (on this VM, 25-35 us of the
         writer's time and a context switch per frame); one to a socket nobody waits on
         only queues the bytes (measured 16.5 vs 9.3 us per send). The kernel buffer holds
-        the frames meanwhile (:data:`STREAM_RCVBUF`). Raises RpcFailed when not
+        the frames meanwhile (:data:`STREAM_RCVBUF` over TCP; over a Unix socket the
+        master's send buffer is what counts, and the master holds back a commit's reply
+        while its update has not reached the kernel). Raises RpcFailed when not
         connected or on a frame that does not decode."""
         if self._sock is None:
             raise RpcFailed(f"master {self.addr}: not connected")

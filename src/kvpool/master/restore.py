@@ -5,12 +5,14 @@ A node that mounts with ``index`` keeps an index of the COMPLETE objects in its 
 The master keeps it exact: every change of what is visible on an indexed segment (a
 commit, a removal, an eviction, a version replaced) is queued in :class:`IndexLog` and
 sent to the node (:class:`~kvpool.protocol.IndexUpdate`) before the reply that makes the
-change known, so every commit a client was told of is in some node's index.
+change known, so every commit a client was told of is in some node's index (or its
+socket: the server holds the reply until the update has left its memory). A node that
+mounts again with the same master is made exact again (:meth:`Restore.resync`).
 
 When a master starts again (a crash, a restart, a failover) its state is empty; each
 node re-mounts with its index (``MountSegment.objects``) and :class:`Restore` rebuilds
-the objects: an entry is kept if it lies in the segment, overlaps no entry kept before,
-and is the key's newest version reported (commit versions are wall-clock nanoseconds,
+the objects: an entry is kept if it lies in the segment, is the newest of the entries
+whose ranges overlap it, and is the key's newest version reported (commit versions are wall-clock nanoseconds,
 strictly increasing within an incarnation); replicas of one version on several segments
 come together again. PROCESSING puts were never in an index: they are gone, their
 ranges free. The segment's allocator is built from the kept entries, so used bytes are
@@ -33,6 +35,7 @@ class IndexLog:
 
     def __init__(self):
         self._pending: dict[str, tuple[list[str], dict[str, IndexEntry]]] = {}
+        self.resyncs: dict[str, list[IndexEntry]] = {}  # segment -> adds for its next stream (resync)
 
     def drop(self, segment: str, key: str) -> None:
         drops, adds = self._pending.setdefault(segment, ([], {}))
@@ -43,9 +46,54 @@ class IndexLog:
         self._pending.setdefault(segment, ([], {}))[1][entry.key] = entry
 
     def take(self) -> list[IndexUpdate]:
-        """The queued changes, one message per segment; the log is empty afterwards."""
+        """The queued changes; the log is empty afterwards. Every segment's adds come
+        first, then the drops not replaced by an add of the same key (an add replaces
+        a key's entry): a master killed between two of these writes leaves a key's new
+        version with some node even when the drop of its old one on another node was
+        not sent yet (the rebuild keeps the newest), rather than neither of them."""
         pending, self._pending = self._pending, {}
-        return [IndexUpdate(name, drops, list(adds.values())) for name, (drops, adds) in pending.items()]
+        adds = [IndexUpdate(name, [], list(a.values())) for name, (_, a) in pending.items() if a]
+        drops = [IndexUpdate(name, [k for k in d if k not in a], []) for name, (d, a) in pending.items()]
+        return adds + [u for u in drops if u.drops]
+
+
+def _newest_where_overlapping(entries: list[IndexEntry], rounded, dropped: list[str]) -> list[IndexEntry]:
+    """``entries`` sorted by offset, where of entries whose ranges (``rounded(size)``
+    bytes from ``offset``) overlap only the newest versions that do not overlap each
+    other are kept; the keys of the others are appended to ``dropped``.
+
+    Two live objects never share bytes, so of overlapping entries at most one is still
+    true, and it is the newest: an older one's range was freed before it was reused. A
+    node's index can hold such a pair only when updates were lost (its stream ended
+    before they reached it); keeping the first by offset could then serve the bytes of
+    the newer key under the older one. Overlaps are rare, so only a run of mutually
+    overlapping entries (a cluster) is sorted by version."""
+    out: list[IndexEntry] = []
+    cluster: list[IndexEntry] = []
+    end = -1
+    for e in sorted(entries, key=lambda e: e.offset):
+        if cluster and e.offset >= end:
+            out.extend(_settle(cluster, rounded, dropped))
+            cluster = []
+        cluster.append(e)
+        end = max(end, e.offset + rounded(e.size)) if len(cluster) > 1 else e.offset + rounded(e.size)
+    out.extend(_settle(cluster, rounded, dropped))
+    return out
+
+
+def _settle(cluster: list[IndexEntry], rounded, dropped: list[str]) -> list[IndexEntry]:
+    """Of a cluster of overlapping entries, the newest that overlap none kept before,
+    by offset; the rest go to ``dropped``."""
+    if len(cluster) <= 1:
+        return cluster
+    kept: list[IndexEntry] = []
+    for e in sorted(cluster, key=lambda e: e.version, reverse=True):
+        lo, hi = e.offset, e.offset + rounded(e.size)
+        if all(hi <= k.offset or k.offset + rounded(k.size) <= lo for k in kept):
+            kept.append(e)
+        else:
+            dropped.append(e.key)
+    return sorted(kept, key=lambda e: e.offset)
 
 
 class Restore:
@@ -75,18 +123,38 @@ class Restore:
         if seg is not None and seg.indexed:
             self.index_log.add(r.segment, IndexEntry(key, r.offset, size, version))
 
+    def resync(self, name: str, reported: list[IndexEntry]) -> list[str]:
+        """A node mounts again a segment this master still holds (its stream broke):
+        its index ``reported`` may lack changes sent while it had no stream, and the
+        mount ignores it, so a later restart would rebuild from a wrong index. Returns
+        the reported keys the node must forget (not visible here on ``name``) and
+        queues in ``index_log.resyncs`` the entries it lacks or holds wrongly, for the
+        server to send first on the new stream. O(objects on the segment)."""
+        truth = {}
+        for obj in self.objects.on_segment(name):
+            for r in obj.replicas if obj.visible else ():
+                if r.segment == name:
+                    truth[obj.key] = IndexEntry(obj.key, r.offset, obj.size, obj.version)
+        seen = {e.key: e for e in reported}
+        adds = [e for key, e in truth.items() if seen.get(key) != e]
+        if adds:
+            self.index_log.resyncs[name] = adds
+        return [key for key in seen if key not in truth]
+
     def restore(self, seg: Segment, entries: list[IndexEntry]) -> list[str]:
         """Rebuild the objects of ``entries`` on the freshly mounted ``seg`` and give it
         an allocator in which exactly the kept ones are allocated. Returns the keys of
         the entries not kept."""
-        dropped, kept, end = [], [], 0
         alloc = seg.allocator
-        for e in sorted(entries, key=lambda e: e.offset):
-            fits = (0 < len(e.key.encode("utf-8")) <= MAX_KEY_BYTES and e.size > 0 and e.offset >= end
-                    and e.offset % alloc.alignment == 0 and e.offset + alloc.rounded(e.size) <= alloc.capacity)
-            if fits and self._adopt(seg.info.name, e):
+        fits, dropped = [], []
+        for e in entries:
+            inside = (0 < len(e.key.encode("utf-8")) <= MAX_KEY_BYTES and e.size > 0
+                      and e.offset % alloc.alignment == 0 and e.offset + alloc.rounded(e.size) <= alloc.capacity)
+            (fits if inside else dropped).append(e if inside else e.key)
+        kept = []
+        for e in _newest_where_overlapping(fits, alloc.rounded, dropped):
+            if self._adopt(seg.info.name, e):
                 kept.append((e.offset, e.size))
-                end = e.offset + alloc.rounded(e.size)
             else:
                 dropped.append(e.key)
         self.segments.replace_allocator(seg, OffsetAllocator.with_used(alloc.capacity, alloc.alignment, kept))

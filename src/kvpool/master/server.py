@@ -13,7 +13,8 @@ eviction) and closes connections that stalled mid-frame.
 A node that mounts with ``index`` keeps its connection as its index stream: after every
 request (and tick) the queued index changes (:class:`~kvpool.master.restore.IndexLog`)
 are written to the streams of their segments *before* the request's reply, so a commit
-is in the node's socket buffer before the client hears of it. A stream is closed when
+is in the node's socket buffer before the client hears of it (a reply waits while its
+updates are still in this process's write buffer: a kill -9 loses those). A stream is closed when
 its segment is unmounted or mounted again (the node then re-mounts at once). A stream
 that ends otherwise, from a node whose data port no longer takes connections, means a
 dead node: its segment takes no new buffers until it mounts again or times out
@@ -37,6 +38,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import socket
 from types import GeneratorType
 from typing import Callable
 
@@ -53,6 +55,9 @@ from kvpool.master.service import MasterService
 log = logging.getLogger("kvpool.master")
 TICK_S = 0.05
 STALL_S = 30.0  # seconds a frame may take to arrive after its header
+INDEX_DRAIN_S = 2.0  # seconds past the client TTL a reply waits for a node to take its index update
+STREAM_SNDBUF = 4 << 20  # bytes of index updates the kernel holds for a node between its polls
+RESYNC_FRAME = 20_000  # index entries per frame of a resync (~1.6 MB)
 PROBE_S = 2.0  # seconds a node's data port has to accept a connection once its stream ended
 PROBES, PROBE_EVERY_S = 25, 0.02  # tries of the data port (0.5 s), and the pause between them
 
@@ -117,6 +122,8 @@ class MasterServer:
         self._server: asyncio.base_events.Server | None = None
         self._local_servers: list[asyncio.base_events.Server] = []  # Unix sockets (same-host clients)
         self._tasks: set[asyncio.Task] = set()  # node checks under way (_check_node)
+        self._writes = 0  # index frames written so far
+        self._behind: dict[asyncio.StreamWriter, int] = {}  # stream with bytes left here -> its last write
 
     def _mount(self, req: P.MountSegment) -> P.MountResp:
         reply = self.service.mount(req.owner_id, req.segment, req.index, req.objects, req.prev_incarnation)
@@ -126,14 +133,43 @@ class MasterServer:
 
     def _send_index(self) -> None:
         """Write the queued index changes to their segments' streams (no waiting: the
-        bytes are in the kernel, or queued in the transport, when this returns)."""
+        bytes are in the kernel, or queued in the transport, when this returns: see
+        :meth:`_index_flushed`)."""
         updates = self.service.index_log.take()
         if self.gate() is not None:
             return  # not the leader (any more): the nodes keep what they hold
         for update in updates:
             stream = self._streams.get(update.name)
             if stream is not None:
-                stream[1].write(P.encode_frame(update))
+                self._write_index(stream[1], update)
+
+    def _write_index(self, writer: asyncio.StreamWriter, update: P.IndexUpdate) -> None:
+        writer.write(P.encode_frame(update))
+        self._writes += 1
+        if writer.transport.get_write_buffer_size():
+            self._behind[writer] = self._writes  # the kernel's buffer is full: the rest waits in ours
+
+    async def _index_flushed(self, since: int) -> None:
+        """Wait until the index bytes written after write number ``since`` have left
+        this process: a reply may tell a client of a commit only once its update is in
+        a node's socket (the kernel keeps it when this master is killed; its memory does
+        not). A node that reads too slowly fills the kernel's buffer (4 MiB asked,
+        :data:`STREAM_SNDBUF`; 208 KiB on a Unix socket otherwise) and holds back the
+        replies of commits on its segments until it reads again, or until its owner
+        times out (its segment is dropped, its stream cut). Past that (a node that
+        heartbeats but does not read) the stream is closed, the reply goes out, and the
+        node mounts again and is resynchronised
+        (:meth:`~kvpool.master.restore.Restore.resync`). Other requests do not wait."""
+        cap = self.service.config.client_ttl_s + INDEX_DRAIN_S
+        for writer, last in list(self._behind.items()):
+            if last > since and writer.transport.get_write_buffer_size() and not writer.is_closing():
+                try:
+                    await asyncio.wait_for(writer.drain(), cap)
+                except (ConnectionError, asyncio.TimeoutError):
+                    log.warning("an index stream took no bytes for %.1f s: closing it (its node mounts again)", cap)
+                    writer.transport.abort()
+            if not writer.transport.get_write_buffer_size() or writer.is_closing():
+                self._behind.pop(writer, None)
 
     def _close_stale_streams(self) -> None:
         """Close the streams of segments unmounted, or mounted again, since."""
@@ -142,7 +178,7 @@ class MasterServer:
             seg = segments.get(name)
             if seg is None or seg.info.epoch != epoch:
                 del self._streams[name]
-                writer.close()
+                writer.transport.abort()  # what it still holds is void; replies waiting on it go
 
     def _adopt_stream(self, writer: asyncio.StreamWriter) -> None:
         if self._new_stream is not None:
@@ -152,6 +188,12 @@ class MasterServer:
             if old is not None and old[1] is not writer:
                 old[1].close()
             self._streams[name] = (epoch, writer)
+            with contextlib.suppress(OSError, AttributeError):  # the kernel may cap it lower
+                writer.get_extra_info("socket").setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, STREAM_SNDBUF)
+            writer.transport.set_write_buffer_limits(high=0)  # drain() waits for an empty buffer
+            adds = self.service.index_log.resyncs.pop(name, [])
+            for i in range(0, len(adds), RESYNC_FRAME):
+                self._write_index(writer, P.IndexUpdate(name, [], adds[i:i + RESYNC_FRAME]))
 
     def observe(self, callback: Observer) -> None:
         """Call ``callback(op, reply)`` after each request is handled (e.g. per-op request
@@ -234,8 +276,11 @@ class MasterServer:
                 self._mid_frame[writer] = self.service.clock()
                 body = await reader.readexactly(length)
                 self._mid_frame.pop(writer, None)  # close_stalled may have dropped it
+                since = self._writes
                 reply = await self.dispatch_sliced(body)
                 self._send_index()  # before the reply: the commit is with the node first
+                if self._behind:
+                    await self._index_flushed(since)
                 if reply is not None:
                     writer.write(P.encode_frame(reply))
                     self._adopt_stream(writer)

@@ -129,9 +129,12 @@ class MasterService(Eviction, Restore, LeaseHandlers):
             elif objects:
                 dropped = self.restore(seg, objects)
                 self.counters["objects_restored"] += len(objects) - len(dropped)
+        elif index and seg.indexed:
+            dropped = self.resync(info.name, objects)
+            self.counters["index_resyncs"] += 1
         self.counters["segments_mounted"] += 1
-        log.info("mounted segment %s (%d bytes, owner %s, data %s, %d objects restored)", info.name, info.size,
-                 owner_id, info.data_addr, len(objects) - len(dropped))
+        log.info("mounted segment %s (%d bytes, owner %s, data %s, %d objects %s)", info.name, info.size,
+                 owner_id, info.data_addr, len(objects) - len(dropped), "restored" if fresh else "kept")
         interval_ms = max(50, int(self.config.client_ttl_s * 1000 / 4))
         return MountResp(OK, interval_ms, seg.info.epoch, self.incarnation, dropped)
 
