@@ -13,7 +13,9 @@ process puts, gets and removes a small key every :data:`PROBE_S` seconds.
 
 At random intervals (seeded) one of node / client / leader is killed with SIGKILL and
 started again (a node with a new, empty segment; the leader as a standby, after the
-other master took over). Counted:
+other master took over), or a node is paused (SIGSTOP, :data:`PAUSE_S`) and the leader
+killed before it resumes: the new leader rebuilds from an index stream that lagged,
+which must lose nothing acknowledged. Counted:
 
 - ``wrong_bytes``: reads that returned bytes failing the check (must be 0);
 - ``lost``: committed keys (not being removed) with a replica on a segment still
@@ -32,6 +34,7 @@ import contextlib
 import json
 import os
 import random
+import signal
 import struct
 import subprocess
 import sys
@@ -49,7 +52,8 @@ MAGIC = b"KVCH"
 _HEAD = struct.Struct("<4sHIQ")  # magic, key length, payload length, xxh3_64(key + payload)
 MASTER_ARGS = ["--client-ttl", "5", "--default-kv-lease-ttl", "1000", "--put-start-discard-timeout", "2",
                "--put-start-release-timeout", "3"]
-KINDS = ("leader", "node", "client")
+KINDS = ("leader", "node", "client", "pause")
+PAUSE_S = 0.8  # a "pause": a node stopped this long, then the leader killed before it resumes
 
 
 def encode_value(key: str, payload: bytes) -> bytes:
@@ -83,7 +87,7 @@ def add_arguments(parser) -> None:
 
 @dataclass
 class Kill:
-    what: str  # leader | node | client
+    what: str  # leader | node | client | pause (a node paused, the leader killed meanwhile)
     at_s: float  # seconds since the start of the chaos phase
     outage_s: float | None = None  # kill -> the prober's next success (None: never)
 
@@ -290,10 +294,15 @@ class Prober:
 
 def _kill_one(what: str, group, clients: Clients, rng: random.Random) -> float:
     """SIGKILL one ``what`` and start it again; returns when it was killed (monotonic s)."""
-    if what == "leader":
-        i = group.wait_leader()
-        killed = time.monotonic()
-        group.masters[i].stop(kill=True)
+    if what in ("leader", "pause"):
+        paused = _pause_node(group, rng) if what == "pause" else None
+        try:
+            i = group.wait_leader()
+            killed = time.monotonic()
+            group.masters[i].stop(kill=True)
+        finally:  # the paused node's index stream lagged by PAUSE_S of commits at the kill
+            if paused is not None:
+                os.kill(paused, signal.SIGCONT)
         group.wait_leader()  # the standby took over: the old one comes back as a standby
         group.start_master(i)
     elif what == "node":
@@ -306,6 +315,15 @@ def _kill_one(what: str, group, clients: Clients, rng: random.Random) -> float:
         clients.kill(rng)
         clients.start()
     return killed
+
+
+def _pause_node(group, rng: random.Random) -> int:
+    """SIGSTOP a live node for :data:`PAUSE_S` (its index stream goes unread while the
+    clients commit); returns its pid, still stopped."""
+    pid = rng.choice([n.proc.pid for n in group.nodes if n.proc.poll() is None])
+    os.kill(pid, signal.SIGSTOP)
+    time.sleep(PAUSE_S)
+    return pid
 
 
 @contextlib.contextmanager
