@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import socket
@@ -135,22 +136,41 @@ def test_puts_after_a_node_is_killed_go_to_the_living_node_at_once(cluster):
     allocation leases, where each put draws a segment anew, and a value too big for a
     lease)."""
     dead, alive = (n["segment"] for n in cluster.nodes)
-    values = {f"k{i}": bytes([i]) * (64 << 10) for i in range(50)}
+    values = {f"k{i}": bytes([i]) * (64 << 10) for i in range(60)}
     keys = list(values)
     with Client(cluster.master_addr, force_tcp=True, timeout_s=5) as leased, \
-            Client(cluster.master_addr, force_tcp=True, timeout_s=5, alloc_leases=False) as started:
+            Client(cluster.master_addr, force_tcp=True, timeout_s=5, alloc_leases=False) as started, \
+            _client_leasing_on(cluster.master_addr, dead) as shm:
         cluster.stop_node(0, kill=True)
         wait_for(lambda: _withheld(leased) == {dead}, what="the dead node's segment withheld")
         for key in keys[:10]:
             leased.put(key, values[key])
         assert leased.batch_put(keys[10:30], [values[k] for k in keys[10:30]]) == [0] * 20
-        for key in keys[30:]:
+        for key in keys[30:50]:
             started.put(key, values[key])
         started.put("large", b"L" * (40 << 20))
+        for key in keys[50:]:  # into shared memory the dead node left: its lease is refused
+            shm.put(key, values[key])
         for key in [*keys, "large"]:
             assert [r.segment.name for r in leased.query(key).replicas] == [alive]
         assert all(leased.get(k) == v for k, v in values.items())
         assert {s.name for s in leased.stats().segments} == {dead, alive}  # still mounted
+
+
+@contextlib.contextmanager
+def _client_leasing_on(master_addr: str, segment: str):
+    """A same-host (shared memory) client whose allocation lease is on ``segment``: new
+    clients each take a lease on a random segment until one lands there."""
+    for attempt in range(32):
+        c = Client(master_addr)
+        c.put(f"probe{attempt}", b"p" * 4096)
+        if [r.segment.name for r in c.query(f"probe{attempt}").replicas] == [segment]:
+            break
+        c.close()
+    else:
+        pytest.fail(f"no lease on {segment} in 32 clients")
+    with c:
+        yield c
 
 
 def test_a_node_that_only_breaks_its_stream_is_not_withheld_a_gone_one_is(cluster):

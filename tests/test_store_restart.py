@@ -393,8 +393,15 @@ def test_a_node_mounting_again_with_the_same_master_gets_its_index_made_exact():
     again = svc.mount("n1", _seg("s1"), True, reported, first.incarnation)
     assert again.code == 0 and again.epoch == first.epoch
     assert again.dropped == ["ghost"]
-    assert sorted(svc.index_log.resyncs.pop("s1"), key=lambda e: e.key) == [truth["missed"], truth["moved"]]
+    assert sorted(svc.index_log.resyncs["s1"], key=lambda e: e.key) == [truth["missed"], truth["moved"]]
     assert svc.stats().object_count == 3 and svc.stats().counters["index_resyncs"] == 1
+    svc.remove("missed")  # the queued resync was never sent; the next exact mount replaces it
+    exact = [truth["kept"], truth["moved"]]
+    assert svc.mount("n1", _seg("s1"), True, exact, first.incarnation).dropped == []
+    assert svc.index_log.resyncs["s1"] == []
+    svc.index_log.resyncs["s1"] = [truth["missed"]]
+    svc.unmount("n1", "s1")  # and an unmount forgets it
+    assert "s1" not in svc.index_log.resyncs
 
 
 def test_k18_a_commit_is_acknowledged_only_once_its_index_update_left_the_master():
@@ -429,6 +436,7 @@ def test_k18_a_commit_is_acknowledged_only_once_its_index_update_left_the_master
                 os.kill(pid, signal.SIGCONT)
             writer.join(30)
             assert held, f"puts went on past {len(acked)} with the node's index stream unread"
+            assert len(acked) < 30_000, "the kernel took every update: no reply was held back, nothing tested"
             wait_for(lambda: len(client.stats().segments) == 1, what="the node to mount again")
             missing = [k for k in acked if not client.is_exist(k)]
             assert not missing, f"{len(missing)} of {len(acked)} acknowledged puts lost, e.g. {missing[:3]}"
@@ -443,3 +451,70 @@ def _stops_growing(items: list):
         before, seen[0] = seen[0], len(items)
         return 0 < before == len(items)
     return check
+
+
+def _frame_call(sock, msg):
+    sock.sendall(P.encode_frame(msg))
+    return P.reply_decoder.decode(P.recv_frame(sock))
+
+
+def test_a_mount_takes_its_own_stream_while_another_stream_is_behind():
+    """An index mount's connection becomes its segment's stream even when another
+    node's stream is behind (the mount's restore writes to it) and other requests come
+    in meanwhile: before, the mount waited for that stream between its handler and its
+    adoption, and a Ping's connection took the stream in its place."""
+    import asyncio
+    import socket
+
+    from kvpool.master.server import MasterServer
+
+    svc = MasterService()
+    loop = asyncio.new_event_loop()
+    threading.Thread(target=loop.run_forever, daemon=True).start()
+    server = MasterServer(svc, "127.0.0.1", 0)
+    on = lambda coro: asyncio.run_coroutine_threadsafe(coro, loop).result(30)  # noqa: E731
+    host, port = on(server.start()).rsplit(":", 1)
+    conns = []
+
+    def conn(rcvbuf: int = 0):
+        s = socket.socket()
+        if rcvbuf:
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, rcvbuf)
+        s.connect((host, int(port)))
+        s.settimeout(20)
+        conns.append(s)
+        return s
+
+    try:
+        slow = conn(rcvbuf=4096)  # S1's node reads nothing: its stream falls behind
+        assert _frame_call(slow, P.MountSegment("o1", _seg("S1"), True)).code == 0
+
+        async def fall_behind_with_x() -> int:
+            stream = server._streams["S1"][1]
+            big = P.IndexUpdate("S1", [], [P.IndexEntry(f"f{i}", 0, 1, 1) for i in range(20_000)])
+            while not stream.transport.get_write_buffer_size():
+                server._write_index(stream, big)
+            r = svc.put_start(P.PutItem("X", 100))
+            svc.put_end(P.PutToken("X", r.put_id))
+            svc.index_log.take()
+            return svc.lookup("X").version
+
+        newer = on(fall_behind_with_x()) + 10**9  # S2 reports X newer: its restore drops X on S1
+        mounting = conn()
+        done = []
+        t = threading.Thread(target=lambda: done.append(_frame_call(mounting, P.MountSegment(
+            "o2", _seg("S2"), True, [P.IndexEntry("X", 0, 100, newer)]))))
+        t.start()
+        other = conn()
+        assert isinstance(_frame_call(other, P.Ping()), P.Resp)
+        t.join(20)
+        assert done and done[0].code == 0
+
+        async def stream_peer():
+            return server._streams["S2"][1].get_extra_info("peername")
+        assert on(stream_peer()) == mounting.getsockname()
+    finally:
+        for s in conns:
+            s.close()
+        on(server.close())
+        loop.call_soon_threadsafe(loop.stop)

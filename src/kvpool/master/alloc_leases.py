@@ -166,13 +166,14 @@ class LeaseHandlers:
 
     def put_commit(self, owner_id: str, lease_id: int, items: list[CommitItem]) -> CodesResp:
         """Make ``items`` (written into lease ``lease_id``) visible; one code per item:
-        LEASE_EXPIRED for all when the lease is unknown (another incarnation, returned)
-        or expired, ILLEGAL_CLIENT when another owner's; per item INVALID_PARAMS (a bad
+        LEASE_EXPIRED for all when the lease is unknown (another incarnation, returned),
+        expired, or on a withheld segment (its node seen dead), ILLEGAL_CLIENT when another owner's; per item INVALID_PARAMS (a bad
         key, size, pin, or a range outside, misaligned or overlapping a committed one)
         and PutStart's OBJECT_ALREADY_EXISTS / REPLICA_IS_NOT_READY."""
         now = self.clock()
         lease = self.alloc_leases.open.get(lease_id)
-        if lease is None or lease.deadline <= now:
+        # a withheld segment's node is dead: the client puts elsewhere (PutStart)
+        if lease is None or lease.deadline <= now or lease.segment in self.segments.withheld:
             self.counters["commits_refused_lease"] += len(items)
             return CodesResp([ErrorCode.LEASE_EXPIRED] * len(items))
         if lease.owner != owner_id:

@@ -30,8 +30,9 @@ from kvpool.protocol import MAX_KEY_BYTES, IndexEntry, IndexUpdate
 
 
 class IndexLog:
-    """Index changes per segment name not yet sent: drops, then adds (a later drop of a
-    key cancels its queued add, so the node ends where the master is)."""
+    """Index changes per segment name not yet sent: drops and adds (a later drop of a key
+    cancels its queued add, so the node ends where the master is; :meth:`take` orders
+    them), and the resync of a segment mounted again, for its next stream."""
 
     def __init__(self):
         self._pending: dict[str, tuple[list[str], dict[str, IndexEntry]]] = {}
@@ -136,9 +137,7 @@ class Restore:
                 if r.segment == name:
                     truth[obj.key] = IndexEntry(obj.key, r.offset, obj.size, obj.version)
         seen = {e.key: e for e in reported}
-        adds = [e for key, e in truth.items() if seen.get(key) != e]
-        if adds:
-            self.index_log.resyncs[name] = adds
+        self.index_log.resyncs[name] = [e for key, e in truth.items() if seen.get(key) != e]
         return [key for key in seen if key not in truth]
 
     def restore(self, seg: Segment, entries: list[IndexEntry]) -> list[str]:

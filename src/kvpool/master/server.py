@@ -56,7 +56,7 @@ log = logging.getLogger("kvpool.master")
 TICK_S = 0.05
 STALL_S = 30.0  # seconds a frame may take to arrive after its header
 INDEX_DRAIN_S = 2.0  # seconds past the client TTL a reply waits for a node to take its index update
-STREAM_SNDBUF = 4 << 20  # bytes of index updates the kernel holds for a node between its polls
+STREAM_SNDBUF = 4 << 20  # bytes of index updates the kernel holds for a same-host node (Unix socket)
 RESYNC_FRAME = 20_000  # index entries per frame of a resync (~1.6 MB)
 PROBE_S = 2.0  # seconds a node's data port has to accept a connection once its stream ended
 PROBES, PROBE_EVERY_S = 25, 0.02  # tries of the data port (0.5 s), and the pause between them
@@ -118,7 +118,8 @@ class MasterServer:
         self._handlers[P.MountSegment] = self._mount
         self._observers: list[Observer] = []
         self._streams: dict[str, tuple[int, asyncio.StreamWriter]] = {}  # segment -> (epoch, index stream)
-        self._new_stream: tuple[str, int] | None = None  # set by an index mount, taken by its connection
+        # set by an index mount's handler, taken by its connection right after (no await between)
+        self._new_stream: tuple[str, int, P.MountResp] | None = None
         self._server: asyncio.base_events.Server | None = None
         self._local_servers: list[asyncio.base_events.Server] = []  # Unix sockets (same-host clients)
         self._tasks: set[asyncio.Task] = set()  # node checks under way (_check_node)
@@ -128,7 +129,7 @@ class MasterServer:
     def _mount(self, req: P.MountSegment) -> P.MountResp:
         reply = self.service.mount(req.owner_id, req.segment, req.index, req.objects, req.prev_incarnation)
         if req.index and reply.code == ErrorCode.OK:
-            self._new_stream = (req.segment.name, reply.epoch)
+            self._new_stream = (req.segment.name, reply.epoch, reply)
         return reply
 
     def _send_index(self) -> None:
@@ -153,20 +154,24 @@ class MasterServer:
         """Wait until the index bytes written after write number ``since`` have left
         this process: a reply may tell a client of a commit only once its update is in
         a node's socket (the kernel keeps it when this master is killed; its memory does
-        not). A node that reads too slowly fills the kernel's buffer (4 MiB asked,
-        :data:`STREAM_SNDBUF`; 208 KiB on a Unix socket otherwise) and holds back the
-        replies of commits on its segments until it reads again, or until its owner
-        times out (its segment is dropped, its stream cut). Past that (a node that
-        heartbeats but does not read) the stream is closed, the reply goes out, and the
-        node mounts again and is resynchronised
-        (:meth:`~kvpool.master.restore.Restore.resync`). Other requests do not wait."""
+        not). A node that reads too slowly fills the kernel's buffer (on a Unix socket
+        :data:`STREAM_SNDBUF`, capped by net.core.wmem_max) and holds back the replies
+        of commits on its segments until it reads again, or until its owner times out
+        (its segment is dropped, its stream cut). Past that (a node that heartbeats but
+        does not read) the stream is cut, the reply goes out, and the node mounts again
+        and is resynchronised (:meth:`~kvpool.master.restore.Restore.resync`). Requests
+        that wrote nothing to such a stream do not wait, unless they queue behind a
+        held reply on the same connection."""
         cap = self.service.config.client_ttl_s + INDEX_DRAIN_S
         for writer, last in list(self._behind.items()):
             if last > since and writer.transport.get_write_buffer_size() and not writer.is_closing():
                 try:
                     await asyncio.wait_for(writer.drain(), cap)
-                except (ConnectionError, asyncio.TimeoutError):
+                except asyncio.TimeoutError:
                     log.warning("an index stream took no bytes for %.1f s: closing it (its node mounts again)", cap)
+                    writer.transport.abort()
+                except OSError as exc:  # reset, host unreachable: its node mounts again
+                    log.warning("an index stream failed (%s): closing it", exc)
                     writer.transport.abort()
             if not writer.transport.get_write_buffer_size() or writer.is_closing():
                 self._behind.pop(writer, None)
@@ -180,20 +185,31 @@ class MasterServer:
                 del self._streams[name]
                 writer.transport.abort()  # what it still holds is void; replies waiting on it go
 
-    def _adopt_stream(self, writer: asyncio.StreamWriter) -> None:
-        if self._new_stream is not None:
-            name, epoch = self._new_stream
-            self._new_stream = None
-            old = self._streams.get(name)
-            if old is not None and old[1] is not writer:
-                old[1].close()
-            self._streams[name] = (epoch, writer)
-            with contextlib.suppress(OSError, AttributeError):  # the kernel may cap it lower
-                writer.get_extra_info("socket").setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, STREAM_SNDBUF)
-            writer.transport.set_write_buffer_limits(high=0)  # drain() waits for an empty buffer
-            adds = self.service.index_log.resyncs.pop(name, [])
-            for i in range(0, len(adds), RESYNC_FRAME):
-                self._write_index(writer, P.IndexUpdate(name, [], adds[i:i + RESYNC_FRAME]))
+    def _take_claim(self, reply) -> tuple[str, int] | None:
+        """The (segment, epoch) whose index stream this connection becomes: set by the
+        handler of an index mount that ``reply`` answers (taken before any await, so no
+        other connection's request can take it); None for any other reply (also a
+        mount's reply replaced by a refusal)."""
+        claim, self._new_stream = self._new_stream, None
+        if claim is None or claim[2] is not reply:
+            return None
+        return claim[0], claim[1]
+
+    def _adopt_stream(self, writer: asyncio.StreamWriter, name: str, epoch: int) -> None:
+        """Make ``writer`` segment ``name``'s index stream (its mount reply already
+        written): any older stream is cut, and the resync the mount queued goes first."""
+        old = self._streams.get(name)
+        if old is not None and old[1] is not writer:
+            old[1].transport.abort()  # what it still holds is void: the resync covers it
+        self._streams[name] = (epoch, writer)
+        sock = writer.get_extra_info("socket")
+        if sock is not None and sock.family == socket.AF_UNIX:  # TCP: set, it would stop autotuning
+            with contextlib.suppress(OSError):  # the kernel caps it at net.core.wmem_max
+                sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, STREAM_SNDBUF)
+        writer.transport.set_write_buffer_limits(high=0)  # drain() waits for an empty buffer
+        adds = self.service.index_log.resyncs.pop(name, [])
+        for i in range(0, len(adds), RESYNC_FRAME):
+            self._write_index(writer, P.IndexUpdate(name, [], adds[i:i + RESYNC_FRAME]))
 
     def observe(self, callback: Observer) -> None:
         """Call ``callback(op, reply)`` after each request is handled (e.g. per-op request
@@ -278,12 +294,14 @@ class MasterServer:
                 self._mid_frame.pop(writer, None)  # close_stalled may have dropped it
                 since = self._writes
                 reply = await self.dispatch_sliced(body)
+                claim = self._take_claim(reply)
                 self._send_index()  # before the reply: the commit is with the node first
-                if self._behind:
+                if self._behind and claim is None:  # a mount's reply tells of no commit
                     await self._index_flushed(since)
                 if reply is not None:
                     writer.write(P.encode_frame(reply))
-                    self._adopt_stream(writer)
+                if claim is not None:
+                    self._adopt_stream(writer, *claim)
                 self.busy.answered(loop)
                 if reply is not None:
                     await writer.drain()

@@ -123,6 +123,7 @@ class MasterService(Eviction, Restore, LeaseHandlers):
             return MountResp(ErrorCode.SEGMENT_ALREADY_EXISTS)
         dropped: list[str] = []
         if fresh:
+            self.index_log.resyncs.pop(info.name, None)  # one left by an earlier mount of the name
             seg.indexed = index
             if prev_incarnation == self.incarnation:
                 dropped = [e.key for e in objects]
@@ -168,6 +169,7 @@ class MasterService(Eviction, Restore, LeaseHandlers):
     def _drop_segment(self, name: str) -> None:
         """Unmount ``name``: every replica on it disappears; emptied objects go."""
         self.segments.unmount(name)
+        self.index_log.resyncs.pop(name, None)
         self.counters["segments_unmounted"] += 1
         log.info("unmounted segment %s", name)
         self.grants.drop_segment(name)
