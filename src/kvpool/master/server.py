@@ -160,8 +160,8 @@ class MasterServer:
         (its segment is dropped, its stream cut). Past that (a node that heartbeats but
         does not read) the stream is cut, the reply goes out, and the node mounts again
         and is resynchronised (:meth:`~kvpool.master.restore.Restore.resync`). Requests
-        that wrote nothing to such a stream do not wait, unless they queue behind a
-        held reply on the same connection."""
+        that wrote (or flushed from the log) nothing to such a stream do not wait,
+        unless they queue behind a held reply on the same connection."""
         cap = self.service.config.client_ttl_s + INDEX_DRAIN_S
         for writer, last in list(self._behind.items()):
             if last > since and writer.transport.get_write_buffer_size() and not writer.is_closing():
