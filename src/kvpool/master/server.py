@@ -327,7 +327,10 @@ class MasterServer:
 
     def _spawn(self, coro) -> None:
         """Run ``coro`` as a task the server holds until it ends (asyncio keeps only a
-        weak reference to a task)."""
+        weak reference to a task) or :meth:`close` cancels it; once closed, none."""
+        if self._server is None:
+            coro.close()
+            return
         task = asyncio.get_running_loop().create_task(coro)
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
@@ -381,11 +384,13 @@ class MasterServer:
         return format_addr(self.host, port)
 
     async def close(self) -> None:
-        """Stop accepting connections."""
+        """Stop accepting connections and checking on nodes."""
         for server in [self._server, *self._local_servers]:
             if server is not None:
                 server.close()
         self._server, self._local_servers = None, []
+        for task in list(self._tasks):
+            task.cancel()
 
     async def tick_forever(self) -> None:
         while True:
