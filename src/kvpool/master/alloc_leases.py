@@ -167,8 +167,9 @@ class LeaseHandlers:
     def put_commit(self, owner_id: str, lease_id: int, items: list[CommitItem]) -> CodesResp:
         """Make ``items`` (written into lease ``lease_id``) visible; one code per item:
         LEASE_EXPIRED for all when the lease is unknown (another incarnation, returned),
-        expired, or on a withheld segment (its node seen dead), ILLEGAL_CLIENT when another owner's; per item INVALID_PARAMS (a bad
-        key, size, pin, or a range outside, misaligned or overlapping a committed one)
+        expired, or on a withheld segment (its node seen dead); ILLEGAL_CLIENT when
+        another owner's; per item INVALID_PARAMS (a bad key, size, pin, or a range
+        outside, misaligned or overlapping a committed one)
         and PutStart's OBJECT_ALREADY_EXISTS / REPLICA_IS_NOT_READY."""
         now = self.clock()
         lease = self.alloc_leases.open.get(lease_id)

@@ -12,8 +12,8 @@ mounts again with the same master is made exact again (:meth:`Restore.resync`).
 When a master starts again (a crash, a restart, a failover) its state is empty; each
 node re-mounts with its index (``MountSegment.objects``) and :class:`Restore` rebuilds
 the objects: an entry is kept if it lies in the segment, is the newest of the entries
-whose ranges overlap it, and is the key's newest version reported (commit versions are wall-clock nanoseconds,
-strictly increasing within an incarnation); replicas of one version on several segments
+whose ranges overlap it, and is the key's newest version reported (commit versions are
+wall-clock nanoseconds, strictly increasing within an incarnation); replicas of one version on several segments
 come together again. PROCESSING puts were never in an index: they are gone, their
 ranges free. The segment's allocator is built from the kept entries, so used bytes are
 exact (K07). Entries not kept are returned to the node, which forgets them.
@@ -76,8 +76,9 @@ def _newest_where_overlapping(entries: list[IndexEntry], rounded, dropped: list[
         if cluster and e.offset >= end:
             out.extend(_settle(cluster, rounded, dropped))
             cluster = []
+        e_end = e.offset + rounded(e.size)
+        end = max(end, e_end) if cluster else e_end
         cluster.append(e)
-        end = max(end, e.offset + rounded(e.size)) if len(cluster) > 1 else e.offset + rounded(e.size)
     out.extend(_settle(cluster, rounded, dropped))
     return out
 

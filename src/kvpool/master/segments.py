@@ -15,8 +15,9 @@ a suffix found by bisection and a random pick among them costs O(log segments); 
 total bytes are kept as allocations change; owners are kept in heartbeat order, so
 finding silent ones looks only at those.
 
-A segment whose node was seen to die (its index stream closed: the kernel closes a
-killed process's sockets at once) is *withheld*: it stays mounted, so its objects stay
+A segment whose node was seen to die (its index stream closed, as the kernel does at
+once for a killed process, and its data port refuses: see MasterServer._check_node) is
+*withheld*: it stays mounted, so its objects stay
 until its owner's heartbeat times out, but no new buffer is placed on it. Without that,
 for the whole client TTL every put that drew the dead node failed over TCP, or over shm
 landed in a segment about to be dropped.

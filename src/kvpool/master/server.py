@@ -14,8 +14,9 @@ A node that mounts with ``index`` keeps its connection as its index stream: afte
 request (and tick) the queued index changes (:class:`~kvpool.master.restore.IndexLog`)
 are written to the streams of their segments *before* the request's reply, so a commit
 is in the node's socket buffer before the client hears of it (a reply waits while its
-updates are still in this process's write buffer: a kill -9 loses those). A stream is closed when
-its segment is unmounted or mounted again (the node then re-mounts at once). A stream
+updates are still in this process's write buffer: a kill -9 loses those). A stream is
+closed when its segment is unmounted or mounted again (the node then re-mounts at
+once). A stream
 that ends otherwise, from a node whose data port no longer takes connections, means a
 dead node: its segment takes no new buffers until it mounts again or times out
 (:meth:`MasterService.stream_lost`).
