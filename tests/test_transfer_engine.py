@@ -232,3 +232,21 @@ def test_the_single_copy_write_and_read_of_every_transport(kind, node_segment, o
         assert not engine.write_from(transport, segment, segment.size - 10, value, cancel=why)
         assert why.reasons and all("outside" in r or "exceeds" in r for r in why.reasons)
         assert engine.read_into(transport, segment, offset, memoryview(back)) and back == value
+
+
+def test_a_batch_write_populates_its_span_once_and_scattered_ranges_each():
+    """write_many fills the page tables of a batch placed in one lease with one call
+    for the whole span (not one per value), and of scattered ranges range by range
+    (one span would populate the gaps between them too). Byte exactness of the
+    writes themselves: the tests above, through every transport."""
+    from kvpool.transfer.shm import _before_writes
+
+    calls: list[tuple[int, int]] = []
+    record = lambda offset, length: calls.append((offset, length))  # noqa: E731
+    dense = [(4096 * i, memoryview(bytes([i]) * 4000)) for i in range(128)]
+    _before_writes(record, dense)
+    assert calls == [(0, 4096 * 127 + 4000)]
+    calls.clear()
+    scattered = [(0, memoryview(b"a" * 100)), (1 << 20, memoryview(b"b" * 100))]
+    _before_writes(record, scattered)
+    assert calls == [(0, 100), (1 << 20, 100)]

@@ -106,13 +106,14 @@ ObjectNotReady = _wire_error("ObjectNotReady", ErrorCode.REPLICA_IS_NOT_READY,
                              "Another put of the key is still in flight (REPLICA_IS_NOT_READY).")
 
 
+_BY_VALUE: dict[int, ErrorCode] = {c.value: c for c in ErrorCode}
+
+
 def code_of(code: int, unknown: ErrorCode = ErrorCode.INTERNAL_ERROR) -> ErrorCode:
     """``code`` as an :class:`ErrorCode`; ``unknown`` for an integer this version does
-    not know (a peer of a newer release may send one)."""
-    try:
-        return ErrorCode(code)
-    except ValueError:
-        return unknown
+    not know (a peer of a newer release may send one). A dict lookup, not
+    ``ErrorCode(code)`` (an Enum call costs ~0.7 us; a batch of 128 puts makes 256)."""
+    return _BY_VALUE.get(code, unknown)
 
 
 def code_name(code: int) -> str:

@@ -126,9 +126,9 @@ class _MemoryTransport(Transport):
         view, word, before_write = found
         with word.writing(segment.epoch, deadline) as allowed:
             if allowed:
+                if before_write is not None and ranges:
+                    _before_writes(before_write, ranges)
                 for offset, src in ranges:
-                    if before_write is not None:
-                        before_write(offset, len(src))
                     view[offset : offset + len(src)] = src
         if not allowed and cancel is not None:
             cancel.note(_stale(segment))
@@ -151,6 +151,20 @@ class _MemoryTransport(Transport):
         view, word, _ = found
         word.await_mount(segment.epoch, time.monotonic() + MOUNT_WAIT_S if deadline is None else deadline)
         return view[offset : offset + length], lambda: word.valid(segment.epoch)
+
+
+def _before_writes(before_write, ranges: list[tuple[int, memoryview]]) -> None:
+    """``before_write(offset, length)`` for writes of ``ranges``: once for their whole
+    span when they lie close together (a batch placed in one allocation lease: 128
+    values, one call instead of 128), else once per range (scattered ranges would
+    populate the gaps between them)."""
+    lo = min(offset for offset, _ in ranges)
+    hi = max(offset + len(src) for offset, src in ranges)
+    if hi - lo <= 2 * sum(len(src) for _, src in ranges):
+        before_write(lo, hi - lo)
+        return
+    for offset, src in ranges:
+        before_write(offset, len(src))
 
 
 class LocalTransport(_MemoryTransport):
