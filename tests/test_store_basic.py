@@ -99,6 +99,16 @@ def test_k09_empty_value_and_empty_key_are_refused_missing_key_is_not_found(any_
         ErrorCode.INVALID_PARAMS, ErrorCode.INVALID_PARAMS, ErrorCode.OK]
 
 
+
+def test_one_key_string_where_a_list_of_keys_belongs_is_refused_not_split(any_client):
+    """``batch_get("ab")`` would otherwise read keys "a" and "b"; nothing is stored."""
+    for call in (lambda: any_client.batch_put("ab", [b"1", b"2"], upsert=True),
+                 lambda: any_client.batch_get("ab"), lambda: any_client.batch_is_exist("ab"),
+                 lambda: any_client.batch_remove("ab"), lambda: any_client.batch_query("ab")):
+        with pytest.raises(InvalidParams, match="keys must be a list of str"):
+            call()
+    assert not any_client.is_exist("a") and not any_client.is_exist("b")
+
 def test_remove_refuses_leased_object_unless_forced(any_client):
     any_client.put("leased", b"x" * 10)
     any_client.get("leased")

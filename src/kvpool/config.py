@@ -22,6 +22,18 @@ _UNITS = {
 _SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([a-zA-Z]*)\s*$")
 
 
+def parse_bool(text) -> bool:
+    """A yes/no setting: a bool, or text 1/0, true/false, yes/no, on/off (any case).
+    Raises ValueError otherwise ("expected yes or no"): ``bool("false")`` is True, so
+    text from a config file or JSON is never taken by truthiness."""
+    if isinstance(text, bool):
+        return text
+    value = str(text).strip().lower()
+    if value not in ("1", "0", "true", "false", "yes", "no", "on", "off"):
+        raise ValueError("expected yes or no")
+    return value in ("1", "true", "yes", "on")
+
+
 def parse_size(value: str | int) -> int:
     """Parse a byte size: an int, or text like ``"4096"``, ``"16MB"``, ``"1GiB"``.
 
@@ -150,10 +162,13 @@ class Option:
     every port flag of every subcommand is checked against 0..65535.
     """
 
-    def __init__(self, name: str, default, parse=str, help: str = "", env: str | None = None):
+    def __init__(self, name: str, default, parse=str, help: str = "", env: str | None = None,
+                 metavar: str | None = None):
         parse = parse_port if _is_port(name) else parse
         self.name, self.default, self.parse, self.help = name, default, parse, help
         self._env = env  # override of the env var suffix, e.g. "MASTER_PORT"
+        # what --help shows for the value: the flag's last word ("--client-ttl TTL") unless given
+        self.metavar = metavar or self.dest.split("_")[-1].upper()
 
     @property
     def dest(self) -> str:
@@ -173,7 +188,7 @@ def add_options(parser, options: list[Option]) -> None:
     )
     for opt in options:
         parser.add_argument(
-            f"--{opt.name}", dest=opt.dest, default=None, metavar=opt.dest.split("_")[-1].upper(),
+            f"--{opt.name}", dest=opt.dest, default=None, metavar=opt.metavar,
             help=f"{opt.help} (default: {opt.default}; env {opt.env_name})",
         )
 

@@ -41,7 +41,7 @@ from kvpool import protocol as P
 from kvpool.client.get import GetPath
 from kvpool.client.grants import ReadGrants, ReadHandle
 from kvpool.client.hints import LocationHints
-from kvpool.client.keys import check_key
+from kvpool.client.keys import check_key, check_keys
 from kvpool.client.lease import LocalLeases
 from kvpool.client.put import PutPath
 from kvpool.errors import ErrorCode, InvalidParams, KVPoolError, RpcFailed, code_name, code_of, raise_for
@@ -185,8 +185,7 @@ class Client(ReadGrants, PutPath, GetPath):
 
     def batch_is_exist(self, keys: Sequence[str]) -> list[bool]:
         """One bool per key, in one RPC."""
-        for key in keys:
-            check_key(key)
+        check_keys(keys)
         return [c == ErrorCode.OK for c in self._call(P.BatchExistKey(list(keys))).codes]
 
     def remove(self, key: str, force: bool = False) -> None:
@@ -196,8 +195,7 @@ class Client(ReadGrants, PutPath, GetPath):
 
     def batch_remove(self, keys: Sequence[str], force: bool = False) -> list[ErrorCode]:
         """One ErrorCode per key (OK, OBJECT_NOT_FOUND, OBJECT_HAS_LEASE)."""
-        for key in keys:
-            check_key(key)
+        check_keys(keys)
         return [code_of(c) for c in self._call(P.BatchRemove(list(keys), force)).codes]
 
     def remove_all(self, force: bool = False) -> int:

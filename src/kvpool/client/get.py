@@ -15,7 +15,7 @@ from kvpool import protocol as P
 from kvpool.client import pipeline
 from kvpool.client.grants import ReadHandle
 from kvpool.client.hints import copy_timeout
-from kvpool.client.keys import check_key
+from kvpool.client.keys import check_key, check_keys
 from kvpool.errors import (BufferOverflow, ErrorCode, InvalidParams, KVPoolError, LeaseExpired, TransferFailed,
                            code_name, code_of, raise_for)
 from kvpool.transfer import as_byte_view
@@ -79,8 +79,7 @@ class GetPath:
         """:meth:`query` for many keys in one RPC: a ReadHandle or an ErrorCode per key.
         Raises InvalidParams (a bad key), KVPoolError (a malformed reply: its grants are
         returned)."""
-        for key in keys:
-            check_key(key)
+        check_keys(keys)
         return self._batch_query(keys)
 
     def _batch_query(self, keys: Sequence[str], during=None) -> list[ReadHandle | ErrorCode]:
@@ -114,9 +113,8 @@ class GetPath:
         every copy) while the master answers the next chunk's query. Raises
         InvalidParams (a bad key) before any RPC, and what a query or a read raised,
         after returning the grants of every chunk not read."""
+        check_keys(keys)
         keys = list(keys)
-        for key in keys:
-            check_key(key)
         if not keys:
             return
         # one deadline for the whole batch: a node that stopped answering costs the

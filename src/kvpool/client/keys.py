@@ -16,3 +16,13 @@ def check_key(key: str) -> None:
         size = 0
     if not 0 < size <= MAX_KEY_BYTES:
         raise InvalidParams(f"key must be a str of 1..{MAX_KEY_BYTES} UTF-8 bytes, got {key!r:.80}")
+
+
+def check_keys(keys) -> None:
+    """Raise InvalidParams unless ``keys`` is a sequence of valid keys (:func:`check_key`).
+    A str is refused rather than taken as its characters: ``batch_get("ab")`` would
+    otherwise ask for keys "a" and "b"."""
+    if isinstance(keys, (str, bytes, bytearray)):
+        raise InvalidParams(f"keys must be a list of str, not one {type(keys).__name__} ({keys!r:.80})")
+    for key in keys:
+        check_key(key)

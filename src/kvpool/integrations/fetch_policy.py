@@ -17,10 +17,15 @@ store in Gbit/s; without it ``bandwidth_gbps``, payload GB/s, default the planne
 from __future__ import annotations
 
 from kvpool.errors import UserError
+from kvpool.integrations.extra_config import flag
 from kvpool.plan.link import Link, fetch_seconds, recompute_seconds
 from kvpool.plan.prefill import (DEFAULT_ATTENTION_FLOPS, DEFAULT_BANDWIDTH_GBPS,
                                  DEFAULT_LINEAR_FLOPS, Rates)
 from kvpool.plan.spec import ModelSpec, check_flops, spec_from_config
+
+
+KEYS = frozenset({"skip_slow_fetch", "link_gbit", "link_delay_ms", "bandwidth_gbps",
+                  "linear_gflops", "attention_gflops", "attention_kernel"})  # what from_config reads
 
 
 def _number(extra: dict, key: str, default: float) -> float:
@@ -51,7 +56,7 @@ class FetchPolicy:
         """The policy of engine config ``extra`` for a model's config.json dict, or None
         when ``skip_slow_fetch`` is off. Raises UserError for a value that is not a
         positive number (delay: >= 0) or a model the planner cannot describe."""
-        if not bool(extra.get("skip_slow_fetch", True)):
+        if not flag(extra, "skip_slow_fetch", True):
             return None
         rates = Rates(linear=_number(extra, "linear_gflops", DEFAULT_LINEAR_FLOPS / 1e9) * 1e9,
                       attention=_number(extra, "attention_gflops",

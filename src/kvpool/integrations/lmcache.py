@@ -44,6 +44,7 @@ from kvpool.cache.codec import HEADER_SIZE, PageHeader
 from kvpool.cache.namespace import Namespace
 from kvpool.client import Client, ReadHandle
 from kvpool.errors import ErrorCode, KVPoolError
+from kvpool.integrations.extra_config import flag
 from kvpool.integrations.objects import PageObjects
 
 log = logging.getLogger(__name__)
@@ -87,7 +88,7 @@ class KVPoolConnector(RemoteConnector):
         self.loop = loop
         self.local_cpu_backend = local_cpu_backend
         self.http = extra.get("kvpool.http")
-        self.client = Client(str(master), force_tcp=bool(extra.get("kvpool.force_tcp", False)),
+        self.client = Client(str(master), force_tcp=flag(extra, "kvpool.force_tcp", False),
                              timeout_s=float(extra.get("kvpool.timeout_s", 10.0)))
         self.objects = PageObjects(self.client, int(extra.get("kvpool.replica_num", 1)))
         self.ns = self._namespace(local_cpu_backend.metadata)

@@ -63,6 +63,7 @@ from kvpool.cache.namespace import Namespace
 from kvpool.cache.pagestore import object_digest
 from kvpool.client import Client
 from kvpool.errors import InvalidParams
+from kvpool.integrations.extra_config import flag
 from kvpool.integrations.objects import PageObjects
 
 log = logging.getLogger(__name__)
@@ -104,7 +105,7 @@ class KVPoolHiCacheStorage(HiCacheStorage):
         self.extra = extra
         self.is_mla = bool(storage_config.is_mla_model)
         self.is_writer = storage_config.is_storage_writer
-        self.client = Client(master, force_tcp=bool(extra.get("force_tcp", False)),
+        self.client = Client(master, force_tcp=flag(extra, "force_tcp", False),
                              timeout_s=float(extra.get("timeout_s", 10.0)))
         self.objects = PageObjects(self.client, int(extra.get("replica_num", 1)))
         self.mem_pool_host = None

@@ -62,7 +62,8 @@ OPTIONS = [
            "into an allocation lease (one-round-trip puts)"),
     Option("alloc-lease-size", 64 << 20, parse_size, "largest allocation lease, bytes (also at most "
            "1/16 of its segment; 0 = no leases: every put takes PutStart and PutEnd)"),
-    Option("max-leases-per-owner", 4, _positive(int), "open allocation leases one client may hold"),
+    Option("max-leases-per-owner", 4, _positive(int), "open allocation leases one client may hold",
+           metavar="N"),
     Option("http-port", None, int, "admin HTTP port: /health /metrics /segments /query_key /keys "
            "(0 = a free port; unset = no admin server)", env="MASTER_HTTP_PORT"),
     Option("secret", "", str, "shared secret every client, node and admin request must prove "

@@ -7,7 +7,7 @@ import logging
 import os
 import signal
 
-from kvpool.config import Option, add_options, parse_host, parse_size, resolve, write_ready_file
+from kvpool.config import Option, add_options, parse_bool, parse_host, parse_size, resolve, write_ready_file
 from kvpool.errors import UserError
 from kvpool.masters import check_spec
 from kvpool.node.data_server import STALL_S
@@ -80,15 +80,6 @@ def _positive_float(text) -> float:
     return value
 
 
-def _bool(text) -> bool:
-    if isinstance(text, bool):
-        return text
-    value = str(text).strip().lower()
-    if value not in ("1", "0", "true", "false", "yes", "no", "on", "off"):
-        raise ValueError("expected yes or no")
-    return value in ("1", "true", "yes", "on")
-
-
 OPTIONS = [
     Option("master", "127.0.0.1:50051", _addr, "master address host:port or [v6]:port; HA masters: "
            "host:port,host:port or etcd://host:2379[/key] (the leader named in etcd)", env="MASTER"),
@@ -96,7 +87,7 @@ OPTIONS = [
            env="NODE_HOST"),
     Option("port", 0, int, "TCP data port (0 = a free port, distinct per node)", env="NODE_PORT"),
     Option("segment-size", "1GiB", segment_size, "shared-memory segment size, e.g. 64MiB, 1GiB"),
-    Option("prefault", "yes", _bool, "allocate every page of the segment at start (yes|no)"),
+    Option("prefault", "yes", parse_bool, "allocate every page of the segment at start (yes|no)"),
     Option("http-port", None, int, "admin HTTP port: /health /metrics (0 = a free port; unset = none)",
            env="NODE_HTTP_PORT"),
     Option("secret", "", str, "shared secret: asked of data-port peers, proven to the master "

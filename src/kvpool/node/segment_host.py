@@ -46,6 +46,8 @@ from kvpool.transfer.shm import (MADV_POPULATE_WRITE, POPULATE_CHUNK, Populator,
 
 log = logging.getLogger("kvpool.segment")
 FENCE_S = 5.0  # how long a remount waits for transfers of the old mount to end, per try
+REMOUNT_RETRY_S = 0.1  # seconds between two mount tries while the master is away (a restart is back in ~1 s)
+REMOUNT_LOG_S = 10.0  # a failing mount is logged at most this often (10 tries a second would flood the log)
 INDEX_POLL_S = 0.005  # seconds between two reads of the index stream (its frames wait in the kernel)
 
 
@@ -211,17 +213,24 @@ class SegmentHost:
         or the host stops."""
         log.warning("lost the master's index stream for segment %s; mounting again (%d objects indexed)",
                     self.info.name, len(self.index))
+        tries, told = 0, 0.0
         while not self._stop.is_set():
             try:
                 self._stream.close()
                 self._stream.connect()
                 if self._fence():
                     self._mount()
+                    if tries:
+                        log.warning("mounted segment %s again after %d failed tries", self.info.name, tries)
                     return
                 log.warning("a writer of the old mount still holds segment %s; not mounting yet", self.info.name)
-            except KVPoolError as exc:  # master down or restarting: keep trying
-                log.warning("mount of %s failed: %s", self.info.name, exc)
-            self._stop.wait(0.1)
+            except KVPoolError as exc:  # master down or restarting: keep trying, saying so now and then
+                tries += 1
+                if time.monotonic() - told >= REMOUNT_LOG_S:
+                    told = time.monotonic()
+                    log.warning("mount of %s failed (%d tries so far; retrying every %.1f s, this said "
+                                "every %.0f s): %s", self.info.name, tries, REMOUNT_RETRY_S, REMOUNT_LOG_S, exc)
+            self._stop.wait(REMOUNT_RETRY_S)
 
     def _heartbeat_loop(self) -> None:
         while not self._stop.wait(self.interval_s):

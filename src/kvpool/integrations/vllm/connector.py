@@ -33,6 +33,8 @@ from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
 from kvpool.config import env
 from kvpool.errors import UserError
+from kvpool.integrations.extra_config import flag, warn_unknown
+from kvpool.integrations.fetch_policy import KEYS as POLICY_KEYS
 from kvpool.integrations.fetch_policy import FetchPolicy
 from kvpool.integrations.vllm.keys import REPRODUCIBLE_HASHES, KeySpace
 from kvpool.integrations.vllm.meta import KVPoolMetadata
@@ -41,6 +43,9 @@ from kvpool.integrations.vllm.store import GuardedStore, serve_metrics
 from kvpool.integrations.vllm.worker import WorkerSide
 
 # Under "vllm." so that vLLM's log configuration (handlers, level, format) applies.
+# the kv_connector_extra_config keys this connector reads (README "vLLM"), and the fetch policy's
+EXTRA_KEYS = frozenset({"master", "force_tcp", "timeout_s", "retry_s", "segment", "save_queue",
+                        "layerwise_load", "metrics_port"}) | POLICY_KEYS
 logger = init_logger("vllm.kvpool")
 DEFAULT_MASTER = "127.0.0.1:50051"
 
@@ -88,8 +93,9 @@ class KVPoolConnector(KVConnectorBase_V1):
         super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
         tc = self._kv_transfer_config
         extra = tc.kv_connector_extra_config or {}
+        warn_unknown(extra, EXTRA_KEYS, logger, "kv_connector_extra_config")
         self.master = str(extra.get("master") or env("MASTER") or DEFAULT_MASTER)
-        store = GuardedStore.shared(self.master, bool(extra.get("force_tcp", False)),
+        store = GuardedStore.shared(self.master, flag(extra, "force_tcp", False),
                              float(extra.get("timeout_s", 10.0)), logger,
                              retry_s=float(extra.get("retry_s", 30.0)))
         keys = key_space(vllm_config)
@@ -109,10 +115,10 @@ class KVPoolConnector(KVConnectorBase_V1):
                                      get_pp_group().rank_in_group, logger, staging_rows=rows,
                                      segment=str(extra.get("segment", "")),
                                      max_batches=int(extra.get("save_queue", 8)),
-                                     layerwise=bool(extra.get("layerwise_load", False)))
+                                     layerwise=flag(extra, "layerwise_load", False))
             serve_metrics(int(extra.get("metrics_port", 0)))
         logger.info("kvpool: %s connector (%s) on master %s%s", role.name.lower(), tc.kv_role,
-                    self.master, " over TCP" if extra.get("force_tcp") else "")
+                    self.master, " over TCP" if store.force_tcp else "")
 
     # ---------------------------------------------------------------- worker side
 
