@@ -118,7 +118,7 @@ def test_a_quiet_index_stream_is_not_taken_for_a_dead_one():
         assert time.monotonic() - started < 0.05  # answered at once, no wait for data
         time.sleep(0.1)  # quiet for twice the channel's timeout
         assert chan.receive_pending() == ([], False)
-        update = P.IndexUpdate("seg", [P.IndexDrop("gone", 1)], [])
+        update = P.IndexUpdate("seg", ["gone"], [])
         frame = P.encode_frame(update)
         master.sendall(frame + frame[:5])  # one whole frame and the start of the next
         assert chan.receive_pending() == ([update], False)

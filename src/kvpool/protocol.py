@@ -48,9 +48,9 @@ import msgspec
 
 from kvpool.errors import ErrorCode, KVPoolError
 
-PROTOCOL_VERSION = 7  # 2: GetResp.grant_id, ReadDone, PutStartResp.message; 3: mount epochs, segment index;
+PROTOCOL_VERSION = 6  # 2: GetResp.grant_id, ReadDone, PutStartResp.message; 3: mount epochs, segment index;
 # 4: allocation leases (AllocLease, PutCommit, ReturnLease), StatsResp.leased_bytes/open_leases; 5: GetResp.version;
-# 6: BatchGetResp names each segment once (GetItem); 7: IndexUpdate.drops name the version dropped (IndexDrop)
+# 6: BatchGetResp names each segment once (GetItem)
 MAGIC_PREFIX = b"KVP"
 HEADER = struct.Struct("<4sI")
 MAX_FRAME = 64 << 20  # bytes; a batch of 4096 keys of 4 KiB each still fits
@@ -398,25 +398,14 @@ class MountResp(_Msg):
     dropped: list[str] = []
 
 
-class IndexDrop(msgspec.Struct, array_like=True):
-    """Version ``version`` of ``key`` stopped being visible on a segment: a node forgets
-    its entry of ``key`` only if that entry is of this version or older, so a drop that
-    arrives after a newer version's add (it was held back, see master/server.py) removes
-    nothing it should not."""
-
-    key: Key
-    version: Id
-
-
 class IndexUpdate(_Msg):
     """Master to node, on a mount connection with ``index``: objects of segment ``name``
-    that stopped being visible (``drops``: removed, evicted, replaced) or were committed
-    (``adds``); the master sends them in separate updates, adds first. An add is sent
-    before the reply that makes it known, so the node's index holds every commit a
-    client was told of. No reply."""
+    that stopped being visible (``drops``: removed, evicted, replaced) and, after them,
+    those committed (``adds``). Sent before the reply that makes the change known, so
+    the node's index holds every commit a client was told of. No reply."""
 
     name: str
-    drops: list[IndexDrop] = []
+    drops: list[str] = []
     adds: list[IndexEntry] = []
 
 

@@ -26,7 +26,7 @@ import time
 from kvpool.master.allocator import OffsetAllocator
 from kvpool.master.objects import Replica, Segment
 from kvpool.master.table import ObjectMeta
-from kvpool.protocol import MAX_KEY_BYTES, IndexDrop, IndexEntry, IndexUpdate
+from kvpool.protocol import MAX_KEY_BYTES, IndexEntry, IndexUpdate
 
 
 class IndexLog:
@@ -35,14 +35,13 @@ class IndexLog:
     them), and the resync of a segment mounted again, for its next stream."""
 
     def __init__(self):
-        self._pending: dict[str, tuple[list[IndexDrop], dict[str, IndexEntry]]] = {}
+        self._pending: dict[str, tuple[list[str], dict[str, IndexEntry]]] = {}
         self.resyncs: dict[str, list[IndexEntry]] = {}  # segment -> adds for its next stream (resync)
 
-    def drop(self, segment: str, key: str, version: int) -> None:
-        """Version ``version`` of ``key`` is no longer visible on ``segment``."""
+    def drop(self, segment: str, key: str) -> None:
         drops, adds = self._pending.setdefault(segment, ([], {}))
         adds.pop(key, None)
-        drops.append(IndexDrop(key, version))
+        drops.append(key)
 
     def add(self, segment: str, entry: IndexEntry) -> None:
         self._pending.setdefault(segment, ([], {}))[1][entry.key] = entry
@@ -55,7 +54,7 @@ class IndexLog:
         not sent yet (the rebuild keeps the newest), rather than neither of them."""
         pending, self._pending = self._pending, {}
         adds = [IndexUpdate(name, [], list(a.values())) for name, (_, a) in pending.items() if a]
-        drops = [IndexUpdate(name, [x for x in d if x.key not in a], []) for name, (d, a) in pending.items()]
+        drops = [IndexUpdate(name, [k for k in d if k not in a], []) for name, (d, a) in pending.items()]
         return adds + [u for u in drops if u.drops]
 
 
@@ -113,7 +112,7 @@ class Restore:
         for r in obj.replicas:
             seg = self.segments.segments.get(r.segment)
             if seg is not None and seg.indexed:
-                self.index_log.drop(r.segment, obj.key, obj.version)
+                self.index_log.drop(r.segment, obj.key)
 
     def _index_add(self, obj: ObjectMeta) -> None:
         for r in obj.replicas:

@@ -14,8 +14,7 @@ A node that mounts with ``index`` keeps its connection as its index stream: afte
 request (and tick) the queued index changes (:class:`~kvpool.master.restore.IndexLog`)
 are written to the streams of their segments *before* the request's reply, so a commit
 is in the node's socket buffer before the client hears of it (a reply waits while its
-updates are still in this process's write buffer: a kill -9 loses those; the drop of
-an upserted key's old version waits for its add, :meth:`MasterServer._send_index`). A stream is
+updates are still in this process's write buffer: a kill -9 loses those). A stream is
 closed when its segment is unmounted or mounted again (the node then re-mounts at
 once). A stream
 that ends otherwise, from a node whose data port no longer takes connections, means a
@@ -127,9 +126,6 @@ class MasterServer:
         self._tasks: set[asyncio.Task] = set()  # node checks under way (_check_node)
         self._writes = 0  # index frames written so far
         self._behind: dict[asyncio.StreamWriter, int] = {}  # stream with bytes left here -> its last write
-        # stream behind -> drops (segment, IndexDrop) held until it drains: their key's new
-        # version is an add still in its buffer (_send_index)
-        self._held_drops: dict[asyncio.StreamWriter, list[tuple[str, P.IndexDrop]]] = {}
 
     def _mount(self, req: P.MountSegment) -> P.MountResp:
         reply = self.service.mount(req.owner_id, req.segment, req.index, req.objects, req.prev_incarnation)
@@ -140,56 +136,14 @@ class MasterServer:
     def _send_index(self) -> None:
         """Write the queued index changes to their segments' streams (no waiting: the
         bytes are in the kernel, or queued in the transport, when this returns: see
-        :meth:`_index_flushed`).
-
-        Adds go first (:meth:`IndexLog.take`). A drop of a key whose new version was just
-        added to a stream that is behind (the add waits in this process) is held until
-        that stream drains (:meth:`_release_drops`): sent now, a kill -9 before the
-        drain would leave the key on no node at all (the old version dropped, the new one
-        never delivered); held, the node of the old version keeps it, and a rebuild
-        keeps the newer of the two it finds. Drops name their version, so one that
-        arrives late never removes a newer entry."""
+        :meth:`_index_flushed`)."""
         updates = self.service.index_log.take()
         if self.gate() is not None:
             return  # not the leader (any more): the nodes keep what they hold
-        waiting: dict[str, asyncio.StreamWriter] = {}  # key -> the behind stream its add waits in
         for update in updates:
             stream = self._streams.get(update.name)
-            if stream is None:
-                continue
-            writer = stream[1]
-            if update.adds:
-                self._write_index(writer, update)
-                if writer.transport.get_write_buffer_size():
-                    waiting.update((e.key, writer) for e in update.adds)
-                continue
-            now = [d for d in update.drops if d.key not in waiting]
-            for d in update.drops:
-                if d.key in waiting:
-                    self._held_drops.setdefault(waiting[d.key], []).append((update.name, d))
-            if now:
-                self._write_index(writer, P.IndexUpdate(update.name, now, []))
-
-    def _release_drops(self, writer: asyncio.StreamWriter) -> None:
-        """Send the drops held for ``writer`` (drained, or closing: its node mounts again
-        and is resynchronised) to their segments' streams (:meth:`_send_index`)."""
-        held = self._held_drops.pop(writer, [])
-        if self.gate() is not None:
-            return  # not the leader (any more): the nodes keep what they hold
-        by_segment: dict[str, list[P.IndexDrop]] = {}
-        for name, drop in held:
-            by_segment.setdefault(name, []).append(drop)
-        for name, drops in by_segment.items():
-            stream = self._streams.get(name)
             if stream is not None:
-                self._write_index(stream[1], P.IndexUpdate(name, drops, []))
-
-    def _release_drained(self) -> None:
-        """:meth:`_release_drops` of every stream that drained or closed since (run by
-        the upkeep tick: a drain nobody waited for)."""
-        for writer in list(self._held_drops):
-            if not writer.transport.get_write_buffer_size() or writer.is_closing():
-                self._release_drops(writer)
+                self._write_index(stream[1], update)
 
     def _write_index(self, writer: asyncio.StreamWriter, update: P.IndexUpdate) -> None:
         writer.write(P.encode_frame(update))
@@ -222,7 +176,6 @@ class MasterServer:
                     writer.transport.abort()
             if not writer.transport.get_write_buffer_size() or writer.is_closing():
                 self._behind.pop(writer, None)
-                self._release_drops(writer)
 
     def _close_stale_streams(self) -> None:
         """Close the streams of segments unmounted, or mounted again, since."""
@@ -448,7 +401,6 @@ class MasterServer:
             try:
                 self.service.tick()
                 self._send_index()
-                self._release_drained()
                 self._close_stale_streams()
                 self.close_stalled()
             except Exception:  # upkeep must keep running; the bug is logged

@@ -76,18 +76,6 @@ def bind_listener(host: str, port: int) -> socket.socket:
     return sock
 
 
-
-def apply_index_update(index: dict[str, P.IndexEntry], update: P.IndexUpdate) -> None:
-    """Apply one of the master's index updates to ``index`` (key -> entry): a drop
-    removes a key's entry only if it is of the dropped version or older (a drop the
-    master held back may arrive after a newer version's add); an add replaces."""
-    for drop in update.drops:
-        entry = index.get(drop.key)
-        if entry is not None and entry.version <= drop.version:
-            del index[drop.key]
-    for entry in update.adds:
-        index[entry.key] = entry
-
 class SegmentHost:
     """Owns a segment of ``segment_size`` bytes and serves it; see the module docstring.
 
@@ -204,7 +192,10 @@ class SegmentHost:
                 updates, ended = [], True
             for update in updates:
                 if isinstance(update, P.IndexUpdate) and update.name == self.info.name:
-                    apply_index_update(self.index, update)
+                    for key in update.drops:
+                        self.index.pop(key, None)
+                    for entry in update.adds:
+                        self.index[entry.key] = entry
             if ended and not self._stop.is_set():
                 self._remount()
 
