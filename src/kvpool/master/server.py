@@ -385,13 +385,16 @@ class MasterServer:
         return format_addr(self.host, port)
 
     async def close(self) -> None:
-        """Stop accepting connections and checking on nodes."""
+        """Stop accepting connections and checking on nodes; returns once the node checks
+        have ended (a loop stopped right after would otherwise destroy them pending)."""
         for server in [self._server, *self._local_servers]:
             if server is not None:
                 server.close()
         self._server, self._local_servers = None, []
-        for task in list(self._tasks):
+        tasks = list(self._tasks)
+        for task in tasks:
             task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
 
     async def tick_forever(self) -> None:
         while True:
