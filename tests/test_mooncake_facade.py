@@ -57,6 +57,27 @@ def cfg(**fields) -> ReplicateConfig:
     return c
 
 
+@pytest.mark.parametrize("call", [
+    lambda s, m: s.batch_remove("ab", force=True),
+    lambda s, m: s.put_batch("ab", [b"1", b"2"]),
+    lambda s, m: s.get_batch("ab"),
+    lambda s, m: s.batch_is_exist("ab"),
+    lambda s, m: s.batch_get_replica_desc(b"ab"),
+    lambda s, m: s.batch_get_into("ab", [m.ptr("dst"), m.ptr("dst", 8)], [8, 8]),
+    lambda s, m: s.get_into_ranges([m.ptr("dst")], ["ab"], [[[0], [1]]], [[[0], [0]]], [[[1], [1]]]),
+], ids=["batch_remove", "put_batch", "get_batch", "batch_is_exist", "replica_desc_bytes",
+        "batch_get_into", "get_into_ranges"])
+def test_one_key_string_for_a_list_raises_type_error_and_touches_nothing(store, mem, call):
+    """pybind refuses a str where a list of strings belongs; read as its characters it
+    would act on keys "a" and "b" (a batch_remove deleting both)."""
+    for key in ("a", "b"):
+        assert store.put(key, key.encode()) == 0
+    with pytest.raises(TypeError, match="list of str"):
+        call(store, mem)
+    assert store.get_batch(["a", "b"]) == [b"a", b"b"]
+    store.remove_all(force=True)
+
+
 def _into(s, m, key, size=4096, offset=0):
     n = s.get_into(key, m.ptr("dst", offset), size)
     return n, bytes(m.dst[offset : offset + max(n, 0)])

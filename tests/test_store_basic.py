@@ -109,6 +109,18 @@ def test_one_key_string_where_a_list_of_keys_belongs_is_refused_not_split(any_cl
             call()
     assert not any_client.is_exist("a") and not any_client.is_exist("b")
 
+
+def test_a_generator_of_keys_is_read_once_and_acted_on(any_client):
+    """A batch call takes any iterable of keys; a generator is not read twice (a second
+    pass, empty, would answer [] and touch nothing)."""
+    assert any_client.batch_put((k for k in ["g1", "g2"]), [b"1", b"2"]) == [ErrorCode.OK] * 2
+    assert any_client.batch_is_exist(k for k in ["g1", "nope"]) == [True, False]
+    assert [h.size for h in any_client.batch_query(k for k in ["g1", "g2"])] == [1, 1]
+    assert any_client.batch_get(k for k in ["g1", "g2"]) == [b"1", b"2"]
+    assert any_client.batch_remove((k for k in ["g1", "g2"]), force=True) == [ErrorCode.OK] * 2
+    assert not any_client.is_exist("g1")
+
+
 def test_remove_refuses_leased_object_unless_forced(any_client):
     any_client.put("leased", b"x" * 10)
     any_client.get("leased")

@@ -185,8 +185,8 @@ class Client(ReadGrants, PutPath, GetPath):
 
     def batch_is_exist(self, keys: Sequence[str]) -> list[bool]:
         """One bool per key, in one RPC."""
-        check_keys(keys)
-        return [c == ErrorCode.OK for c in self._call(P.BatchExistKey(list(keys))).codes]
+        keys = check_keys(keys)
+        return [c == ErrorCode.OK for c in self._call(P.BatchExistKey(keys)).codes]
 
     def remove(self, key: str, force: bool = False) -> None:
         """Remove ``key``. Raises ObjectNotFound, ObjectHasLease (unless ``force``)."""
@@ -195,8 +195,8 @@ class Client(ReadGrants, PutPath, GetPath):
 
     def batch_remove(self, keys: Sequence[str], force: bool = False) -> list[ErrorCode]:
         """One ErrorCode per key (OK, OBJECT_NOT_FOUND, OBJECT_HAS_LEASE)."""
-        check_keys(keys)
-        return [code_of(c) for c in self._call(P.BatchRemove(list(keys), force)).codes]
+        keys = check_keys(keys)
+        return [code_of(c) for c in self._call(P.BatchRemove(keys, force)).codes]
 
     def remove_all(self, force: bool = False) -> int:
         """Remove every object (leased ones skipped unless ``force``); returns the count."""

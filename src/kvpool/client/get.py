@@ -79,8 +79,7 @@ class GetPath:
         """:meth:`query` for many keys in one RPC: a ReadHandle or an ErrorCode per key.
         Raises InvalidParams (a bad key), KVPoolError (a malformed reply: its grants are
         returned)."""
-        check_keys(keys)
-        return self._batch_query(keys)
+        return self._batch_query(check_keys(keys))
 
     def _batch_query(self, keys: Sequence[str], during=None) -> list[ReadHandle | ErrorCode]:
         """:meth:`batch_query` of checked ``keys``; ``during`` runs while the master
@@ -105,16 +104,14 @@ class GetPath:
             raise
         return out
 
-    def _pipelined(self, keys: Sequence[str], item_bytes: int, read) -> None:
-        """Query ``keys`` chunk by chunk (:mod:`kvpool.client.pipeline`; ``item_bytes``:
-        the values' size, 0 when unknown: then the first chunk's answer decides), calling
-        ``read(start, handles, deadline)`` for each chunk (``start``: the index of its
+    def _pipelined(self, keys: list[str], item_bytes: int, read) -> None:
+        """Query ``keys`` (checked: :func:`check_keys`) chunk by chunk
+        (:mod:`kvpool.client.pipeline`; ``item_bytes``: the values' size, 0 when
+        unknown: then the first chunk's answer decides), calling ``read(start, handles,
+        deadline)`` for each chunk (``start``: the index of its
         first key; a ReadHandle or an ErrorCode per key; ``deadline``: the batch's, for
-        every copy) while the master answers the next chunk's query. Raises
-        InvalidParams (a bad key) before any RPC, and what a query or a read raised,
-        after returning the grants of every chunk not read."""
-        check_keys(keys)
-        keys = list(keys)
+        every copy) while the master answers the next chunk's query. Raises what a
+        query or a read raised, after returning the grants of every chunk not read."""
         if not keys:
             return
         # one deadline for the whole batch: a node that stopped answering costs the
@@ -330,7 +327,9 @@ class GetPath:
 
         Pipelined (:mod:`kvpool.client.pipeline`): the replica lists of the next chunk
         of keys are asked for while this one is copied; same-host values are one
-        memcpy each, the rest one TCP request per node and chunk."""
+        memcpy each, the rest one TCP request per node and chunk. Raises InvalidParams
+        (a bad key) before anything is asked."""
+        keys = check_keys(keys)
         out: list[bytes | None] = [None] * len(keys)
 
         def read(start: int, handles: list, deadline: float) -> None:
@@ -350,6 +349,7 @@ class GetPath:
         (OBJECT_NOT_FOUND, BUFFER_OVERFLOW, LEASE_EXPIRED, TRANSFER_FAIL). Pipelined as
         :meth:`batch_get`. Raises InvalidParams (a bad key or a read-only buffer)
         before anything is asked or copied."""
+        keys = check_keys(keys)
         if len(keys) != len(bufs):
             raise InvalidParams("batch_get_into needs as many buffers as keys")
         dsts = [_destination(buf) for buf in bufs]

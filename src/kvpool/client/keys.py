@@ -18,11 +18,20 @@ def check_key(key: str) -> None:
         raise InvalidParams(f"key must be a str of 1..{MAX_KEY_BYTES} UTF-8 bytes, got {key!r:.80}")
 
 
-def check_keys(keys) -> None:
-    """Raise InvalidParams unless ``keys`` is a sequence of valid keys (:func:`check_key`).
-    A str is refused rather than taken as its characters: ``batch_get("ab")`` would
-    otherwise ask for keys "a" and "b"."""
+def key_list(keys) -> list:
+    """``keys`` (any iterable: a list, a tuple, a generator) as a list, the keys not yet
+    checked. Raises InvalidParams for one str, bytes or bytearray given as the list:
+    ``batch_get("ab")`` would otherwise ask for keys "a" and "b". Callers use the list
+    returned: a generator can be read once."""
     if isinstance(keys, (str, bytes, bytearray)):
         raise InvalidParams(f"keys must be a list of str, not one {type(keys).__name__} ({keys!r:.80})")
+    return list(keys)
+
+
+def check_keys(keys) -> list[str]:
+    """:func:`key_list` of ``keys`` with each key checked (:func:`check_key`). Raises
+    InvalidParams."""
+    keys = key_list(keys)
     for key in keys:
         check_key(key)
+    return keys

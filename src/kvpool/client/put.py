@@ -23,7 +23,7 @@ import msgspec
 
 from kvpool import protocol as P
 from kvpool.client import pipeline
-from kvpool.client.keys import check_key, check_keys
+from kvpool.client.keys import check_key, key_list
 from kvpool.client.lease import ClientLease
 from kvpool.errors import ErrorCode, InvalidParams, KVPoolError, TransferFailed, code_name, code_of, raise_for
 from kvpool.rpc import RpcChannel
@@ -120,6 +120,7 @@ class PutPath:
         a duplicated key, K02), NO_AVAILABLE_HANDLE, INVALID_PARAMS, TRANSFER_FAIL...
         Raises InvalidParams for options that are wrong for every item.
         """
+        keys, values = key_list(keys), list(values)
         if len(keys) != len(values):
             raise InvalidParams("batch_put needs as many values as keys")
         return self.batch_put_parts(keys, [(v,) for v in values], replica_num, upsert=upsert,
@@ -135,8 +136,7 @@ class PutPath:
         regions of a registered host pool; nothing is joined in memory). Returns and
         raises as :meth:`batch_put`; an item whose parts are all empty is INVALID_PARAMS.
         """
-        if isinstance(keys, (str, bytes, bytearray)):
-            check_keys(keys)  # raises: one key string is not a list of keys
+        keys, parts = key_list(keys), list(parts)  # keys checked per item below
         if len(keys) != len(parts):
             raise InvalidParams("batch_put_parts needs one list of parts per key")
         template = _item("", replica_num, upsert, soft_pin, soft_pin_ttl_ms, hard_pin, preferred_segment)

@@ -342,16 +342,23 @@ class MasterServer:
         port and soon has a new stream; a dead one refuses connections (a dying process
         may close its stream before its listener, hence :data:`PROBES` tries), and a host
         gone from the network does not answer within :data:`PROBE_S`: then the segment
-        is withheld from placement (:meth:`MasterService.stream_lost`)."""
+        is withheld from placement (:meth:`MasterService.stream_lost`). Ends at once
+        once the server is closed: before Python 3.12, ``wait_for`` can swallow the
+        cancel :meth:`close` sends when the probe finishes in the same step."""
         for _ in range(PROBES):
             seg = self.service.segments.segments.get(name)
             if seg is None or seg.info.epoch != epoch or name in self._streams:
                 return  # unmounted, or mounted again
-            if not await _answers(seg.info.data_addr):
+            answered = await _answers(seg.info.data_addr)
+            if self._server is None:
+                return  # closed meanwhile
+            if not answered:
                 if self.gate() is None and self._streams.get(name) is None:
                     self.service.stream_lost(name, epoch)
                 return
             await asyncio.sleep(PROBE_EVERY_S)
+            if self._server is None:
+                return
 
     def close_stalled(self) -> int:
         """Close every connection whose frame began over ``stall_s`` ago (its read then

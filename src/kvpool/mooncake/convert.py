@@ -39,6 +39,12 @@ def as_key(key) -> str | None:
 
 
 def as_keys(keys) -> list[str | None]:
+    """Each of ``keys`` through :func:`as_key`. TypeError for one str, bytes or
+    bytearray given as the list, as pybind raises where a list of strings belongs (it
+    would otherwise be read as one-character keys: a ``batch_remove("ab")`` removing
+    keys "a" and "b")."""
+    if isinstance(keys, (str, bytes, bytearray)):
+        raise TypeError(f"keys must be a list of str, not one {type(keys).__name__}")
     return [as_key(k) for k in keys]
 
 

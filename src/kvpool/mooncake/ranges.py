@@ -14,7 +14,7 @@ from typing import Sequence
 from kvpool.client import Client, ReadHandle
 from kvpool.errors import KVPoolError
 from kvpool.mooncake.buffers import RegisteredBuffers
-from kvpool.mooncake.convert import INVALID, as_int, as_key, as_keys
+from kvpool.mooncake.convert import INVALID, as_int, as_keys
 
 
 def get_into_ranges(client: Client | None, buffers: RegisteredBuffers, buffer_ptrs: Sequence[int], all_keys,
@@ -24,14 +24,15 @@ def get_into_ranges(client: Client | None, buffers: RegisteredBuffers, buffer_pt
     n = len(buffer_ptrs)
     if client is None or not n == len(all_keys) == len(all_dst_offsets) == len(all_src_offsets) == len(all_sizes):
         return _invalid_like(n, all_keys, all_dst_offsets)
-    handles = _query_all(client, {k for keys in all_keys for k in keys})
+    rows = [as_keys(keys) for keys in all_keys]  # TypeError for a row that is one str
+    handles = _query_all(client, {k for keys in rows for k in keys if k is not None})
     out, reads = [], []  # reads: (codes row to fill, handle, [(fragment index, src, view)])
     for i, ptr in enumerate(buffer_ptrs):
         ptr = as_int("buffer_ptr", ptr)
         row = []
-        for j, key in enumerate(all_keys[i]):
+        for j, key in enumerate(rows[i]):
             dsts, srcs, sizes = all_dst_offsets[i][j], all_src_offsets[i][j], all_sizes[i][j]
-            handle = handles.get(as_key(key), INVALID) if len(dsts) == len(srcs) == len(sizes) else INVALID
+            handle = handles.get(key, INVALID) if len(dsts) == len(srcs) == len(sizes) else INVALID
             if isinstance(handle, int):
                 row.append([handle] * len(dsts))
                 continue
@@ -88,9 +89,10 @@ def _read_ranges(client: Client, reads: list) -> None:
             codes[k] = int(n)
 
 
-def _query_all(client: Client, keys: set) -> dict[str, ReadHandle | int]:
-    """{key: ReadHandle, or a negative code} for every well-formed key (one RPC)."""
-    wanted = sorted({k for k in as_keys(keys) if k is not None})
+def _query_all(client: Client, keys: set[str]) -> dict[str, ReadHandle | int]:
+    """{key: ReadHandle, or a negative code} for every key of ``keys`` (well-formed,
+    :func:`as_key`'s), in one RPC."""
+    wanted = sorted(keys)
     if not wanted:
         return {}
     try:

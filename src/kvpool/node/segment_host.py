@@ -204,7 +204,7 @@ class SegmentHost:
         or the host stops."""
         log.warning("lost the master's index stream for segment %s; mounting again (%d objects indexed)",
                     self.info.name, len(self.index))
-        tries, told = 0, 0.0
+        tries, told = 0, -REMOUNT_LOG_S  # the first failure is said at once
         while not self._stop.is_set():
             try:
                 self._stream.close()
@@ -214,13 +214,14 @@ class SegmentHost:
                     if tries:
                         log.warning("mounted segment %s again after %d failed tries", self.info.name, tries)
                     return
-                log.warning("a writer of the old mount still holds segment %s; not mounting yet", self.info.name)
+                why = f"a writer of the old mount still holds segment {self.info.name}; not mounting yet"
             except KVPoolError as exc:  # master down or restarting: keep trying, saying so now and then
-                tries += 1
-                if time.monotonic() - told >= REMOUNT_LOG_S:
-                    told = time.monotonic()
-                    log.warning("mount of %s failed (%d tries so far; retrying every %.1f s, this said "
-                                "every %.0f s): %s", self.info.name, tries, REMOUNT_RETRY_S, REMOUNT_LOG_S, exc)
+                why = f"mount of {self.info.name} failed: {exc}"
+            tries += 1
+            if time.monotonic() - told >= REMOUNT_LOG_S:
+                told = time.monotonic()
+                log.warning("%s (%d tries so far; retrying every %.1f s, this said every %.0f s)",
+                            why, tries, REMOUNT_RETRY_S, REMOUNT_LOG_S)
             self._stop.wait(REMOUNT_RETRY_S)
 
     def _heartbeat_loop(self) -> None:
