@@ -53,7 +53,9 @@ class PutPath:
         Returns the number of replicas stored (best effort: 1..replica_num).
         Raises ObjectExists (K01: nothing is stored), NoSpace, InvalidParams (empty key
         or value, a TTL without soft_pin=True or above the maximum), ObjectNotReady
-        (another put of key in flight), TransferFailed (with the transport's cause).
+        (another put of key in flight), TransferFailed (with the transport's cause;
+        TIMEOUT once the client's ``timeout_s`` is spent: the put's writes, into its
+        allocation lease and then the PutStart way, share that one deadline).
         """
         return self._put(key, value, _item(key, replica_num, False, soft_pin, soft_pin_ttl_ms, hard_pin,
                                            preferred_segment))
@@ -91,17 +93,22 @@ class PutPath:
         if len(src) == 0:
             raise InvalidParams("empty value (Mooncake refuses it: INVALID_PARAMS)")
         item.size = len(src)
+        deadline = time.monotonic() + self.timeout_s  # one for every step of the put
         if self._leasable(item):
-            code = next(iter(self._put_leased([item], [[src]])), None)
+            code = next(iter(self._put_leased([item], [[src]], deadline)), None)
             if code == ErrorCode.OK:
                 return 1
             if code is not None:
                 raise_for(code, f"put {key!r}: {code_name(code)}")
+            if not pipeline.left(deadline):
+                raise TransferFailed(f"put {key!r}: TIMEOUT: the client's timeout_s "
+                                     f"({self.timeout_s:g} s) ran out writing into its "
+                                     "allocation lease; not tried the PutStart way")
         reply = self._call(P.PutStart(item, self.host_id), idempotent=False)
         detail = f": {reply.message}" if reply.message else ""
         raise_for(reply.code, f"put {key!r}: {code_name(reply.code)}{detail}")
         token = P.PutToken(key, reply.put_id)
-        written, why = self._write_all([(0, d, src) for d in reply.replicas])
+        written, why = self._write_all([(0, d, src) for d in reply.replicas], deadline)
         if not written[0]:
             self._call(P.PutRevoke(token))
             raise TransferFailed(f"put {key!r}: writing a replica failed ({why})")
@@ -171,16 +178,20 @@ class PutPath:
                 break
             leased = leased[len(done):]
         rest = [k for k in rest if k not in settled]
-        if rest:
-            # a fresh timeout: the PutStart way may place them on another, healthy node
-            started = self._put_started([items[k] for k in rest], [srcs[k] for k in rest])
+        if rest:  # in the time left: the PutStart way may place them on another node
+            started = self._put_started([items[k] for k in rest], [srcs[k] for k in rest], deadline)
             for k, code in zip(rest, started):
                 codes[sent[k]] = code
         return codes
 
-    def _put_started(self, items: list[P.PutItem], srcs: list[list[memoryview]]) -> list[ErrorCode]:
+    def _put_started(self, items: list[P.PutItem], srcs: list[list[memoryview]],
+                     deadline: float) -> list[ErrorCode]:
         """Put ``items`` (values: the concatenation of ``srcs[i]``) with one PutStart,
-        one PutEnd and one PutRevoke RPC; one code per item."""
+        one PutEnd and one PutRevoke RPC, writes given up at ``deadline``
+        (time.monotonic); one code per item. Past ``deadline`` already: every item is
+        TRANSFER_FAIL (as a timed-out write is), nothing sent."""
+        if not pipeline.left(deadline):
+            return [ErrorCode.TRANSFER_FAIL] * len(items)
         codes = [ErrorCode.OK] * len(items)
         results = self._call(P.BatchPutStart(items, self.host_id), idempotent=False).results
         jobs, tokens = [], {}
@@ -189,7 +200,7 @@ class PutPath:
             if res.code == ErrorCode.OK:
                 tokens[i] = P.PutToken(item.key, res.put_id)
                 jobs.extend((i, piece, view) for d in res.replicas for piece, view in _pieces(d, views))
-        written, _ = self._write_all(jobs)
+        written, _ = self._write_all(jobs, deadline)
         good = [i for i in tokens if written[i]]
         bad = [i for i in tokens if not written[i]]
         if bad:
