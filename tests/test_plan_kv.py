@@ -116,6 +116,29 @@ def test_gqa_heads_split_over_tp_then_replicate():
     assert p16.pool_all_ranks == 2 * p16.pool
 
 
+def test_tp_that_vllm_refuses_is_a_value_error_with_the_reason():
+    # llama-3-8b: 32 query heads, 8 KV heads; vLLM needs 32 % tp == 0
+    with pytest.raises(ValueError, match="32 attention heads.*sizes that fit: 1, 2, 4, 8, 16, 32"):
+        kv("llama-3-8b", tp=3)
+    # qwen2.5-7b: 28 query heads, 4 KV heads; 7 and 14 divide 28 but split 4 KV heads unevenly
+    for tp in (7, 14):
+        with pytest.raises(ValueError, match="4 KV heads"):
+            kv("qwen2.5-7b", tp=tp)
+    assert kv("qwen2.5-7b", tp=28).pool_all_ranks == 7 * kv("qwen2.5-7b").pool  # replicated 7x
+    assert kv("llama-3-8b", tp=32).per_token_rank == 32 * 1 * 128 * 2 * BF16
+    with pytest.raises(UserError):  # the CLI prints it as one line
+        kv("llama-3-8b", tp=3)
+
+
+def test_cli_refuses_a_tp_that_does_not_split_the_heads(capsys):
+    assert main(["plan", "kv", "llama-3-8b", "--tp", "3"]) == 2
+    err = capsys.readouterr().err
+    assert "--tp 3" in err and "num_attention_heads % tp == 0" in err
+    assert "Traceback" not in err and len(err.strip().splitlines()) == 1
+    assert main(["plan", "prefill", "qwen2.5-7b", "--prompt", "100", "--tp", "7"]) == 2
+    assert "4 KV heads" in capsys.readouterr().err
+
+
 def test_pp_splits_layers_and_sizes_for_the_largest_stage():
     p = kv("deepseek-v3", pp=2)  # 61 layers -> stages of 31 and 30
     assert p.per_token_rank == 31 * 576 * BF16

@@ -8,6 +8,7 @@ import signal
 import socket
 import subprocess
 import sys
+import time
 
 import msgspec
 import pytest
@@ -15,7 +16,7 @@ import pytest
 from kvpool import protocol as P
 from kvpool.client import Client
 from kvpool.config import parse_addr
-from kvpool.errors import ErrorCode, ObjectExists, ObjectNotFound
+from kvpool.errors import ErrorCode, ObjectExists, ObjectNotFound, TransferFailed
 from kvpool.launch import Cluster
 from kvpool.rpc import RpcChannel
 from proc_helpers import wait_for
@@ -155,6 +156,34 @@ def test_puts_after_a_node_is_killed_go_to_the_living_node_at_once(cluster):
             assert [r.segment.name for r in leased.query(key).replicas] == [alive]
         assert all(leased.get(k) == v for k, v in values.items())
         assert {s.name for s in leased.stats().segments} == {dead, alive}  # still mounted
+
+
+@pytest.mark.cluster(num_nodes=1)
+def test_a_put_to_a_stopped_node_waits_one_timeout_not_one_per_step(cluster):
+    """A put whose write into its allocation lease hangs (the node SIGSTOPped: its port
+    accepts, nothing answers) goes the PutStart way only in what is left of its one
+    ``timeout_s``; before, that way got a timeout of its own and a put, or a batch put,
+    returned after 2 x ``timeout_s``."""
+    timeout_s = 2.0
+    with Client(cluster.master_addr, force_tcp=True, timeout_s=timeout_s) as c:
+        c.put("warm", b"w" * 4096)  # the client holds a lease on the node's segment now
+        pid = int(cluster.nodes[0]["pid"])
+        os.kill(pid, signal.SIGSTOP)
+        try:
+            started = time.monotonic()
+            with pytest.raises(TransferFailed):
+                c.put("one", b"o" * 4096)
+            took = time.monotonic() - started
+            started = time.monotonic()
+            codes = c.batch_put([f"b{i}" for i in range(8)], [b"b" * 4096] * 8)
+            took_batch = time.monotonic() - started
+        finally:
+            os.kill(pid, signal.SIGCONT)
+        assert took < 1.5 * timeout_s, f"put: {took:.1f} s"
+        assert ErrorCode.OK not in codes
+        assert took_batch < 1.5 * timeout_s, f"batch put: {took_batch:.1f} s"
+        c.put("after", b"a" * 4096)  # the node answers again: puts work
+        assert c.get("after") == b"a" * 4096
 
 
 @contextlib.contextmanager

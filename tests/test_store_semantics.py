@@ -11,6 +11,7 @@ import pytest
 
 from kvpool import protocol as P
 from kvpool.client import Client
+from kvpool.client.put import ReplicaShortfall
 from kvpool.launch import Cluster
 from kvpool.errors import ErrorCode, InvalidParams, LeaseExpired, ObjectNotFound, RpcFailed
 from kvpool.rpc import RpcChannel
@@ -124,6 +125,31 @@ def test_get_size_and_query_describe_replicas(client):
     assert handle.replicas[0].length == 12345
     with pytest.raises(ObjectNotFound):
         client.get_size("nope")
+
+
+@pytest.mark.cluster(num_nodes=1)
+def test_replica_num_above_the_live_nodes_is_placed_short_counted_and_warned(cluster, caplog):
+    """As Mooncake's allocation does, a put asking more replicas than there are segments
+    places as many as it can and succeeds; the native client says so: the count it
+    returns, ``replica_shortfall.count``, and a WARNING at most once per ``every_s``
+    (an injected clock here) with how many puts were placed short meanwhile."""
+    now = [0.0]
+    with Client(cluster.master_addr) as c:
+        c.replica_shortfall = ReplicaShortfall(every_s=60.0, clock=lambda: now[0])
+        with caplog.at_level("WARNING", logger="kvpool.client"):
+            assert c.put("three", b"3" * 5000, replica_num=3) == 1
+            assert c.put("two", b"2" * 5000, replica_num=2) == 1
+            assert c.batch_put(["b1", "b2"], [b"b" * 5000] * 2, replica_num=2) == [ErrorCode.OK] * 2
+            assert c.put("one", b"1" * 5000) == 1  # asked for one: not short
+            told = [r.getMessage() for r in caplog.records if r.name == "kvpool.client"]
+            assert len(told) == 1 and "put 'three': 1 of 3 replicas placed" in told[0]
+            assert c.replica_shortfall.count == 4
+            now[0] = 60.0
+            assert c.put("again", b"a" * 5000, replica_num=2) == 1
+            told = [r.getMessage() for r in caplog.records if r.name == "kvpool.client"]
+            assert len(told) == 2 and "put 'again': 1 of 2" in told[1]
+            assert "4 put(s) placed short since the last" in told[1]  # two, two batch items, this
+        assert [len(c.query(k).replicas) for k in ("three", "b1", "again")] == [1, 1, 1]
 
 
 @pytest.mark.cluster(num_nodes=2, extra_master_args=["--client-ttl", "1.0"])

@@ -43,7 +43,7 @@ from kvpool.client.grants import ReadGrants, ReadHandle
 from kvpool.client.hints import LocationHints
 from kvpool.client.keys import check_key, check_keys
 from kvpool.client.lease import LocalLeases
-from kvpool.client.put import PutPath
+from kvpool.client.put import PutPath, ReplicaShortfall
 from kvpool.errors import ErrorCode, InvalidParams, KVPoolError, RpcFailed, code_name, code_of, raise_for
 from kvpool.node.segment_host import SegmentHost
 from kvpool.rpc import RpcChannel
@@ -80,6 +80,8 @@ class Client(ReadGrants, PutPath, GetPath):
 
     ``hint_counts``: copies made from location hints ("confirmed", "missed"; see
     :mod:`kvpool.client.hints`), a Counter.
+    ``replica_shortfall.count``: puts (and batch items) stored with fewer replicas than
+    their ``replica_num`` (:class:`~kvpool.client.put.ReplicaShortfall`).
 
     The put methods are in :class:`~kvpool.client.put.PutPath`, the get methods in
     :class:`~kvpool.client.get.GetPath`, read-grant bookkeeping in
@@ -117,6 +119,7 @@ class Client(ReadGrants, PutPath, GetPath):
         self.leases = LocalLeases(lease_bytes) if alloc_leases else None
         self._keeper: threading.Thread | None = None  # returns leases (PutPath._keep_leases)
         self._lease_wake = threading.Event()
+        self.replica_shortfall = ReplicaShortfall()  # puts placed with fewer replicas than asked
         try:
             self._call(P.Ping())  # fail now, clearly: master not there, another protocol version
         except BaseException:

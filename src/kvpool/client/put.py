@@ -14,9 +14,11 @@ gather write), and put() returns and raises the same.
 from __future__ import annotations
 
 import contextlib
+import logging
 import numbers
 import threading
 import time
+from typing import Callable
 from typing import Sequence
 
 import msgspec
@@ -31,13 +33,45 @@ from kvpool.transfer import as_byte_view
 from kvpool.transfer.buffers import RegisteredBuffer
 from kvpool.transfer.request import Cancel, Op, TransferRequest, TransferStatus
 
+log = logging.getLogger("kvpool.client")
+SHORTFALL_LOG_S = 60.0  # a put placing fewer replicas than asked is logged at most this often per client
+
+
+class ReplicaShortfall:
+    """Puts that placed fewer replicas than their ``replica_num`` (best effort: fewer
+    segments with room than asked, as in Mooncake): ``count`` of them in all, and a
+    WARNING at most once per ``every_s`` seconds of ``clock``, with how many there were
+    since the last one. Thread safe."""
+
+    def __init__(self, every_s: float = SHORTFALL_LOG_S, clock: Callable[[], float] = time.monotonic):
+        self.every_s, self.clock = every_s, clock
+        self.count = 0  # puts (batch items) placed short, since the client started
+        self._lock = threading.Lock()
+        self._told: float | None = None  # clock() of the last warning
+        self._untold = 0  # short puts since the last warning
+
+    def note(self, what: str, puts: int = 1) -> None:
+        """Count ``puts`` short puts; log ``what`` (e.g. "put 'k': 1 of 3 replicas
+        placed") unless a warning went out less than ``every_s`` ago."""
+        with self._lock:
+            self.count += puts
+            self._untold += puts
+            now = self.clock()
+            if self._told is not None and now - self._told < self.every_s:
+                return
+            self._told, untold, self._untold = now, self._untold, 0
+        log.warning("%s: fewer segments with room than replica_num (best effort, as in Mooncake); "
+                    "%d put(s) placed short since the last such warning (said at most every %.0f s)",
+                    what, untold, self.every_s)
+
 
 class PutPath:
     """The put methods of :class:`~kvpool.client.Client` (a mixin: it uses the client's
     ``_call``, ``engine``, ``host_id``, ``master_addr``, ``timeout_s``, ``_lock``,
     ``_closing``, and keeps ``owner_id``, ``leases`` (a
     :class:`~kvpool.client.lease.LocalLeases`, or None: no allocation leases),
-    ``_keeper`` (the lease keeper thread) and ``_lease_wake`` (wakes it))."""
+    ``_keeper`` (the lease keeper thread), ``_lease_wake`` (wakes it) and
+    ``replica_shortfall`` (a :class:`ReplicaShortfall`))."""
 
     def put(self, key: str, value, replica_num: int = 1, *, soft_pin: bool | None = None,
             soft_pin_ttl_ms: int | None = None, hard_pin: bool = False, preferred_segment: str = "") -> int:
@@ -50,10 +84,16 @@ class PutPath:
         none) - Mooncake's SoftPinAction ENABLE / DISABLE / PRESERVE; hard_pin: never
         evicted; preferred_segment: segment name to place the first replica on.
 
-        Returns the number of replicas stored (best effort: 1..replica_num).
+        Returns the number of replicas stored (best effort, as Mooncake places them:
+        1..replica_num; fewer when fewer segments have room, e.g. replica_num above the
+        live nodes). A put placed short is counted in ``replica_shortfall.count`` and
+        logged at WARNING (logger ``kvpool.client``) at most once per
+        :data:`SHORTFALL_LOG_S` seconds per client.
         Raises ObjectExists (K01: nothing is stored), NoSpace, InvalidParams (empty key
         or value, a TTL without soft_pin=True or above the maximum), ObjectNotReady
-        (another put of key in flight), TransferFailed (with the transport's cause).
+        (another put of key in flight), TransferFailed (with the transport's cause;
+        TIMEOUT once the client's ``timeout_s`` is spent: the put's writes, into its
+        allocation lease and then the PutStart way, share that one deadline).
         """
         return self._put(key, value, _item(key, replica_num, False, soft_pin, soft_pin_ttl_ms, hard_pin,
                                            preferred_segment))
@@ -91,21 +131,29 @@ class PutPath:
         if len(src) == 0:
             raise InvalidParams("empty value (Mooncake refuses it: INVALID_PARAMS)")
         item.size = len(src)
+        deadline = time.monotonic() + self.timeout_s  # one for every step of the put
         if self._leasable(item):
-            code = next(iter(self._put_leased([item], [[src]])), None)
+            code = next(iter(self._put_leased([item], [[src]], deadline)), None)
             if code == ErrorCode.OK:
                 return 1
             if code is not None:
                 raise_for(code, f"put {key!r}: {code_name(code)}")
+            if not pipeline.left(deadline):
+                raise TransferFailed(f"put {key!r}: TIMEOUT: the client's timeout_s "
+                                     f"({self.timeout_s:g} s) ran out writing into its "
+                                     "allocation lease; not tried the PutStart way")
         reply = self._call(P.PutStart(item, self.host_id), idempotent=False)
         detail = f": {reply.message}" if reply.message else ""
         raise_for(reply.code, f"put {key!r}: {code_name(reply.code)}{detail}")
         token = P.PutToken(key, reply.put_id)
-        written, why = self._write_all([(0, d, src) for d in reply.replicas])
+        written, why = self._write_all([(0, d, src) for d in reply.replicas], deadline)
         if not written[0]:
             self._call(P.PutRevoke(token))
             raise TransferFailed(f"put {key!r}: writing a replica failed ({why})")
         raise_for(self._call(P.PutEnd(token)).code, f"put {key!r}: PutEnd refused")
+        if len(reply.replicas) < item.replica_num:
+            self.replica_shortfall.note(f"put {key!r}: {len(reply.replicas)} of "
+                                        f"{item.replica_num} replicas placed")
         return len(reply.replicas)
 
     def batch_put(self, keys: Sequence[str], values: Sequence, replica_num: int = 1, *,
@@ -118,6 +166,8 @@ class PutPath:
 
         Returns one ErrorCode per item: OK, OBJECT_ALREADY_EXISTS (also for the second of
         a duplicated key, K02), NO_AVAILABLE_HANDLE, INVALID_PARAMS, TRANSFER_FAIL...
+        An item placed with fewer than ``replica_num`` replicas is OK (as in Mooncake),
+        counted and logged as in :meth:`put`; ``query(key).replicas`` lists them.
         Raises InvalidParams for options that are wrong for every item.
         """
         keys, values = key_list(keys), list(values)
@@ -171,16 +221,20 @@ class PutPath:
                 break
             leased = leased[len(done):]
         rest = [k for k in rest if k not in settled]
-        if rest:
-            # a fresh timeout: the PutStart way may place them on another, healthy node
-            started = self._put_started([items[k] for k in rest], [srcs[k] for k in rest])
+        if rest:  # in the time left: the PutStart way may place them on another node
+            started = self._put_started([items[k] for k in rest], [srcs[k] for k in rest], deadline)
             for k, code in zip(rest, started):
                 codes[sent[k]] = code
         return codes
 
-    def _put_started(self, items: list[P.PutItem], srcs: list[list[memoryview]]) -> list[ErrorCode]:
+    def _put_started(self, items: list[P.PutItem], srcs: list[list[memoryview]],
+                     deadline: float) -> list[ErrorCode]:
         """Put ``items`` (values: the concatenation of ``srcs[i]``) with one PutStart,
-        one PutEnd and one PutRevoke RPC; one code per item."""
+        one PutEnd and one PutRevoke RPC, writes given up at ``deadline``
+        (time.monotonic); one code per item. Past ``deadline`` already: every item is
+        TRANSFER_FAIL (as a timed-out write is), nothing sent."""
+        if not pipeline.left(deadline):
+            return [ErrorCode.TRANSFER_FAIL] * len(items)
         codes = [ErrorCode.OK] * len(items)
         results = self._call(P.BatchPutStart(items, self.host_id), idempotent=False).results
         jobs, tokens = [], {}
@@ -189,7 +243,7 @@ class PutPath:
             if res.code == ErrorCode.OK:
                 tokens[i] = P.PutToken(item.key, res.put_id)
                 jobs.extend((i, piece, view) for d in res.replicas for piece, view in _pieces(d, views))
-        written, _ = self._write_all(jobs)
+        written, _ = self._write_all(jobs, deadline)
         good = [i for i in tokens if written[i]]
         bad = [i for i in tokens if not written[i]]
         if bad:
@@ -200,6 +254,13 @@ class PutPath:
             ends = self._call(P.BatchPutEnd([tokens[i] for i in good])).codes
             for i, code in zip(good, ends):
                 codes[i] = code_of(code)
+            short = [i for i in good if codes[i] == ErrorCode.OK
+                     and len(results[i].replicas) < items[i].replica_num]
+            if short:
+                self.replica_shortfall.note(
+                    f"batch put: {len(short)} of {len(items)} items placed short (item "
+                    f"{items[short[0]].key!r}: {len(results[short[0]].replicas)} of "
+                    f"{items[short[0]].replica_num} replicas)", len(short))
         return codes
 
     # ------------------------------------------------------------ allocation leases

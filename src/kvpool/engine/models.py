@@ -277,15 +277,26 @@ def _load_gguf(gguf: Path, ticker: _Ticker):
 
 
 def _load_folder(folder: Path, dtype: str):
+    """Load (model in eval mode, tokenizer) from a safetensors folder, with
+    transformers' progress bars off (its "Loading weights" bar drew over the stderr of
+    every ``kvpool generate``, for a load of about a second; the first-run conversion
+    reports its progress through :class:`_Ticker` instead). Raises UserError when the
+    folder does not hold a loadable model."""
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers.utils import logging as hf_logging
 
+    bars = hf_logging.is_progress_bar_enabled()
+    hf_logging.disable_progress_bar()
     try:
         tokenizer = AutoTokenizer.from_pretrained(folder)
         model = AutoModelForCausalLM.from_pretrained(folder, dtype=getattr(torch, dtype))
     except (OSError, ValueError) as exc:
         raise UserError(f"cannot load a model from {folder}: {exc}") from None
+    finally:
+        if bars:
+            hf_logging.enable_progress_bar()
     return model.eval(), tokenizer
 
 

@@ -16,8 +16,10 @@ recurrent layer keeps a fixed state per request whatever the length.
 Sharding rules (Megatron-LM tensor parallelism, Shoeybi et al. 2019, as serving
 engines apply it to the KV cache):
 
-- TP splits KV heads: a rank holds ``ceil(kv_heads / tp)`` heads, so with fewer
-  heads than ranks each head is replicated ``tp / kv_heads`` times. Linear-attention
+- TP splits KV heads: a rank holds ``kv_heads / tp`` heads, or with more ranks than
+  heads one head, each head replicated ``tp / kv_heads`` times. Any other ``tp`` is
+  refused as vLLM refuses it (:func:`check_tp`): ``num_attention_heads % tp == 0``,
+  and ``kv_heads % tp == 0`` or ``tp % kv_heads == 0``. Linear-attention
   and SSM state splits the same way by its heads (Mamba-1 by its channels); the
   Mamba-2 B/C convolution channels split by group, ``ceil(n_groups / tp)`` groups a
   rank, so with fewer groups than ranks they are replicated (vLLM's
@@ -35,6 +37,7 @@ import math
 from dataclasses import asdict, dataclass
 
 from kvpool.errors import UserError
+from kvpool.plan.layout import CHUNKED, FULL, SLIDING
 from kvpool.plan.spec import Layer, ModelSpec
 
 DTYPE_BYTES = {"fp32": 4, "float32": 4, "bf16": 2, "bfloat16": 2, "fp16": 2, "float16": 2,
@@ -163,6 +166,41 @@ def resolve_state_dtype(spec: ModelSpec, kv_dtype: str,
     return kv_dtype, "KV dtype"
 
 
+class InvalidTP(UserError, ValueError):
+    """A tensor-parallel size the model's heads cannot be split over (vLLM refuses it)."""
+
+
+def tp_fits(spec: ModelSpec, tp: int) -> str:
+    """"" when vLLM accepts ``tp`` ranks for ``spec``, else the reason it refuses them:
+    ``num_attention_heads`` must be a multiple of ``tp``, and the KV heads of every
+    softmax-attention layer must be a multiple of ``tp`` or, with more ranks than KV
+    heads, divide ``tp`` (each head then replicated ``tp / kv_heads`` times; vLLM's
+    ``QKVParallelLinear``). MLA latents and recurrent layers add no condition here."""
+    q_heads = spec.attention_heads
+    if q_heads and q_heads % tp:
+        return (f"the model's {q_heads} attention heads (num_attention_heads) do not split "
+                f"over {tp} ranks: vLLM needs num_attention_heads % tp == 0")
+    kv_heads = sorted({layer.heads for layer in spec.layers
+                       if layer.kind in (FULL, SLIDING, CHUNKED) and layer.heads})
+    for heads in kv_heads:
+        if heads % tp and tp % heads:
+            return (f"the model's {heads} KV heads (num_key_value_heads) do not split over "
+                    f"{tp} ranks: vLLM needs num_key_value_heads % tp == 0, or tp a multiple "
+                    "of it (the KV heads replicated)")
+    return ""
+
+
+def check_tp(spec: ModelSpec, tp: int) -> None:
+    """Raise :class:`InvalidTP` (a UserError and a ValueError) naming the reason and the
+    sizes that do fit, unless vLLM accepts ``tp`` (>= 1) ranks for ``spec`` (see
+    :func:`tp_fits`)."""
+    reason = tp_fits(spec, tp)
+    if reason:
+        limit = max([spec.attention_heads] + [layer.heads for layer in spec.layers])
+        fit = [str(t) for t in range(1, limit + 1) if not tp_fits(spec, t)]
+        raise InvalidTP(f"--tp {tp}: {reason} (sizes that fit: {', '.join(fit)})")
+
+
 def plan_kv(spec: ModelSpec, kv_dtype: str = "bf16", tokens: int = 4096, requests: int = 1,
             tp: int = 1, pp: int = 1, page_size: int = 16,
             state_dtype: str | None = None) -> KVPlan:
@@ -171,12 +209,14 @@ def plan_kv(spec: ModelSpec, kv_dtype: str = "bf16", tokens: int = 4096, request
     ``state_dtype``: dtype of the recurrent state of linear/Mamba layers (default: see
     :func:`resolve_state_dtype`).
     Raises: UserError on a non-positive count, ``pp`` larger than the layer count, or
-    an unknown dtype.
+    an unknown dtype; :class:`InvalidTP` (also a ValueError) on a ``tp`` the model's
+    attention or KV heads cannot be split over (:func:`check_tp`).
     """
     for name, value in (("tokens", tokens), ("requests", requests), ("tp", tp), ("pp", pp),
                         ("page-size", page_size)):
         if value < 1:
             raise UserError(f"--{name} must be >= 1, got {value}")
+    check_tp(spec, tp)
     if pp > len(spec.layers):
         raise UserError(f"--pp {pp} is more than the model's {len(spec.layers)} layers")
     state_name, state_source = resolve_state_dtype(spec, kv_dtype, state_dtype)

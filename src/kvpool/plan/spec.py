@@ -106,6 +106,8 @@ class ModelSpec:
     ``state_dtype`` / ``state_dtype_field``: the recurrent-state dtype the config names
     and the field naming it (one of :data:`STATE_DTYPE_FIELDS`), or None / "".
     ``layout_field``: the config field that said which layer is which.
+    ``attention_heads``: the config's ``num_attention_heads`` (query heads), 0 when it
+    has none (a pure Mamba model); TP must divide it.
     """
 
     name: str
@@ -115,6 +117,7 @@ class ModelSpec:
     state_dtype: str | None = None
     state_dtype_field: str = ""
     layout_field: str = ""
+    attention_heads: int = 0
 
 
 def check_flops(spec: ModelSpec) -> None:
@@ -185,10 +188,13 @@ def spec_from_config(cfg: dict[str, Any], source: str = "config.json") -> ModelS
     layers = tuple(replace(layer, linear_flops=layer.linear_flops + m)
                    for layer, m in zip(layers, mlp))
     dtype_field = next((name for name in STATE_DTYPE_FIELDS if f.has(name)), "")
+    q_heads = (f.int("num_attention_heads", "attention heads")
+               if f.has("num_attention_heads") else 0)
     return ModelSpec(name=str(cfg.get("_name_or_path") or source), layers=layers,
                      head_flops=head, flops_error=error,
                      state_dtype=str(f.get(dtype_field)) if dtype_field else None,
-                     state_dtype_field=dtype_field, layout_field=layout_field)
+                     state_dtype_field=dtype_field, layout_field=layout_field,
+                     attention_heads=q_heads)
 
 
 def _layer_count(f: Fields) -> int:
