@@ -18,8 +18,7 @@ import logging
 import numbers
 import threading
 import time
-from typing import Callable
-from typing import Sequence
+from typing import Callable, Sequence
 
 import msgspec
 
