@@ -16,7 +16,7 @@ import pytest
 from kvpool import protocol as P
 from kvpool.client import Client
 from kvpool.config import parse_addr
-from kvpool.errors import ErrorCode, ObjectExists, ObjectNotFound, TransferFailed
+from kvpool.errors import ErrorCode, ObjectExists, ObjectNotFound, RpcFailed, TransferFailed
 from kvpool.launch import Cluster
 from kvpool.rpc import RpcChannel
 from proc_helpers import wait_for
@@ -182,6 +182,26 @@ def test_a_put_to_a_stopped_node_waits_one_timeout_not_one_per_step(cluster):
         assert took < 1.5 * timeout_s, f"put: {took:.1f} s"
         assert ErrorCode.OK not in codes
         assert took_batch < 1.5 * timeout_s, f"batch put: {took_batch:.1f} s"
+
+
+def test_a_put_to_a_stopped_master_says_the_master_did_not_answer(cluster):
+    """A put whose AllocLease finds the master stopped (SIGSTOP) spends its one
+    ``timeout_s`` there and raises RpcFailed, as the PutStart way did when it had time
+    of its own: a caller (the vLLM connector) tells a master that does not answer from
+    a failed write by it, not by a batch of TRANSFER_FAIL codes."""
+    timeout_s = 2.0
+    with Client(cluster.master_addr, timeout_s=timeout_s) as c:
+        pid = cluster.master.proc.pid
+        os.kill(pid, signal.SIGSTOP)
+        try:
+            started = time.monotonic()
+            with pytest.raises(RpcFailed):
+                c.batch_put(["m1", "m2"], [b"m" * 4096] * 2)
+            took = time.monotonic() - started
+        finally:
+            os.kill(pid, signal.SIGCONT)
+        assert took < 1.5 * timeout_s, f"batch put: {took:.1f} s"
+        assert c.batch_put(["m1", "m2"], [b"m" * 4096] * 2) == [ErrorCode.OK] * 2  # and then it puts
         c.put("after", b"a" * 4096)  # the node answers again: puts work
         assert c.get("after") == b"a" * 4096
 

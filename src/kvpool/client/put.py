@@ -26,7 +26,8 @@ from kvpool import protocol as P
 from kvpool.client import pipeline
 from kvpool.client.keys import check_key, key_list
 from kvpool.client.lease import ClientLease
-from kvpool.errors import ErrorCode, InvalidParams, KVPoolError, TransferFailed, code_name, code_of, raise_for
+from kvpool.errors import (ErrorCode, InvalidParams, KVPoolError, RpcFailed, TransferFailed, code_name, code_of,
+                           raise_for)
 from kvpool.rpc import RpcChannel
 from kvpool.transfer import as_byte_view
 from kvpool.transfer.buffers import RegisteredBuffer
@@ -280,7 +281,7 @@ class PutPath:
         None: put it the PutStart way (the lease refused or unknown to the master, the
         write failed). Writes are given up at ``deadline`` (time.monotonic; None: the
         client's timeout from now)."""
-        placed = self._place([item.size for item in items])
+        placed = self._place([item.size for item in items], deadline)
         if placed is None:
             return []
         lease, offsets = placed
@@ -314,10 +315,13 @@ class PutPath:
             self._wake_keeper()
         return codes
 
-    def _place(self, sizes: list[int]) -> tuple[ClientLease, list[int]] | None:
+    def _place(self, sizes: list[int], deadline: float | None = None) -> tuple[ClientLease, list[int]] | None:
         """Offsets for (a prefix of) values of ``sizes`` in the current lease, asking
         the master for a new lease when it is missing, full or near its end; None: no
-        lease to be had, or the first value does not fit in the one granted."""
+        lease to be had, or the first value does not fit in the one granted (the put
+        goes the PutStart way, which says what is wrong). Raises the AllocLease's
+        RpcFailed when it leaves no time before ``deadline``: the master did not answer
+        within the put's timeout, and the PutStart way would get no time to say so."""
         leases = self.leases
         placed = leases.place(sizes)
         if placed is not None or not leases.wants_lease():
@@ -329,11 +333,15 @@ class PutPath:
             sent = time.monotonic()
             try:
                 reply = self._call(P.AllocLease(self.owner_id, leases.want, self.host_id), idempotent=False)
-            except KVPoolError:
-                reply = None  # the PutStart way will say what is wrong
+            except KVPoolError as exc:
+                reply, failed = None, exc  # the PutStart way will say what is wrong
+            else:
+                failed = None
             if reply is None or reply.code != ErrorCode.OK:
                 leases.retire_current()
                 leases.refused()
+                if isinstance(failed, RpcFailed) and deadline is not None and not pipeline.left(deadline):
+                    raise failed
             else:
                 leases.install(reply.lease_id, reply.region, sent, reply.ttl_ms)
                 placed = leases.place(sizes)
