@@ -11,7 +11,7 @@ import pytest
 
 from kvpool import protocol as P
 from kvpool.client import Client
-from kvpool.client.put import ReplicaShortfall
+from kvpool.client.shortfall import ReplicaShortfall
 from kvpool.launch import Cluster
 from kvpool.errors import ErrorCode, InvalidParams, LeaseExpired, ObjectNotFound, RpcFailed
 from kvpool.rpc import RpcChannel

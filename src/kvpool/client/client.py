@@ -43,7 +43,8 @@ from kvpool.client.grants import ReadGrants, ReadHandle
 from kvpool.client.hints import LocationHints
 from kvpool.client.keys import check_key, check_keys
 from kvpool.client.lease import LocalLeases
-from kvpool.client.put import PutPath, ReplicaShortfall
+from kvpool.client.put import PutPath
+from kvpool.client.shortfall import ReplicaShortfall
 from kvpool.errors import ErrorCode, InvalidParams, KVPoolError, RpcFailed, code_name, code_of, raise_for
 from kvpool.node.segment_host import SegmentHost
 from kvpool.rpc import RpcChannel
@@ -81,7 +82,7 @@ class Client(ReadGrants, PutPath, GetPath):
     ``hint_counts``: copies made from location hints ("confirmed", "missed"; see
     :mod:`kvpool.client.hints`), a Counter.
     ``replica_shortfall.count``: puts (and batch items) stored with fewer replicas than
-    their ``replica_num`` (:class:`~kvpool.client.put.ReplicaShortfall`).
+    their ``replica_num`` (:class:`~kvpool.client.shortfall.ReplicaShortfall`).
 
     The put methods are in :class:`~kvpool.client.put.PutPath`, the get methods in
     :class:`~kvpool.client.get.GetPath`, read-grant bookkeeping in

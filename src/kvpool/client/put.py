@@ -14,11 +14,10 @@ gather write), and put() returns and raises the same.
 from __future__ import annotations
 
 import contextlib
-import logging
 import numbers
 import threading
 import time
-from typing import Callable, Sequence
+from typing import Sequence
 
 import msgspec
 
@@ -33,45 +32,13 @@ from kvpool.transfer import as_byte_view
 from kvpool.transfer.buffers import RegisteredBuffer
 from kvpool.transfer.request import Cancel, Op, TransferRequest, TransferStatus
 
-log = logging.getLogger("kvpool.client")
-SHORTFALL_LOG_S = 60.0  # a put placing fewer replicas than asked is logged at most this often per client
-
-
-class ReplicaShortfall:
-    """Puts that placed fewer replicas than their ``replica_num`` (best effort: fewer
-    segments with room than asked, as in Mooncake): ``count`` of them in all, and a
-    WARNING at most once per ``every_s`` seconds of ``clock``, with how many there were
-    since the last one. Thread safe."""
-
-    def __init__(self, every_s: float = SHORTFALL_LOG_S, clock: Callable[[], float] = time.monotonic):
-        self.every_s, self.clock = every_s, clock
-        self.count = 0  # puts (batch items) placed short, since the client started
-        self._lock = threading.Lock()
-        self._told: float | None = None  # clock() of the last warning
-        self._untold = 0  # short puts since the last warning
-
-    def note(self, what: str, puts: int = 1) -> None:
-        """Count ``puts`` short puts; log ``what`` (e.g. "put 'k': 1 of 3 replicas
-        placed") unless a warning went out less than ``every_s`` ago."""
-        with self._lock:
-            self.count += puts
-            self._untold += puts
-            now = self.clock()
-            if self._told is not None and now - self._told < self.every_s:
-                return
-            self._told, untold, self._untold = now, self._untold, 0
-        log.warning("%s: fewer segments with room than replica_num (best effort, as in Mooncake); "
-                    "%d put(s) placed short since the last such warning (said at most every %.0f s)",
-                    what, untold, self.every_s)
-
-
 class PutPath:
     """The put methods of :class:`~kvpool.client.Client` (a mixin: it uses the client's
     ``_call``, ``engine``, ``host_id``, ``master_addr``, ``timeout_s``, ``_lock``,
     ``_closing``, and keeps ``owner_id``, ``leases`` (a
     :class:`~kvpool.client.lease.LocalLeases`, or None: no allocation leases),
     ``_keeper`` (the lease keeper thread), ``_lease_wake`` (wakes it) and
-    ``replica_shortfall`` (a :class:`ReplicaShortfall`))."""
+    ``replica_shortfall`` (a :class:`~kvpool.client.shortfall.ReplicaShortfall`))."""
 
     def put(self, key: str, value, replica_num: int = 1, *, soft_pin: bool | None = None,
             soft_pin_ttl_ms: int | None = None, hard_pin: bool = False, preferred_segment: str = "") -> int:
@@ -88,7 +55,7 @@ class PutPath:
         1..replica_num; fewer when fewer segments have room, e.g. replica_num above the
         live nodes). A put placed short is counted in ``replica_shortfall.count`` and
         logged at WARNING (logger ``kvpool.client``) at most once per
-        :data:`SHORTFALL_LOG_S` seconds per client.
+        :data:`~kvpool.client.shortfall.SHORTFALL_LOG_S` seconds per client.
         Raises ObjectExists (K01: nothing is stored), NoSpace, InvalidParams (empty key
         or value, a TTL without soft_pin=True or above the maximum), ObjectNotReady
         (another put of key in flight), TransferFailed (with the transport's cause;

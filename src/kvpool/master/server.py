@@ -347,8 +347,8 @@ class MasterServer:
         cancel :meth:`close` sends when the probe finishes in the same step."""
         for _ in range(PROBES):
             seg = self.service.segments.segments.get(name)
-            if seg is None or seg.info.epoch != epoch or name in self._streams:
-                return  # unmounted, or mounted again
+            if self._server is None or seg is None or seg.info.epoch != epoch or name in self._streams:
+                return  # closed, unmounted, or mounted again
             answered = await _answers(seg.info.data_addr)
             if self._server is None:
                 return  # closed meanwhile
@@ -357,8 +357,6 @@ class MasterServer:
                     self.service.stream_lost(name, epoch)
                 return
             await asyncio.sleep(PROBE_EVERY_S)
-            if self._server is None:
-                return
 
     def close_stalled(self) -> int:
         """Close every connection whose frame began over ``stall_s`` ago (its read then
