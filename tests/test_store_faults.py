@@ -206,6 +206,41 @@ def test_a_put_to_a_stopped_master_says_the_master_did_not_answer(cluster):
         assert c.get("after") == b"a" * 4096
 
 
+@pytest.mark.parametrize("batch", [False, True], ids=["put", "batch_put"])
+def test_a_master_that_stops_after_the_write_costs_a_put_one_timeout(cluster, batch):
+    """The PutStart way (a preferred segment: no allocation lease) with the master
+    stopped (SIGSTOP) once the value is written: PutEnd waits only what is left of the
+    put's one ``timeout_s`` and is not asked again after it; before, PutEnd waited a
+    timeout, reconnected (a stopped master's socket still accepts) and waited another."""
+    timeout_s = 2.0
+    with Client(cluster.master_addr, timeout_s=timeout_s) as c:
+        c.put("warm", b"w" * 4096)
+        segment = c.query("warm").replicas[0].segment.name
+        pid = cluster.master.proc.pid
+        write_all = c._write_all
+
+        def write_then_stop(*args, **kwargs):  # times the fault: between the write and PutEnd
+            done = write_all(*args, **kwargs)
+            os.kill(pid, signal.SIGSTOP)
+            return done
+
+        c._write_all = write_then_stop
+        started = time.monotonic()
+        try:
+            with pytest.raises(RpcFailed, match="no answer within"):
+                if batch:
+                    c.batch_put(["s1", "s2"], [b"s" * 4096] * 2, preferred_segment=segment)
+                else:
+                    c.put("s1", b"s" * 4096, preferred_segment=segment)
+            took = time.monotonic() - started
+        finally:
+            os.kill(pid, signal.SIGCONT)
+        c._write_all = write_all
+        assert took < 1.5 * timeout_s, f"took {took:.1f} s"
+        c.put("after", b"a" * 4096, preferred_segment=segment)  # and the master serves on
+        assert c.get("after") == b"a" * 4096
+
+
 @contextlib.contextmanager
 def _client_leasing_on(master_addr: str, segment: str):
     """A same-host (shared memory) client whose allocation lease is on ``segment``: new

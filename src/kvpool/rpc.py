@@ -50,6 +50,7 @@ _logged_lock = threading.Lock()
 NOT_LEADER = ErrorCode.UNAVAILABLE_IN_CURRENT_STATUS  # a standby's (or fenced leader's) refusal
 RETRY_S = 0.05  # pause between rounds over the candidates during a change of leader
 STREAM_RCVBUF = 4 << 20  # bytes of unasked frames the kernel holds between two polls (TCP)
+MIN_WAIT = 0.1  # of timeout_s: the least a request past its caller's deadline waits for its reply
 
 
 def _log_once(message: str) -> None:
@@ -122,7 +123,7 @@ class RpcChannel:
         self._answered = False
 
     def call(self, request: msgspec.Struct, idempotent: bool = True, notices: Sequence[msgspec.Struct] = (),
-             during: Callable[[], None] | None = None):
+             during: Callable[[], None] | None = None, deadline: float | None = None):
         """Send ``request``, return the decoded reply Struct. ``notices``
         (notifications such as ReadDone, never answered) go first, in the same write.
         ``during``: run once, after the request went out and before its reply is
@@ -132,6 +133,11 @@ class RpcChannel:
         is closed, its reply being unread, and the exception propagates as it was (an
         OSError of the work is not taken for a broken master connection). After a
         connection that broke, an idempotent request is asked again without it.
+        ``deadline`` (time.monotonic; None: ``timeout_s`` per round trip): the caller's
+        own end, e.g. a put's, shared by its several requests: the reply is waited for
+        until then (at least :data:`MIN_WAIT` of ``timeout_s``, so a put whose write took
+        its time still gets its commit through a master that answers), and a request that may have been
+        sent is not asked again after it (one that reached no master is, until ``failover_s``).
 
         Raises RpcFailed when the master is unreachable, the stream breaks (after one
         reconnect for idempotent requests), the master speaks another protocol version
@@ -141,21 +147,22 @@ class RpcChannel:
         when a standby was the last to answer).
         """
         frame = b"".join([*(P.encode_frame(n) for n in notices), P.encode_frame(request)])
-        deadline = time.monotonic() + (self.failover_s if self.masters.ha else 0.0)
+        failover = time.monotonic() + (self.failover_s if self.masters.ha else 0.0)
         broke = False
         while True:
             try:
-                reply = self._round_trip(frame, type(request), broke, idempotent, during)
+                reply = self._round_trip(frame, type(request), broke, idempotent, during, deadline)
             except _OverlapFailed as exc:
                 raise exc.error from None
             except _Undelivered as exc:
-                if time.monotonic() >= deadline:
+                if time.monotonic() >= failover:
                     raise exc.error from None
                 time.sleep(RETRY_S)
                 continue
             except _Broken as exc:
                 broke = True
-                if not idempotent or exc.final or (time.monotonic() >= deadline and exc.second):
+                spent = deadline is not None and time.monotonic() >= deadline
+                if not idempotent or exc.final or spent or (time.monotonic() >= failover and exc.second):
                     raise exc.error from None
                 during = None  # it may have run: a retry only asks again
                 continue
@@ -164,17 +171,19 @@ class RpcChannel:
                 if reply.code == NOT_LEADER and self.masters.ha:
                     self.masters.failed(self.addr)
                     self.close()
-                    if time.monotonic() < deadline:
+                    if time.monotonic() < failover:
                         time.sleep(RETRY_S)
                         continue
                 raise self._refused(request, reply)
             self.masters.answered(self.addr)
             return reply
 
-    def _round_trip(self, frame: bytes, kind: type, broke: bool, idempotent: bool, during=None):
+    def _round_trip(self, frame: bytes, kind: type, broke: bool, idempotent: bool, during=None,
+                    deadline: float | None = None):
         """One send, ``during()`` if given, and the receive (``kind``: the request's
-        type, for the reply wait); raises _Undelivered (no master took the request) or
-        _Broken (the connection failed after the request may have been sent)."""
+        type, for the reply wait), each system call given up after ``timeout_s`` or at
+        ``deadline`` (see :meth:`call`); raises _Undelivered (no master took the
+        request) or _Broken (the connection failed after the request may have been sent)."""
         if self._sock is None:
             try:
                 self.connect()
@@ -182,27 +191,17 @@ class RpcChannel:
                 if exc.code == ErrorCode.INVALID_VERSION:
                     raise
                 raise _Undelivered(exc) from None
+        wait_s = self._wait_s(deadline)
         try:
-            sent_at = time.perf_counter()
-            self._sock.sendall(frame)
-            if during is not None:
-                kind = (kind, "during")  # a reply time of its own: what is left after the work
-                self._overlap(during)
-                sent_at = time.perf_counter()  # a wait measured from the send would outlast
-                # the poll budget whenever the work does, and the master's reply would then
-                # have to wake this thread (25-35 us here, kvpool.spin)
-            self._replies.wait(self._sock, kind, sent_at)
-            body = P.recv_frame(self._sock)
-            self._replies.record(kind, sent_at)
-            reply = P.reply_decoder.decode(body)
-            self._answered = self._ever_answered = True
-            return reply
+            if wait_s != self.timeout_s:
+                P.set_kernel_timeouts(self._sock, wait_s)
+            return self._exchange(frame, kind, during)
         except BlockingIOError:  # the kernel's timeout (SO_RCVTIMEO / SO_SNDTIMEO)
             hint = ("" if self._ever_answered else
                     " (nothing has ever answered on this channel: is a kvpool master listening there?)")
             self.masters.failed(self.addr)
             self.close()
-            raise _Broken(RpcFailed(f"master {self.addr}: no answer within {self.timeout_s:g} s{hint}"),
+            raise _Broken(RpcFailed(f"master {self.addr}: no answer within {wait_s:g} s{hint}"),
                           broke, final=not self._ever_answered and not self.masters.ha) from None
         except P.VersionMismatch as exc:
             self.close()
@@ -221,6 +220,39 @@ class RpcChannel:
                 hint += " (the master may have applied it whole, or not at all: check, then retry)"
             what = f"the master closed the connection ({exc})" if isinstance(exc, ConnectionError) else exc
             raise _Broken(RpcFailed(f"master {self.addr}: {what}{hint}"), broke) from None
+        finally:
+            if wait_s != self.timeout_s and self._sock is not None:
+                try:
+                    P.set_kernel_timeouts(self._sock, self.timeout_s)
+                except OSError:
+                    self.close()  # the next call reconnects
+
+    def _wait_s(self, deadline: float | None) -> float:
+        """Seconds each system call of a round trip may wait: ``timeout_s``, or what is
+        left before ``deadline`` when that is less (never under :data:`MIN_WAIT` of it)."""
+        if deadline is None:
+            return self.timeout_s
+        left = deadline - time.monotonic()
+        if left >= self.timeout_s * (1 - MIN_WAIT):
+            return self.timeout_s  # most requests start well inside their deadline: no system calls
+        return max(self.timeout_s * MIN_WAIT, left)
+
+    def _exchange(self, frame: bytes, kind: type, during=None):
+        """Send ``frame``, run ``during()`` if given, and receive and decode the reply."""
+        sent_at = time.perf_counter()
+        self._sock.sendall(frame)
+        if during is not None:
+            kind = (kind, "during")  # a reply time of its own: what is left after the work
+            self._overlap(during)
+            sent_at = time.perf_counter()  # a wait measured from the send would outlast
+            # the poll budget whenever the work does, and the master's reply would then
+            # have to wake this thread (25-35 us here, kvpool.spin)
+        self._replies.wait(self._sock, kind, sent_at)
+        body = P.recv_frame(self._sock)
+        self._replies.record(kind, sent_at)
+        reply = P.reply_decoder.decode(body)
+        self._answered = self._ever_answered = True
+        return reply
 
     def _overlap(self, during: Callable[[], None]) -> None:
         """Run ``during`` between a request and its reply; if it raises, the reply can

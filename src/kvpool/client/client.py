@@ -155,9 +155,11 @@ class Client(ReadGrants, PutPath, GetPath):
         if self._closed:
             raise RpcFailed(f"this client of {self.master_addr} is closed")
 
-    def _call(self, request, idempotent: bool = True, during=None):
+    def _call(self, request, idempotent: bool = True, during=None, deadline: float | None = None):
+        """One request to the master (:meth:`RpcChannel.call`; ``deadline``: time.monotonic,
+        the end of the operation it is a step of)."""
         done = self._take_done()  # ReadDone rides along in the same write
-        return self._channel().call(request, idempotent, (P.ReadDone(done),) if done else (), during)
+        return self._channel().call(request, idempotent, (P.ReadDone(done),) if done else (), during, deadline)
 
     def ping(self) -> float:
         """One round trip to the master that touches no metadata (health checks).

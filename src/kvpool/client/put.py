@@ -60,7 +60,10 @@ class PutPath:
         or value, a TTL without soft_pin=True or above the maximum), ObjectNotReady
         (another put of key in flight), TransferFailed (with the transport's cause;
         TIMEOUT once the client's ``timeout_s`` is spent: the put's writes, into its
-        allocation lease and then the PutStart way, share that one deadline).
+        allocation lease and then the PutStart way, share that one deadline), RpcFailed
+        (the master did not answer: its waits share that deadline too, so a put returns
+        within about 1.1 x ``timeout_s`` whichever step hangs; whether a put whose commit
+        went unanswered was applied, a query tells).
         """
         return self._put(key, value, _item(key, replica_num, False, soft_pin, soft_pin_ttl_ms, hard_pin,
                                            preferred_segment))
@@ -109,15 +112,15 @@ class PutPath:
                 raise TransferFailed(f"put {key!r}: TIMEOUT: the client's timeout_s "
                                      f"({self.timeout_s:g} s) ran out writing into its "
                                      "allocation lease; not tried the PutStart way")
-        reply = self._call(P.PutStart(item, self.host_id), idempotent=False)
+        reply = self._call(P.PutStart(item, self.host_id), idempotent=False, deadline=deadline)
         detail = f": {reply.message}" if reply.message else ""
         raise_for(reply.code, f"put {key!r}: {code_name(reply.code)}{detail}")
         token = P.PutToken(key, reply.put_id)
         written, why = self._write_all([(0, d, src) for d in reply.replicas], deadline)
         if not written[0]:
-            self._call(P.PutRevoke(token))
+            self._revoke(P.PutRevoke(token), deadline)
             raise TransferFailed(f"put {key!r}: writing a replica failed ({why})")
-        raise_for(self._call(P.PutEnd(token)).code, f"put {key!r}: PutEnd refused")
+        raise_for(self._call(P.PutEnd(token), deadline=deadline).code, f"put {key!r}: PutEnd refused")
         if len(reply.replicas) < item.replica_num:
             self.replica_shortfall.note(f"put {key!r}: {len(reply.replicas)} of "
                                         f"{item.replica_num} replicas placed")
@@ -203,7 +206,7 @@ class PutPath:
         if not pipeline.left(deadline):
             return [ErrorCode.TRANSFER_FAIL] * len(items)
         codes = [ErrorCode.OK] * len(items)
-        results = self._call(P.BatchPutStart(items, self.host_id), idempotent=False).results
+        results = self._call(P.BatchPutStart(items, self.host_id), idempotent=False, deadline=deadline).results
         jobs, tokens = [], {}
         for i, (item, views, res) in enumerate(zip(items, srcs, results)):
             codes[i] = code_of(res.code)
@@ -214,11 +217,11 @@ class PutPath:
         good = [i for i in tokens if written[i]]
         bad = [i for i in tokens if not written[i]]
         if bad:
-            self._call(P.BatchPutRevoke([tokens[i] for i in bad]))
+            self._revoke(P.BatchPutRevoke([tokens[i] for i in bad]), deadline)
             for i in bad:
                 codes[i] = ErrorCode.TRANSFER_FAIL
         if good:
-            ends = self._call(P.BatchPutEnd([tokens[i] for i in good])).codes
+            ends = self._call(P.BatchPutEnd([tokens[i] for i in good]), deadline=deadline).codes
             for i, code in zip(good, ends):
                 codes[i] = code_of(code)
             short = [i for i in good if codes[i] == ErrorCode.OK
@@ -229,6 +232,13 @@ class PutPath:
                     f"{items[short[0]].key!r}: {len(results[short[0]].replicas)} of "
                     f"{items[short[0]].replica_num} replicas)", len(short))
         return codes
+
+    def _revoke(self, request: P.PutRevoke | P.BatchPutRevoke, deadline: float) -> None:
+        """Withdraw puts whose writes failed, best effort: a revoke the master does not
+        answer must not hide why the put failed (the write), and the master discards a
+        put never ended after ``put_start_discard_timeout`` anyway (K04)."""
+        with contextlib.suppress(RpcFailed):
+            self._call(request, deadline=deadline)
 
     # ------------------------------------------------------------ allocation leases
 
@@ -272,7 +282,7 @@ class PutPath:
                 if ready:
                     commit = P.PutCommit(self.owner_id, lease.lease_id,
                                          [_commit_item(items[i], offsets[i]) for i in ready])
-                    for i, code in zip(ready, self._call(commit, idempotent=False, during=nxt).codes):
+                    for i, code in zip(ready, self._call(commit, idempotent=False, during=nxt, deadline=deadline).codes):
                         codes[i] = None if code == ErrorCode.LEASE_EXPIRED else code_of(code)
                 if nxt is not None:
                     nxt.finish()  # written now if no commit carried it; what it raised, raised
@@ -299,7 +309,8 @@ class PutPath:
                 return placed
             sent = time.monotonic()
             try:
-                reply = self._call(P.AllocLease(self.owner_id, leases.want, self.host_id), idempotent=False)
+                reply = self._call(P.AllocLease(self.owner_id, leases.want, self.host_id), idempotent=False,
+                                   deadline=deadline)
             except KVPoolError as exc:
                 reply, failed = None, exc  # the PutStart way will say what is wrong
             else:
@@ -317,17 +328,18 @@ class PutPath:
                 self._start_keeper()
                 self._lease_wake.set()  # the keeper learns the new lease's end of use
         # at once, not by the keeper: a put through PutStart may need that space next
-        self._return_leases()
+        self._return_leases(deadline=deadline)
         return placed
 
-    def _return_leases(self, everything: bool = False) -> None:
+    def _return_leases(self, everything: bool = False, deadline: float | None = None) -> None:
         """Send ReturnLease, on this thread's connection, for the retired leases no write
-        is in flight into (``everything``: all, the client is closing). Best effort: a
-        lease not returned expires on the master."""
+        is in flight into (``everything``: all, the client is closing), waiting for the
+        master until ``deadline`` (time.monotonic; None: the client's timeout). Best
+        effort: a lease not returned expires on the master."""
         ids = self.leases.take_returns(everything)
         if ids:
             with contextlib.suppress(KVPoolError, OSError):
-                self._call(P.ReturnLease(self.owner_id, ids))
+                self._call(P.ReturnLease(self.owner_id, ids), deadline=deadline)
 
     def _wake_keeper(self) -> None:
         """Have the lease keeper return retired leases (a put never waits for it)."""
