@@ -241,6 +241,30 @@ def test_a_master_that_stops_after_the_write_costs_a_put_one_timeout(cluster, ba
         assert c.get("after") == b"a" * 4096
 
 
+def test_a_stopped_master_costs_a_read_one_timeout_and_then_serves_again(cluster):
+    """Idempotent requests (a get's grant, exist, remove) to a master that took the
+    connection and answers nothing (SIGSTOP) fail with RpcFailed after one
+    ``timeout_s``; before, each reconnected to the still-accepting socket and waited a
+    second timeout (a vLLM scheduler's lookup stalled 2 x ``timeout_s``)."""
+    timeout_s = 1.0
+    with Client(cluster.master_addr, timeout_s=timeout_s) as c:
+        c.put("k", b"v" * 4096)
+        pid = cluster.master.proc.pid
+        took = {}
+        os.kill(pid, signal.SIGSTOP)
+        try:
+            for name, call in (("get", lambda: c.get("k")), ("is_exist", lambda: c.is_exist("k")),
+                               ("batch_is_exist", lambda: c.batch_is_exist(["k"]))):
+                started = time.monotonic()
+                with pytest.raises(RpcFailed, match="no answer within 1 s"):
+                    call()
+                took[name] = time.monotonic() - started
+        finally:
+            os.kill(pid, signal.SIGCONT)
+        assert all(t < 1.5 * timeout_s for t in took.values()), took
+        assert c.get("k") == b"v" * 4096  # the next call reconnects
+
+
 @contextlib.contextmanager
 def _client_leasing_on(master_addr: str, segment: str):
     """A same-host (shared memory) client whose allocation lease is on ``segment``: new

@@ -132,7 +132,8 @@ class RpcChannel:
         :mod:`kvpool.client.pipeline`); it should not raise: if it does, the connection
         is closed, its reply being unread, and the exception propagates as it was (an
         OSError of the work is not taken for a broken master connection). After a
-        connection that broke, an idempotent request is asked again without it.
+        connection that broke, an idempotent request is asked again without it; one
+        that a lone master left unanswered for ``timeout_s`` is not (RpcFailed at once).
         ``deadline`` (time.monotonic; None: ``timeout_s`` per round trip): the caller's
         own end, e.g. a put's, shared by its several requests: the reply is waited for
         until then (at least :data:`MIN_WAIT` of ``timeout_s``, so a put whose write took
@@ -202,7 +203,7 @@ class RpcChannel:
             self.masters.failed(self.addr)
             self.close()
             raise _Broken(RpcFailed(f"master {self.addr}: no answer within {wait_s:g} s{hint}"),
-                          broke, final=not self._ever_answered and not self.masters.ha) from None
+                          broke, final=not self.masters.ha) from None
         except P.VersionMismatch as exc:
             self.close()
             raise RpcFailed(f"master {self.addr}: protocol version {P.PROTOCOL_VERSION}, "
@@ -373,8 +374,10 @@ class _Undelivered(Exception):
 
 class _Broken(Exception):
     """The connection failed after the request was sent; ``second``: not the first time;
-    ``final``: asking again cannot help (a lone address where nothing has ever
-    answered let the request time out: no master restart to wait out)."""
+    ``final``: asking again cannot help: a lone master let the request time out. A
+    master that restarted breaks the connection (EOF, a reset) rather than keep it
+    silent, so asking a silent one again (stopped, swapping, cut off) only made the
+    caller wait a second timeout, and resent the work to a master that may still do it."""
 
     def __init__(self, error: RpcFailed, second: bool, final: bool = False):
         self.error, self.second, self.final = error, second, final
