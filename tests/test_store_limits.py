@@ -136,3 +136,42 @@ def test_serve_names_the_child_that_died(tmp_path):
         serve.kill()
         serve.wait()
         serve.stdout.close()
+
+
+_SMALL_SHM = """
+import sys
+from kvpool.client import Client
+from kvpool.errors import InvalidParams
+from kvpool.launch import Cluster
+from kvpool.mooncake.store import MooncakeDistributedStore
+
+with Cluster(segment_size="16MiB") as cluster:
+    try:
+        Client(cluster.master_addr, global_segment_size=512 << 20)
+        print("accepted")
+    except InvalidParams as exc:
+        print("refused:", exc)
+    store = MooncakeDistributedStore()
+    print("setup:", store.setup("127.0.0.1", "P2PHANDSHAKE", 512 << 20, 0, "tcp", "", cluster.master_addr))
+    with Client(cluster.master_addr) as plain:  # what SIGBUSed: writes into a contributed segment
+        for i in range(4):
+            plain.put(f"k{i}", bytes(3 << 20))
+        print("puts:", [len(plain.get(f"k{i}")) for i in range(4)])
+"""
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="needs root for a private /dev/shm (unshare -m)")
+def test_a_contributed_segment_larger_than_dev_shm_is_refused_not_a_sigbus_later():
+    """A client's segment (``global_segment_size``; the Mooncake facade's setup) is
+    allocated in /dev/shm at start: one that does not fit (a container's 64 MiB
+    /dev/shm) is refused with InvalidParams (setup: INVALID_PARAMS) naming what is
+    free. Before, any size was accepted, its pages were allocated as written, and the
+    writes past the free space killed the writing process, another client's included,
+    with SIGBUS."""
+    script = ("mount -t tmpfs -o size=64m tmpfs /dev/shm && "
+              f"exec {sys.executable} -c '{_SMALL_SHM}'")
+    run = subprocess.run(["unshare", "-m", "sh", "-c", script], capture_output=True, text=True, timeout=120)
+    assert run.returncode == 0, run.stdout + run.stderr
+    assert "refused: a segment of 512.0 MiB does not fit in /dev/shm" in run.stdout, run.stdout
+    assert f"setup: {int(ErrorCode.INVALID_PARAMS)}" in run.stdout, run.stdout
+    assert f"puts: {[3 << 20] * 4}" in run.stdout, run.stdout

@@ -69,15 +69,17 @@ class Client(ReadGrants, PutPath, GetPath):
         global_segment_size: bytes of shared memory this client contributes to the pool
             (Mooncake's client segment; 0 = none). It is mounted while the client is
             open, heartbeats keep it mounted, and close() unmounts it: objects on it go.
-            Its pages are allocated on a thread after start (resident, as memory given
-            to a pool is), so that puts into it do not pay first-touch page faults.
+            It is allocated in /dev/shm at construction (resident, as memory given to
+            a pool is; about 0.25 s per GiB) and its page tables are filled on a thread
+            after it, so that puts into it do not pay first-touch page faults.
         segment_host: data-server address of that segment (port 0 = a free one).
         alloc_leases: put small single-replica values through an allocation lease (one
             master round trip per put or batch instead of two; docs/store.md,
             "Allocation leases"); None = on unless the env var KVPOOL_ALLOC_LEASES is "0".
         lease_bytes: the lease size asked for (the master may grant less).
 
-    Raises RpcFailed at construction when the master cannot be reached.
+    Raises RpcFailed at construction when the master cannot be reached, InvalidParams
+    when ``global_segment_size`` does not fit in /dev/shm (the message says what is free).
 
     ``hint_counts``: copies made from location hints ("confirmed", "missed"; see
     :mod:`kvpool.client.hints`), a Counter.

@@ -26,6 +26,7 @@ from __future__ import annotations
 import contextlib
 import errno
 import logging
+import os
 import socket
 import threading
 import time
@@ -35,11 +36,11 @@ from multiprocessing import shared_memory
 from kvpool import auth
 from kvpool import protocol as P
 from kvpool.config import format_addr
-from kvpool.errors import ErrorCode, KVPoolError, RpcFailed, UserError
+from kvpool.errors import ErrorCode, InvalidParams, KVPoolError, RpcFailed, UserError
 from kvpool.node.data_server import STALL_S, DataServer
 from kvpool.rpc import RpcChannel
 from kvpool.transfer import local_host_id
-from kvpool.transfer.epoch import EpochWord, shm_bytes
+from kvpool.transfer.epoch import SHM_DIR, EpochWord, shm_bytes
 from kvpool.transfer.segment_files import OwnerLock, sweep_stale
 from kvpool.transfer.shm import (MADV_POPULATE_WRITE, POPULATE_CHUNK, Populator,
                                  register_local_segment, unregister_local_segment)
@@ -80,14 +81,17 @@ class SegmentHost:
     """Owns a segment of ``segment_size`` bytes and serves it; see the module docstring.
 
     Args: master_addr "host:port"; host/port of the data server (port 0 = free port);
-    segment_size in bytes; prefault: allocate every page at start; else, with
-    populate_behind, allocate them on a thread after start (:meth:`_populate_all`), and
-    without, as writes reach them; owner_prefix names
+    segment_size in bytes; prefault: allocate every page at start and fill this
+    mapping's page tables; else, with populate_behind, allocate the file at start and
+    fill the page tables on a thread after it (:meth:`_populate_all`), and without,
+    allocate pages as writes reach them; owner_prefix names
     the owner id ("node" or "client"); stall_s: seconds a data-port peer may pause
     mid-frame (:class:`~kvpool.node.data_server.DataServer`); secret: what the data port
     asks of its peers and what this host answers the master (None: ``KVPOOL_SECRET``).
 
-    Raises UserError (port in use), RpcFailed (master unreachable) from :meth:`start`.
+    Raises UserError (port in use) from the constructor; RpcFailed (master
+    unreachable), InvalidParams (prefault or populate_behind, and the segment does not
+    fit in /dev/shm) from :meth:`start`.
     """
 
     def __init__(self, master_addr: str, host: str, port: int, segment_size: int, prefault: bool = True,
@@ -123,6 +127,8 @@ class SegmentHost:
         name = f"kvpool-{uuid.uuid4().hex[:16]}"
         self._owner = OwnerLock(name)  # before the segment exists: never one without a lock
         self.shm = shared_memory.SharedMemory(name=name, create=True, size=shm_bytes(self.segment_size))
+        if self.prefault or self.populate_behind:
+            _reserve(self.shm, self.segment_size)
         if self.prefault:
             _touch_pages(self.shm.buf)
         self.info = P.SegmentInfo(name, local_host_id(), self.shm.name, self.segment_size, self.data_addr)
@@ -270,8 +276,9 @@ class SegmentHost:
             for word in (self.word, self._writers_word):
                 if word is not None:
                     word.close()
-            with contextlib.suppress(BufferError):  # a serving thread may still use it
-                self.server.segment.release()
+            if self.server is not None:
+                with contextlib.suppress(BufferError):  # a serving thread may still use it
+                    self.server.segment.release()
             try:
                 self.shm.close()
             except BufferError:
@@ -281,6 +288,28 @@ class SegmentHost:
         if self._owner:
             self._owner.release()
             self._owner = None
+
+
+def _reserve(shm: shared_memory.SharedMemory, segment_size: int) -> None:
+    """Allocate the whole segment file in /dev/shm now (``posix_fallocate``), so that
+    a segment that does not fit is refused here rather than kill its writers later: a
+    write into a tmpfs page that cannot be allocated is a SIGBUS, in whichever process
+    writes (this host, or a same-host client writing through its own mapping), and a
+    client's segment (populated behind its start) accepted any size. About 0.25 s per
+    GiB here, the zeroing its pages need anyway. Raises InvalidParams (ENOSPC: saying
+    how much is free) or OSError."""
+    try:
+        os.posix_fallocate(shm._fd, 0, shm.size)  # SharedMemory keeps its descriptor in _fd
+    except OSError as exc:
+        if exc.errno != errno.ENOSPC:
+            raise
+        try:
+            st = os.statvfs(SHM_DIR)
+            free = f"{st.f_bavail * st.f_frsize / (1 << 20):,.1f} MiB free"
+        except OSError:
+            free = "not enough free"
+        raise InvalidParams(f"a segment of {segment_size / (1 << 20):,.1f} MiB does not fit in "
+                            f"{SHM_DIR}: {free} (a smaller segment, or a larger {SHM_DIR})") from None
 
 
 def _touch_pages(buf: memoryview) -> None:

@@ -280,9 +280,10 @@ class Populator:
       read-populated PTEs of a shared shmem mapping are writable; MADV_POPULATE_WRITE
       costs 2-3x as much for the same result.
     - The host's own mapping of a segment it did not prefault (a client's contributed
-      segment: its pages are holes until written): ``MADV_POPULATE_WRITE``, which
-      allocates them too: 43 ms per 100 MB in all, against 51-73 ms faulting page by
-      page and 57 ms with POPULATE_READ (whose pages fault again on the write).
+      segment, allocated at start but its page tables unfilled; a node run with
+      ``--prefault no``, whose pages are holes until written): ``MADV_POPULATE_WRITE``,
+      which also allocates holes: 43 ms per 100 MB in all, against 51-73 ms faulting
+      page by page and 57 ms with POPULATE_READ (whose pages fault again on the write).
 
     Without the advice (Linux < 5.14), pages fault as they are touched.
 
