@@ -1,8 +1,10 @@
 """Model loading and the page <-> transformers-cache layout of the reference engine."""
 
 import json
+import os
 import subprocess
 import sys
+import time
 
 import pytest
 import torch
@@ -10,9 +12,10 @@ import torch
 from kvpool.engine.engine import Engine
 from kvpool.engine.kv import kv_buffer, page_shape, pages_to_cache, pages_view, seq_cache
 from kvpool.engine.models import (
-    load_model, resolve_source, smollm2_gguf_path, weights_fingerprint,
+    load_model, resolve_source, smollm2_gguf_path, weights_fingerprint, write_folder_atomically,
 )
 from kvpool.errors import UserError
+from proc_helpers import wait_for
 
 
 @pytest.fixture(scope="module")
@@ -92,7 +95,7 @@ def test_model_specs_are_classified():
 
 
 def test_unknown_model_is_a_user_error(tmp_path):
-    with pytest.raises(UserError, match="unknown model"):
+    with pytest.raises(UserError, match="unknown model .*: no such file or folder"):
         resolve_source(str(tmp_path / "nope"))
     (tmp_path / "empty").mkdir()
     with pytest.raises(UserError, match="unknown model"):
@@ -157,3 +160,59 @@ def test_two_processes_converting_at_once_leave_one_complete_folder(tmp_path):
     assert (target / "weights").read_text() == (target / "config").read_text()
     assert (target / "kvpool_fingerprint.txt").read_text().strip() == "fp123"
     assert sorted(p.name for p in target.parent.iterdir()) == ["m-fp123"]
+
+
+def test_a_conversion_killed_midway_leaves_nothing_the_next_one_keeps(tmp_path):
+    """A conversion killed with -9 left its temporary folder (513 MiB for SmolLM2)
+    that no later run removed. The next conversion of the model removes folders whose
+    writer is gone (their lock is free; one without a lock once an hour old) and
+    keeps one whose writer still holds its lock."""
+    target = tmp_path / "models" / "m-fp123"
+    target.parent.mkdir(parents=True)
+    killed = subprocess.Popen([sys.executable, "-c", RACER.replace("time.sleep(0.5)", "time.sleep(60)"),
+                               str(target)])
+    wait_for(lambda: len(list(target.parent.glob(".m-fp123.*/weights"))) == 1, 30, "the writer's folder")
+    killed.kill()
+    killed.wait(timeout=30)
+    [left] = target.parent.glob(".m-fp123.*")
+    old_unlocked = target.parent / ".m-fp123.older"
+    old_unlocked.mkdir()
+    os.utime(old_unlocked, (time.time() - 7200,) * 2)
+    fresh_unlocked = target.parent / ".m-fp123.fresh"
+    fresh_unlocked.mkdir()
+    alive = subprocess.Popen([sys.executable, "-c", RACER.replace("time.sleep(0.5)", "time.sleep(60)"),
+                              str(target)])
+    try:
+        wait_for(lambda: len(list(target.parent.glob(".m-fp123.*/weights"))) == 1
+                 and not left.exists(), 30, "the abandoned folder removed")
+        [writing] = target.parent.glob(".m-fp123.*/weights")
+        write_folder_atomically(target, "fp123", lambda tmp: (tmp / "weights").write_text("mine"))
+        assert writing.exists()  # a live writer's folder is kept
+    finally:
+        alive.kill()
+        alive.wait(timeout=30)
+    assert not old_unlocked.exists() and fresh_unlocked.exists()
+    assert (target / "weights").read_text() == "mine"
+
+
+def test_a_truncated_gguf_or_an_unusable_cache_folder_is_one_line_not_a_traceback(tmp_path):
+    """Two first-run mistakes that printed chained tracebacks: a GGUF cut short (a
+    download that stopped) and a KVPOOL_CACHE_DIR that is a file or cannot be made."""
+    gguf = smollm2_gguf_path()
+    cut = tmp_path / "cut.gguf"
+    with gguf.open("rb") as src:
+        cut.write_bytes(src.read(10 << 20))
+    a_file = tmp_path / "a-file"
+    a_file.write_text("")
+    env = {**os.environ, "KVPOOL_CACHE_DIR": str(tmp_path / "cache")}
+    runs = [
+        (["generate", "--model", str(cut), "--prompt", "hi"], env, "a truncated or damaged GGUF?"),
+        (["model", "path", "smollm2"], {**env, "KVPOOL_CACHE_DIR": str(a_file)},
+         "set KVPOOL_CACHE_DIR to a writable folder"),
+    ]
+    for args, run_env, said in runs:
+        proc = subprocess.run([sys.executable, "-m", "kvpool", *args], capture_output=True, text=True,
+                              env=run_env, timeout=300)
+        assert proc.returncode == 2, proc.stderr
+        assert said in proc.stderr and "Traceback" not in proc.stderr, proc.stderr
+    assert not list((tmp_path / "cache" / "models").iterdir())  # nothing half-written kept

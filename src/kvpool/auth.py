@@ -94,7 +94,9 @@ def _recv_exact(sock: socket.socket, n: int, deadline: float, peer: str) -> byte
             raise RpcFailed(f"{peer} closed the connection during authentication")
         got += max(k, 0)
         if got < n and time.monotonic() > deadline:
-            raise RpcFailed(f"{peer} sent no authentication challenge in time")
+            raise RpcFailed(f"{peer} sent no authentication challenge in time: it runs without "
+                            "a secret, or is not kvpool (unset KVPOOL_SECRET, or give the server "
+                            "the same --secret)")
     return bytes(buf)
 
 

@@ -217,6 +217,12 @@ class RpcChannel:
                     if first and isinstance(exc, P.FrameError) and not self.masters.ha else "")
             if auth.asks_for_secret(exc):
                 hint = " (the master asks for a shared secret: set KVPOOL_SECRET)"
+            elif "b'HTTP" in str(exc):
+                hint = " (an HTTP server answered: the master's admin --http-port, not its --port?)"
+            elif first and self.secret is not None and not self.masters.ha:
+                # a server closes a connection whose answer to its challenge is wrong
+                hint = (" (it closed the connection after this client answered its secret "
+                        "challenge: is KVPOOL_SECRET the master's --secret?)")
             if not idempotent and self.masters.ha:
                 hint += " (the master may have applied it whole, or not at all: check, then retry)"
             what = f"the master closed the connection ({exc})" if isinstance(exc, ConnectionError) else exc

@@ -21,6 +21,7 @@ MiB of every weight file plus the whole config; for tiny-random it hashes the we
 from __future__ import annotations
 
 import dataclasses
+import fcntl
 import hashlib
 import importlib.util
 import os
@@ -41,6 +42,7 @@ TINY_SLIDING = "tiny-sliding"
 TINY_RANDOM_SEED = 1234
 DTYPES = ("float32", "bfloat16", "float16")
 _FINGERPRINT_FILE = "kvpool_fingerprint.txt"
+_WRITING_LOCK = ".writing.lock"  # in a conversion's temporary folder, locked while it is written
 _MIB = 1 << 20
 
 
@@ -132,6 +134,8 @@ def resolve_source(spec: str) -> tuple[str, str, Path | None]:
         return "folder", path.name, path
     if path.is_dir() and len(ggufs := sorted(path.glob("*.gguf"))) == 1:
         return "gguf", _gguf_model_name(ggufs[0]), ggufs[0]
+    if not path.exists() and (os.sep in spec or path.suffix == ".gguf"):
+        raise UserError(f"unknown model {spec!r}: no such file or folder")
     raise UserError(f"unknown model {spec!r}: give 'smollm2', "
                     f"{', '.join(repr(n) for n in TINY_MODELS)}, a local "
                     "Hugging Face model folder (with config.json) or a .gguf file")
@@ -232,18 +236,55 @@ def write_folder_atomically(target: Path, fingerprint: str, write) -> None:
     two processes race, the rename of the second fails (the target exists, non-empty)
     and it keeps the winner's complete folder.
     """
-    target.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.", dir=target.parent))
     try:
+        target.parent.mkdir(parents=True, exist_ok=True)
+        tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.", dir=target.parent))
+    except OSError as exc:
+        raise UserError(f"cannot write converted models to {target.parent} ({exc.strerror or exc}): "
+                        "set KVPOOL_CACHE_DIR to a writable folder") from None
+    lock = os.open(tmp / _WRITING_LOCK, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+    fcntl.flock(lock, fcntl.LOCK_EX)  # held while this process writes: see _sweep_abandoned
+    try:
+        _sweep_abandoned(target)
         write(tmp)
         (tmp / _FINGERPRINT_FILE).write_text(fingerprint + "\n")
+        os.unlink(tmp / _WRITING_LOCK)
         try:
             os.rename(tmp, target)
         except OSError:
             if not (target / _FINGERPRINT_FILE).is_file():
                 raise
     finally:
+        os.close(lock)
         shutil.rmtree(tmp, ignore_errors=True)
+
+
+def _sweep_abandoned(target: Path) -> None:
+    """Remove the temporary folders of ``target`` whose writer died (a conversion
+    killed with -9 left 513 MiB that no later run removed). A writer holds an exclusive
+    ``flock`` on its folder's lock file for as long as it writes, and the kernel drops
+    it however the writer dies: a folder whose lock can be taken is abandoned. A folder
+    without the lock file (left by an older kvpool, or a writer killed before it made
+    one) is abandoned once untouched for an hour."""
+    for tmp in target.parent.glob(f".{target.name}.*"):
+        try:
+            fd = os.open(tmp / _WRITING_LOCK, os.O_RDWR | os.O_CLOEXEC)
+        except FileNotFoundError:
+            try:
+                if time.time() - tmp.stat().st_mtime > 3600:
+                    shutil.rmtree(tmp, ignore_errors=True)
+            except OSError:
+                pass
+            continue
+        except OSError:
+            continue
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:
+            os.close(fd)
+            continue  # its writer is alive (this process's own folder included)
+        shutil.rmtree(tmp, ignore_errors=True)
+        os.close(fd)
 
 
 def _load_gguf(gguf: Path, ticker: _Ticker):
@@ -257,15 +298,18 @@ def _load_gguf(gguf: Path, ticker: _Ticker):
     from transformers import AutoModelForCausalLM, AutoTokenizer
     from transformers import modeling_gguf_pytorch_utils as gguf_utils
 
-    ticker.next_stage("building the tokenizer from the GGUF")
-    tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
-    ticker.next_stage("reading the GGUF tensors")
     bar = getattr(gguf_utils, "tqdm", None)
-    if bar is not None:
-        gguf_utils.tqdm = lambda items, *a, **k: ticker.count(items)
     try:
+        ticker.next_stage("building the tokenizer from the GGUF")
+        tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+        ticker.next_stage("reading the GGUF tensors")
+        if bar is not None:
+            gguf_utils.tqdm = lambda items, *a, **k: ticker.count(items)
         model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name,
                                                      dtype=torch.float32)
+    except (ValueError, KeyError, IndexError, EOFError) as exc:  # what a cut or damaged file raises
+        raise UserError(f"cannot read {gguf} as a model ({type(exc).__name__}: {exc}): "
+                        f"a truncated or damaged GGUF? ({gguf.stat().st_size / _MIB:,.0f} MiB)") from None
     finally:
         if bar is not None:
             gguf_utils.tqdm = bar
