@@ -9,6 +9,7 @@ import json
 import os
 import queue
 import re
+import shutil
 import signal
 import subprocess
 import threading
@@ -78,3 +79,20 @@ def _alive(pid: int) -> bool:
     # a zombie has exited; only its parent's wait is missing
     with open(f"/proc/{pid}/stat") as f:
         return f.read().split(") ")[1][0] != "Z"
+
+
+def test_a_demo_whose_store_holds_too_little_says_why_and_keeps_its_logs():
+    """A segment smaller than what A writes: B finds nothing in the store. The FAIL
+    line says why (what A wrote, more than the segment holds) and the logs stay, as
+    --help promises when something failed; before, the line gave no reason and the
+    logs were removed."""
+    args = list(DEMO)
+    args[args.index("--segment-size") + 1] = "1MiB"
+    proc = subprocess.run([*args, "--quiet"], capture_output=True, text=True, timeout=170, env=kvpool_env())
+    assert proc.returncode == 1, proc.stdout + proc.stderr
+    assert "B reused 0 tokens" in proc.stdout
+    assert "more than the segment (1MiB) holds" in proc.stdout, proc.stdout
+    logs = re.search(r"logs of the master, node and engines: (\S+)", proc.stderr)
+    assert logs and os.path.isdir(logs.group(1)), proc.stderr
+    assert any(name.endswith(".log") for name in os.listdir(logs.group(1)))
+    shutil.rmtree(logs.group(1))

@@ -258,6 +258,7 @@ class L3Tier:
             for j, good in zip(todo, ok):
                 stored[j] = good
             self.metrics.inc("pages_written_l3", sum(ok))
+            self.metrics.inc("pages_refused_l3", len(ok) - sum(ok))
             self.metrics.inc("bytes_written_l3", nbytes)
         except BACKEND_ERRORS:
             self.metrics.inc("l3_errors")

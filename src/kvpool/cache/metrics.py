@@ -12,6 +12,8 @@ Names (all monotonically increasing integers):
     pages_loaded_l3, bytes_loaded_l3 pages and bytes read back from L3 (load and prefetch)
     pages_written_l3, bytes_written_l3, pages_dedup_l3
                                      backups written, and pages skipped as already in L3
+    pages_refused_l3                 backup pages the store did not take (full, a write
+                                     that failed); offered again later
     evictions_l1, evictions_l2       pages dropped from a tier to make room
     evictions_stuck_l1               write_back victims skipped: no L2 slot for a page
                                      whose children live in L2 only (K20)

@@ -80,12 +80,22 @@ def run(args) -> int:
     # SIGINT too: a shell starts background jobs with SIGINT ignored, and the demo must
     # still stop (and stop its children) when one is sent.
     previous = {sig: signal.signal(sig, in_this_process(_interrupt)) for sig in (signal.SIGTERM, signal.SIGINT)}
+    logs = Path(args.log_dir or tempfile.mkdtemp(prefix="kvpool-demo-"))
+    keep = True  # the logs, unless the demo passes (or the user stopped it)
     try:
-        rows, info = _run(args, workload, plan, say)
+        rows, info, children_failed = _run(args, workload, plan, logs, say)
+        report = build_report(args, rows, info, time.monotonic() - started)
+        keep = children_failed or not report["ok"]
+    except KeyboardInterrupt:
+        keep = False  # nothing to look at
+        raise
     finally:
         for sig, handler in previous.items():
             signal.signal(sig, handler)
-    report = build_report(args, rows, info, time.monotonic() - started)
+        if args.log_dir or keep:
+            print(f"[demo] logs of the master, node and engines: {logs}", file=sys.stderr)
+        else:
+            shutil.rmtree(logs, ignore_errors=True)
     print_replay(rows)
     print(report["verdict"])
     if args.json:
@@ -116,38 +126,27 @@ def _interrupt(signum, frame):
     raise KeyboardInterrupt
 
 
-def _run(args, workload, plan, say) -> tuple[list[dict], dict]:
-    """Cluster up, engines up, the plan warm, then cold; everything stopped on the way out."""
+def _run(args, workload, plan, logs: Path, say) -> tuple[list[dict], dict, bool]:
+    """Cluster up, engines up, the plan warm, then cold; everything stopped on the way
+    out. Returns (rows, info, whether a child of the cluster failed); logs go to ``logs``."""
     from kvpool.launch import Cluster
 
     say(f"starting the cluster: master + 1 node, segment {args.segment_size}")
-    logs = Path(args.log_dir or tempfile.mkdtemp(prefix="kvpool-demo-"))
     logs.mkdir(parents=True, exist_ok=True)
-    failed = True
-    try:
-        with Cluster(segment_size=args.segment_size, log_dir=logs) as cluster:
-            say(f"master {cluster.master_addr} (pid {cluster.master.proc.pid}), node data port "
-                f"{cluster.node_addrs[0]} (pid {cluster.node_children[0].proc.pid})")
-            engines: dict[str, EngineProcess] = {}
-            try:
-                _start_engines(args, cluster.master_addr, logs, engines, say)
-                rows = run_plan(args, workload, plan, engines, say)
-                replay_cold(args, rows, engines, say)
-                info = {"model": engines["A"].info["model"], "master": cluster.master_addr,
-                        "transport": "tcp" if args.force_tcp else "shm"}
-            finally:
-                for engine in engines.values():
-                    engine.stop()
-            failed = any(c.failed for c in cluster.children)
-    except KeyboardInterrupt:
-        failed = False  # the user stopped it: nothing to look at
-        raise
-    finally:
-        if args.log_dir or failed:
-            print(f"[demo] logs of the master, node and engines: {logs}", file=sys.stderr)
-        else:
-            shutil.rmtree(logs, ignore_errors=True)
-    return rows, info
+    with Cluster(segment_size=args.segment_size, log_dir=logs) as cluster:
+        say(f"master {cluster.master_addr} (pid {cluster.master.proc.pid}), node data port "
+            f"{cluster.node_addrs[0]} (pid {cluster.node_children[0].proc.pid})")
+        engines: dict[str, EngineProcess] = {}
+        try:
+            _start_engines(args, cluster.master_addr, logs, engines, say)
+            rows = run_plan(args, workload, plan, engines, say)
+            replay_cold(args, rows, engines, say)
+            info = {"model": engines["A"].info["model"], "master": cluster.master_addr,
+                    "transport": "tcp" if args.force_tcp else "shm"}
+        finally:
+            for engine in engines.values():
+                engine.stop()
+        return rows, info, any(c.failed for c in cluster.children)
 
 
 def _start_engines(args, master: str, logs: Path, engines: dict, say) -> None:
@@ -252,6 +251,21 @@ def print_replay(rows: list[dict]) -> None:
               f"{'same' if row['tokens_match'] else 'DIFF':>7} {row['max_abs_dlogit']:>11.2e}")
 
 
+def _why_no_store_reuse(args, rows: list[dict]) -> str:
+    """What engine A's cache counted of its backups to the store, for a FAIL line."""
+    from kvpool.node.cli import segment_size
+
+    last_a = next((r for r in reversed(rows) if r["engine"] == "A"), None)
+    m = last_a.get("cache_metrics", {}) if last_a else {}
+    written, refused = m.get("pages_written_l3", 0), m.get("pages_refused_l3", 0)
+    nbytes = m.get("bytes_written_l3", 0)
+    why = ""
+    if refused or nbytes > segment_size(args.segment_size):
+        why = (f": more than the segment ({args.segment_size}) holds, so the store refused or "
+               "evicted them; give it a larger --segment-size")
+    return f" (A's pages: {written} written to the store, {nbytes / (1 << 20):,.1f} MiB, {refused} refused{why})"
+
+
 def build_report(args, rows: list[dict], info: dict, wall_s: float) -> dict:
     """Everything the demo measured, the checks and the one-line verdict."""
     matched = [r for r in rows if r["tokens_match"] and r["logits_match"]]
@@ -270,7 +284,8 @@ def build_report(args, rows: list[dict], info: dict, wall_s: float) -> dict:
     max_dlogit = max(r["max_abs_dlogit"] for r in rows)
     parts = [f"{len(matched)}/{len(rows)} answers match their cold run "
              f"(same tokens, max |dlogit| {max_dlogit:.1e} <= {LOGIT_TOLERANCE:g})",
-             f"B reused {via_store} tokens that A wrote, through the store (L3)"]
+             f"B reused {via_store} tokens that A wrote, through the store (L3)"
+             + ("" if via_store else _why_no_store_reuse(args, rows))]
     if speedups:
         parts.append(f"cold/warm TTFT {min(speedups):.1f}x to {max(speedups):.1f}x on the "
                      f"{len(speedups)} request(s) reusing >=90% of >=1000 tokens (target "
