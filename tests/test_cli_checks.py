@@ -38,6 +38,7 @@ REFUSED = [
     (["serve", "--segment-size", "999999TiB"], "--segment-size 1,023,998,976.00 GiB does not fit"),
     (["node", "--segment-size", "100TiB"], "--segment-size 102,400.00 GiB does not fit"),
     (["node", "--segment-size", "100TiB", "--prefault", "no"], "GiB free in /dev/shm"),
+    (["node", "--host", "0.0.0.0"], "--host 0.0.0.0: a node announces its --host to clients"),
     (["master", "--busy-poll", "-5"], "bad value '-5' for busy-poll (from flag): must be >= 0"),
     # bench: before the first cell, not at the end of the run
     (["bench", "store", "--quick", "--repeats", "0"], "--repeats must be >= 1, got 0"),

@@ -66,7 +66,7 @@ def test_a_poll_on_a_silent_socket_ends_with_its_budget():
         b.close()
 
 
-def test_the_environment_sets_or_turns_off_polling(monkeypatch):
+def test_the_environment_sets_or_turns_off_polling(monkeypatch, caplog):
     monkeypatch.setenv("KVPOOL_SPIN_US", "0")
     wait = ReplyWait()
     _recorded(wait, "k", 1e-6)
@@ -75,6 +75,10 @@ def test_the_environment_sets_or_turns_off_polling(monkeypatch):
     assert spin_max_s() == pytest.approx(50e-6)
     monkeypatch.setenv("KVPOOL_SPIN_US", "lots")
     assert spin_max_s() == pytest.approx(SPIN_MAX_US / 1e6)
+    assert spin_max_s() == pytest.approx(SPIN_MAX_US / 1e6)
+    # a value that is ignored says so, once (every connection asks)
+    said = [r.getMessage() for r in caplog.records if "KVPOOL_SPIN_US" in r.getMessage()]
+    assert said == [f"KVPOOL_SPIN_US='lots' is not a whole number of microseconds: using {SPIN_MAX_US}"]
 
 
 def test_the_master_channel_learns_to_poll_for_pings(module_cluster):

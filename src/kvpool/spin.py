@@ -20,6 +20,7 @@ host with more busy processes than cores).
 
 from __future__ import annotations
 
+import logging
 import os
 import socket
 import time
@@ -27,14 +28,22 @@ import time
 SPIN_MAX_US = 200  # default longest poll, us (a polled put commit took 76 us here, blocked 120)
 _PEEK = socket.MSG_PEEK | socket.MSG_DONTWAIT
 _WEIGHT = 1 / 8  # of the newest wait in the mean
+log = logging.getLogger("kvpool.spin")
+_warned: set[str] = set()  # bad KVPOOL_SPIN_US values already warned about
 
 
 def spin_max_s() -> float:
     """Longest poll in seconds: ``KVPOOL_SPIN_US`` (microseconds, >= 0), else
-    :data:`SPIN_MAX_US`. A value that is not a number is ignored."""
+    :data:`SPIN_MAX_US`. A value that is not a whole number is ignored, with a warning
+    (once per process: every connection asks)."""
+    text = os.environ.get("KVPOOL_SPIN_US", "")
     try:
-        return max(0, int(os.environ.get("KVPOOL_SPIN_US", SPIN_MAX_US))) / 1e6
+        return max(0, int(text or SPIN_MAX_US)) / 1e6
     except ValueError:
+        if text not in _warned:
+            _warned.add(text)
+            log.warning("KVPOOL_SPIN_US=%r is not a whole number of microseconds: using %d",
+                        text, SPIN_MAX_US)
         return SPIN_MAX_US / 1e6
 
 

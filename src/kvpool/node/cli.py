@@ -8,6 +8,7 @@ import os
 import signal
 
 from kvpool.config import Option, add_options, parse_bool, parse_host, parse_size, resolve, write_ready_file
+from kvpool.local_socket import WILDCARDS
 from kvpool.errors import UserError
 from kvpool.masters import check_spec
 from kvpool.node.data_server import STALL_S
@@ -106,6 +107,9 @@ def run(args) -> int:
     from kvpool.node.segment_host import SegmentHost
 
     values = resolve(args, OPTIONS)
+    if values["host"] in WILDCARDS:  # clients would connect to 0.0.0.0: their own host
+        raise UserError(f"--host {values['host']}: a node announces its --host to clients as its data "
+                        "address; give the address of the interface the other machines reach")
     size = segment_size(values["segment_size"])
     check_fits(size, values["prefault"])
     logging.basicConfig(level=logging.INFO, format="%(asctime)s node %(levelname)s %(message)s")
