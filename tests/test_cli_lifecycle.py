@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 import queue
+import shutil
 import signal
 import subprocess
 import sys
@@ -197,3 +198,38 @@ def test_a_signal_held_back_during_a_start_that_fails_is_not_left_for_a_later_on
     assert calls == [signal.SIGUSR1] and child._deferred == []
     child.spawn(["true"]).wait()  # a later start: no stale signal goes off
     assert calls == [signal.SIGUSR1]
+
+
+_LAUNCHER = """
+import sys, time
+from kvpool.launch import Cluster
+c = Cluster(segment_size="16MiB", num_nodes=0).start()
+print(c.master.log_path.parent, flush=True)
+time.sleep(120)
+"""
+
+
+def test_the_folder_of_a_launcher_killed_with_9_is_removed_by_the_next_one():
+    """A launcher killed with -9 (its children stop by PDEATHSIG) left its
+    /tmp/kvpool-cluster-* folder for good. The next launcher removes folders whose
+    launcher is gone, and keeps one a live launcher holds and one kept on purpose
+    (the logs of a failed child)."""
+    with pytest.raises(LaunchError, match=r"log: (\S+)") as failed:
+        Cluster(segment_size="16MiB", extra_node_args=["--prefault", "maybe"]).start()
+    kept = Path(str(failed.value).split("(log: ")[1].split(")")[0]).parent
+    killed = subprocess.Popen([sys.executable, "-c", _LAUNCHER], stdout=subprocess.PIPE, text=True,
+                              env=kvpool_env())
+    alive = subprocess.Popen([sys.executable, "-c", _LAUNCHER], stdout=subprocess.PIPE, text=True,
+                             env=kvpool_env())
+    try:
+        left, held = Path(killed.stdout.readline().strip()), Path(alive.stdout.readline().strip())
+        killed.kill()
+        killed.wait(timeout=30)
+        assert left.is_dir() and held.is_dir() and kept.is_dir()
+        with Cluster(segment_size="16MiB", num_nodes=0):
+            assert not left.exists()
+            assert held.is_dir() and kept.is_dir()
+    finally:
+        alive.kill()
+        alive.wait(timeout=30)
+    shutil.rmtree(kept)

@@ -13,7 +13,6 @@ toolkit is :mod:`kvpool.child`).
 from __future__ import annotations
 
 import json
-import shutil
 import tempfile
 import time
 from pathlib import Path
@@ -21,6 +20,9 @@ from pathlib import Path
 from kvpool.child import ChildProcess, kvpool_cmd
 from kvpool.config import parse_size
 from kvpool.errors import KVPoolError
+from kvpool.owned_dir import OwnedDir, sweep_abandoned
+
+WORKDIR_PREFIX = "kvpool-cluster-"  # a launcher's folder of ready files (and logs) in the temp dir
 
 
 class LaunchError(KVPoolError):
@@ -93,7 +95,9 @@ class Cluster:
         self.num_nodes = num_nodes
         self.master_port = master_port
         self.startup_timeout_s = startup_timeout_s
-        self._workdir = Path(tempfile.mkdtemp(prefix="kvpool-cluster-"))
+        sweep_abandoned(tempfile.gettempdir(), WORKDIR_PREFIX)  # those of launchers killed with -9
+        self._owned = OwnedDir(WORKDIR_PREFIX)
+        self._workdir = self._owned.path
         self.log_dir = Path(log_dir) if log_dir else self._workdir
         self.log_dir.mkdir(parents=True, exist_ok=True)
         self.master: Child | None = None
@@ -169,7 +173,9 @@ class Cluster:
         if self.master is not None:
             self.master.stop()
         if self.log_dir != self._workdir or not keep_logs:
-            shutil.rmtree(self._workdir, ignore_errors=True)
+            self._owned.remove()
+        else:
+            self._owned.keep()  # the logs of a failed child: no later sweep removes them
 
     @property
     def children(self) -> list[Child]:

@@ -21,18 +21,16 @@ MiB of every weight file plus the whole config; for tiny-random it hashes the we
 from __future__ import annotations
 
 import dataclasses
-import fcntl
 import hashlib
 import importlib.util
 import os
-import shutil
-import tempfile
 import threading
 import time
 from pathlib import Path
 
 from kvpool.config import env
 from kvpool.errors import UserError
+from kvpool.owned_dir import LOCK_NAME, OwnedDir, sweep_abandoned
 
 SMOLLM2_NAME = "SmolLM2-135M-Instruct"
 SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -42,7 +40,7 @@ TINY_SLIDING = "tiny-sliding"
 TINY_RANDOM_SEED = 1234
 DTYPES = ("float32", "bfloat16", "float16")
 _FINGERPRINT_FILE = "kvpool_fingerprint.txt"
-_WRITING_LOCK = ".writing.lock"  # in a conversion's temporary folder, locked while it is written
+_ABANDONED_S = 3600  # a conversion folder without a lock file this old is an abandoned one
 _MIB = 1 << 20
 
 
@@ -234,57 +232,29 @@ def write_folder_atomically(target: Path, fingerprint: str, write) -> None:
 
     The fingerprint file is written last: its presence marks a complete folder. When
     two processes race, the rename of the second fails (the target exists, non-empty)
-    and it keeps the winner's complete folder.
+    and it keeps the winner's complete folder. The temporary folder is locked while it
+    is written (:mod:`kvpool.owned_dir`), and those of writers that died (a conversion
+    killed with -9 left 513 MiB for good) are removed first. Raises UserError when the
+    cache folder cannot be written.
     """
     try:
         target.parent.mkdir(parents=True, exist_ok=True)
-        tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.", dir=target.parent))
+        tmp = OwnedDir(f".{target.name}.", target.parent)
     except OSError as exc:
         raise UserError(f"cannot write converted models to {target.parent} ({exc.strerror or exc}): "
                         "set KVPOOL_CACHE_DIR to a writable folder") from None
-    lock = os.open(tmp / _WRITING_LOCK, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
-    fcntl.flock(lock, fcntl.LOCK_EX)  # held while this process writes: see _sweep_abandoned
     try:
-        _sweep_abandoned(target)
-        write(tmp)
-        (tmp / _FINGERPRINT_FILE).write_text(fingerprint + "\n")
-        os.unlink(tmp / _WRITING_LOCK)
+        sweep_abandoned(target.parent, f".{target.name}.", max_age_s=_ABANDONED_S)
+        write(tmp.path)
+        (tmp.path / _FINGERPRINT_FILE).write_text(fingerprint + "\n")
+        os.unlink(tmp.path / LOCK_NAME)  # not part of the model
         try:
-            os.rename(tmp, target)
+            os.rename(tmp.path, target)
         except OSError:
             if not (target / _FINGERPRINT_FILE).is_file():
                 raise
     finally:
-        os.close(lock)
-        shutil.rmtree(tmp, ignore_errors=True)
-
-
-def _sweep_abandoned(target: Path) -> None:
-    """Remove the temporary folders of ``target`` whose writer died (a conversion
-    killed with -9 left 513 MiB that no later run removed). A writer holds an exclusive
-    ``flock`` on its folder's lock file for as long as it writes, and the kernel drops
-    it however the writer dies: a folder whose lock can be taken is abandoned. A folder
-    without the lock file (left by an older kvpool, or a writer killed before it made
-    one) is abandoned once untouched for an hour."""
-    for tmp in target.parent.glob(f".{target.name}.*"):
-        try:
-            fd = os.open(tmp / _WRITING_LOCK, os.O_RDWR | os.O_CLOEXEC)
-        except FileNotFoundError:
-            try:
-                if time.time() - tmp.stat().st_mtime > 3600:
-                    shutil.rmtree(tmp, ignore_errors=True)
-            except OSError:
-                pass
-            continue
-        except OSError:
-            continue
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except OSError:
-            os.close(fd)
-            continue  # its writer is alive (this process's own folder included)
-        shutil.rmtree(tmp, ignore_errors=True)
-        os.close(fd)
+        tmp.remove()
 
 
 def _load_gguf(gguf: Path, ticker: _Ticker):
