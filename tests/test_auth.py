@@ -56,7 +56,7 @@ def test_a_client_with_a_secret_and_a_master_without_one_says_so(monkeypatch):
     monkeypatch.delenv("KVPOOL_SECRET", raising=False)
     with Cluster(segment_size="16MiB", num_nodes=0) as open_cluster:
         chan = RpcChannel(open_cluster.master_addr, timeout_s=0.5, secret=b"a secret")
-        with pytest.raises(RpcFailed, match="no authentication challenge in time: it runs without a secret"):
+        with pytest.raises(RpcFailed, match="no authentication challenge in time: .* runs without a secret"):
             chan.call(P.Ping())
         chan.close()
 

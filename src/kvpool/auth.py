@@ -94,9 +94,9 @@ def _recv_exact(sock: socket.socket, n: int, deadline: float, peer: str) -> byte
             raise RpcFailed(f"{peer} closed the connection during authentication")
         got += max(k, 0)
         if got < n and time.monotonic() > deadline:
-            raise RpcFailed(f"{peer} sent no authentication challenge in time: it runs without "
-                            "a secret, or is not kvpool (unset KVPOOL_SECRET, or give the server "
-                            "the same --secret)")
+            raise RpcFailed(f"{peer} sent no authentication challenge in time: it is not "
+                            "answering, runs without a secret (then unset KVPOOL_SECRET, or give "
+                            "it the same --secret), or is not kvpool")
     return bytes(buf)
 
 

@@ -32,8 +32,11 @@ class OwnedDir:
 
     def __init__(self, prefix: str, dir: str | Path | None = None):
         self.path = Path(tempfile.mkdtemp(prefix=prefix, dir=dir))
-        self._fd = os.open(self.path / LOCK_NAME, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+        # locked under another name, then renamed: a sweep never finds it unlocked
+        making = self.path / (LOCK_NAME + ".new")
+        self._fd = os.open(making, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
         fcntl.flock(self._fd, fcntl.LOCK_EX)
+        os.rename(making, self.path / LOCK_NAME)
 
     def keep(self) -> None:
         """Leave the folder for a person to read (no sweep removes it) and unlock it."""
@@ -73,12 +76,15 @@ def sweep_abandoned(parent: str | Path, prefix: str, max_age_s: float | None = N
             continue
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            # a writer unlinks its lock file (keep, remove, rename) before it unlocks: if
+            # the path no longer names the file locked here, the folder is not abandoned
+            abandoned = os.stat(folder / LOCK_NAME).st_ino == os.fstat(fd).st_ino
         except OSError:
-            os.close(fd)
-            continue  # its writer is alive
-        shutil.rmtree(folder, ignore_errors=True)
+            abandoned = False  # its writer is alive, or it finished meanwhile
+        if abandoned:
+            shutil.rmtree(folder, ignore_errors=True)
+            removed += 1
         os.close(fd)
-        removed += 1
     return removed
 
 

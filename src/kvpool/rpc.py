@@ -50,7 +50,9 @@ _logged_lock = threading.Lock()
 NOT_LEADER = ErrorCode.UNAVAILABLE_IN_CURRENT_STATUS  # a standby's (or fenced leader's) refusal
 RETRY_S = 0.05  # pause between rounds over the candidates during a change of leader
 STREAM_RCVBUF = 4 << 20  # bytes of unasked frames the kernel holds between two polls (TCP)
-MIN_WAIT = 0.1  # of timeout_s: the least a request past its caller's deadline waits for its reply
+# of timeout_s: the least a request past its caller's deadline waits for its reply (a
+# commit after a long write decides the put: a short pause of the master must not fail it)
+MIN_WAIT = 0.25
 
 
 def _log_once(message: str) -> None:
@@ -219,7 +221,7 @@ class RpcChannel:
                 hint = " (the master asks for a shared secret: set KVPOOL_SECRET)"
             elif "b'HTTP" in str(exc):
                 hint = " (an HTTP server answered: the master's admin --http-port, not its --port?)"
-            elif first and self.secret is not None and not self.masters.ha:
+            elif first and self.secret is not None and not self._ever_answered and not self.masters.ha:
                 # a server closes a connection whose answer to its challenge is wrong
                 hint = (" (it closed the connection after this client answered its secret "
                         "challenge: is KVPOOL_SECRET the master's --secret?)")

@@ -62,7 +62,7 @@ class PutPath:
         TIMEOUT once the client's ``timeout_s`` is spent: the put's writes, into its
         allocation lease and then the PutStart way, share that one deadline), RpcFailed
         (the master did not answer: its waits share that deadline too, so a put returns
-        within about 1.1 x ``timeout_s`` whichever step hangs; whether a put whose commit
+        within about 1.25 x ``timeout_s`` whichever step hangs; whether a put whose commit
         went unanswered was applied, a query tells).
         """
         return self._put(key, value, _item(key, replica_num, False, soft_pin, soft_pin_ttl_ms, hard_pin,

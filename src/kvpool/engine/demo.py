@@ -260,9 +260,11 @@ def _why_no_store_reuse(args, rows: list[dict]) -> str:
     written, refused = m.get("pages_written_l3", 0), m.get("pages_refused_l3", 0)
     nbytes = m.get("bytes_written_l3", 0)
     why = ""
-    if refused or nbytes > segment_size(args.segment_size):
-        why = (f": more than the segment ({args.segment_size}) holds, so the store refused or "
-               "evicted them; give it a larger --segment-size")
+    if nbytes > segment_size(args.segment_size):
+        why = (f": more than the segment ({args.segment_size}) holds, so the store evicted "
+               "them; give it a larger --segment-size")
+    elif refused:
+        why = ": the node's and master's logs say why"
     return f" (A's pages: {written} written to the store, {nbytes / (1 << 20):,.1f} MiB, {refused} refused{why})"
 
 
