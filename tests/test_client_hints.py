@@ -15,6 +15,7 @@ import pytest
 from proc_helpers import wait_for
 
 from kvpool import protocol as P
+from kvpool.child import pause_process
 from kvpool.client import Client
 from kvpool.client.hints import Hint, LocationHints
 from kvpool.errors import KVPoolError, ObjectNotFound
@@ -167,7 +168,7 @@ def test_a_hint_to_a_node_that_stopped_answering_costs_a_bounded_wait_not_the_ti
             client.release([handle])
             name = handle.replicas[0].segment.name
             [victim] = [c for c in cluster.node_children if name in str(c.info)]
-            os.kill(victim.proc.pid, signal.SIGSTOP)
+            assert pause_process(victim.proc.pid)
             try:
                 wait_for(lambda: len(client.stats().segments) == 1, 20, "the stopped node's segment dropped")
                 started = time.monotonic()

@@ -15,6 +15,7 @@ import numpy as np
 import pytest
 
 from kvpool import protocol as P
+from kvpool.child import pause_process
 from kvpool.client import Client
 from kvpool.client.pipeline import GROWTH, LARGE_VALUE, MIN_KEYS, get_spans, put_spans, spans
 from kvpool.errors import ErrorCode, KVPoolError
@@ -210,7 +211,7 @@ def test_a_node_that_stops_answering_costs_a_pipelined_batch_one_timeout_not_one
             assert c.batch_put(keys, values(128, 4 * KIB)) == [ErrorCode.OK] * 128
             assert len(get_spans(128, 4 * KIB)) >= 4 and len(put_spans(128, 64 * KIB)) >= 4
             pid = int(cluster.nodes[0]["pid"])
-            os.kill(pid, signal.SIGSTOP)
+            assert pause_process(pid)
             try:
                 started = time.monotonic()
                 got = c.batch_get_into(keys, [np.zeros(4 * KIB, np.uint8) for _ in keys])

@@ -14,6 +14,7 @@ import msgspec
 import pytest
 
 from kvpool import protocol as P
+from kvpool.child import pause_process
 from kvpool.client import Client
 from kvpool.config import parse_addr
 from kvpool.errors import ErrorCode, ObjectExists, ObjectNotFound, RpcFailed, TransferFailed
@@ -168,7 +169,7 @@ def test_a_put_to_a_stopped_node_waits_one_timeout_not_one_per_step(cluster):
     with Client(cluster.master_addr, force_tcp=True, timeout_s=timeout_s) as c:
         c.put("warm", b"w" * 4096)  # the client holds a lease on the node's segment now
         pid = int(cluster.nodes[0]["pid"])
-        os.kill(pid, signal.SIGSTOP)
+        assert pause_process(pid)
         try:
             started = time.monotonic()
             with pytest.raises(TransferFailed):
@@ -192,7 +193,7 @@ def test_a_put_to_a_stopped_master_says_the_master_did_not_answer(cluster):
     timeout_s = 2.0
     with Client(cluster.master_addr, timeout_s=timeout_s) as c:
         pid = cluster.master.proc.pid
-        os.kill(pid, signal.SIGSTOP)
+        assert pause_process(pid)
         try:
             started = time.monotonic()
             with pytest.raises(RpcFailed):
@@ -221,7 +222,7 @@ def test_a_master_that_stops_after_the_write_costs_a_put_one_timeout(cluster, ba
 
         def write_then_stop(*args, **kwargs):  # times the fault: between the write and PutEnd
             done = write_all(*args, **kwargs)
-            os.kill(pid, signal.SIGSTOP)
+            assert pause_process(pid)
             return done
 
         c._write_all = write_then_stop
@@ -251,7 +252,7 @@ def test_a_stopped_master_costs_a_read_one_timeout_and_then_serves_again(cluster
         c.put("k", b"v" * 4096)
         pid = cluster.master.proc.pid
         took = {}
-        os.kill(pid, signal.SIGSTOP)
+        assert pause_process(pid)
         try:
             for name, call in (("get", lambda: c.get("k")), ("is_exist", lambda: c.is_exist("k")),
                                ("batch_is_exist", lambda: c.batch_is_exist(["k"]))):

@@ -17,6 +17,7 @@ import proc_helpers
 import pytest
 
 from kvpool import protocol as P
+from kvpool.child import pause_process
 from kvpool.client import Client
 from kvpool.errors import ErrorCode, KVPoolError, ObjectExists
 from kvpool.etcd import Etcd
@@ -116,7 +117,7 @@ def test_paused_leader_refuses_when_resumed():
             stale = RpcChannel(group.master_addrs[old], 5.0, b"")
             stale.call(P.Ping())
             pid = group.masters[old].proc.pid
-            os.kill(pid, signal.SIGSTOP)
+            assert pause_process(pid)
             try:
                 proc_helpers.wait_for(lambda: group.leader_index() not in (None, old), 30,
                                       "the standby to take over")

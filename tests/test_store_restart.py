@@ -21,6 +21,7 @@ import proc_helpers
 import pytest
 
 from kvpool import protocol as P
+from kvpool.child import pause_process
 from kvpool.client import Client
 from kvpool.errors import KVPoolError, ObjectNotFound
 from kvpool.launch import Cluster
@@ -298,7 +299,7 @@ def test_k18_a_segment_the_master_dropped_comes_back_empty_and_its_old_grants_fa
         client.put("k", value("k"))
         handle = client.query("k")
         pid = cluster.nodes[0]["pid"]
-        os.kill(pid, signal.SIGSTOP)  # silent past the client TTL: the master drops the segment
+        assert pause_process(pid)  # silent past the client TTL: the master drops the segment
         try:
             wait_for(lambda: not client.stats().segments, what="the silent node's segment to be dropped")
         finally:
@@ -425,7 +426,7 @@ def test_k18_a_commit_is_acknowledged_only_once_its_index_update_left_the_master
                         return  # the put held back when the master died: in flight, not checked
                     acked.append(f"k{i}")
 
-            os.kill(pid, signal.SIGSTOP)
+            assert pause_process(pid)
             writer = threading.Thread(target=put_until_held, daemon=True)
             try:
                 writer.start()

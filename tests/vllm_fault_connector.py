@@ -17,11 +17,10 @@ Loaded by a real vLLM engine in tests (``kv_connector_module_path:
 
 from __future__ import annotations
 
-import os
-import signal
 import threading
 
 from kvpool.cache.codec import HEADER_SIZE
+from kvpool.child import pause_process
 from kvpool.integrations.vllm.connector import KVPoolConnector, logger
 
 HOLD_TIMEOUT_S = 600
@@ -74,7 +73,7 @@ class FaultyKVPoolConnector(KVPoolConnector):
         def stalled(batch, pages):
             if not calls:
                 calls.append(batch)
-                os.kill(pid, signal.SIGSTOP)
+                pause_process(pid)
                 logger.info("kvpool-test: master %d stopped before a batch put", pid)
             return store(batch, pages)
         return stalled

@@ -153,6 +153,36 @@ def signal_name(number: int) -> str:
         return f"signal {number}"
 
 
+def pause_process(pid: int, timeout_s: float = 10.0) -> bool:
+    """SIGSTOP ``pid`` and return once every thread of it has stopped (True), or False
+    when it has not within ``timeout_s`` seconds (gone, or still running). Why wait: a
+    thread running on another core stops only when it next enters the kernel, so on a
+    loaded machine a process "stopped" by os.kill still answered a request sent right
+    after it (seen in CI: a put to a SIGSTOPped node succeeded in 0.5 ms)."""
+    os.kill(pid, signal.SIGSTOP)
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if _all_stopped(pid):
+            return True
+        time.sleep(0.001)
+    return False
+
+
+def _all_stopped(pid: int) -> bool:
+    """Whether every thread of ``pid`` is in state T (stopped) in /proc; False when the
+    process is gone or /proc cannot be read."""
+    try:
+        tasks = os.listdir(f"/proc/{pid}/task")
+        for tid in tasks:
+            with open(f"/proc/{pid}/task/{tid}/stat", "rb") as f:
+                state = f.read().rsplit(b")", 1)[1].split()[0]  # the name may hold spaces
+            if state not in (b"T", b"t"):
+                return False
+    except (OSError, IndexError):
+        return False
+    return bool(tasks)
+
+
 def wait_or_kill(proc: subprocess.Popen, timeout_s: float) -> int:
     """Wait up to ``timeout_s`` seconds for ``proc`` to exit, then SIGKILL it and reap it.
 

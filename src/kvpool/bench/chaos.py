@@ -44,6 +44,8 @@ from dataclasses import asdict, dataclass, field
 
 import xxhash
 
+from kvpool.child import pause_process
+
 HELP = "kill nodes, clients and the leader under verified load; count wrong bytes and lost objects"
 SCHEMA = "kvpool.bench.chaos/1"
 PROBE_S = 0.05
@@ -321,7 +323,7 @@ def _pause_node(group, rng: random.Random) -> int:
     """SIGSTOP a live node for :data:`PAUSE_S` (its index stream goes unread while the
     clients commit); returns its pid, still stopped."""
     pid = rng.choice([n.proc.pid for n in group.nodes if n.proc.poll() is None])
-    os.kill(pid, signal.SIGSTOP)
+    pause_process(pid)
     time.sleep(PAUSE_S)
     return pid
 
