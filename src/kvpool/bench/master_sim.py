@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import os
 import selectors
+import shutil
 import socket
 import tempfile
 import threading
@@ -47,9 +48,13 @@ class MasterProcess:
     manager; ``addr``, ``pid``, :meth:`rss` and :meth:`cpu_s`. Raises LaunchError."""
 
     def __init__(self, log_dir: str, tag: str, extra_args: tuple[str, ...] = ()):
-        self._work = tempfile.mkdtemp(prefix="kvpool-bench-master-")
+        self._work = tempfile.mkdtemp(prefix="kvpool-bench-master-")  # its ready file only
         self.child = Child("master", ["--port", "0", *extra_args], Path(self._work), Path(log_dir), tag)
-        info = self.child.wait_ready(60.0)
+        try:
+            info = self.child.wait_ready(60.0)
+        except BaseException:
+            self.close()
+            raise
         self.addr, self.pid = info["addr"], info["pid"]
 
     def rss(self) -> int:
@@ -60,6 +65,7 @@ class MasterProcess:
 
     def close(self) -> None:
         self.child.stop()
+        shutil.rmtree(self._work, ignore_errors=True)  # one was left per master started
 
     def __enter__(self) -> "MasterProcess":
         return self
