@@ -215,4 +215,6 @@ def test_a_truncated_gguf_or_an_unusable_cache_folder_is_one_line_not_a_tracebac
                               env=run_env, timeout=300)
         assert proc.returncode == 2, proc.stderr
         assert said in proc.stderr and "Traceback" not in proc.stderr, proc.stderr
+        if run_env is not env:  # no "first run: converting ..." promise before the refusal
+            assert "converting" not in proc.stdout + proc.stderr, proc.stdout + proc.stderr
     assert not list((tmp_path / "cache" / "models").iterdir())  # nothing half-written kept

@@ -3,6 +3,7 @@ node on the host removing what a node killed with its resource tracker left in /
 
 from __future__ import annotations
 
+import fcntl
 import os
 import signal
 import subprocess
@@ -59,6 +60,27 @@ def test_the_lock_is_held_until_released(tmp_path):
     lock.release()
     lock.release()
     assert os.path.exists(seg) and not os.path.exists(lock.path)
+
+
+def test_a_sweep_between_making_and_locking_an_owner_file_leaves_the_owner_a_file(tmp_path, monkeypatch):
+    """The owner file exists unlocked for a moment after it is made: a sweep then removes
+    it, and the owner must not end up locking a file that no longer guards its segment."""
+    from kvpool.transfer import segment_files
+    real, swept = fcntl.flock, []
+
+    def flock(fd, op):
+        if not swept and op == fcntl.LOCK_EX | fcntl.LOCK_NB:
+            swept.append(True)
+            sweep_stale(str(tmp_path))  # the owner's first file is unlocked here: removed
+        return real(fd, op)
+
+    monkeypatch.setattr(segment_files.fcntl, "flock", flock)
+    lock = OwnerLock("kvpool-ffff", str(tmp_path))
+    monkeypatch.undo()
+    assert swept and os.path.exists(lock.path)
+    _segment(tmp_path, "kvpool-ffff")
+    assert sweep_stale(str(tmp_path)) == (0, 0)  # guarded: the file at the path is the locked one
+    lock.release()
 
 
 def test_the_next_node_removes_a_segment_left_by_a_node_killed_with_its_tracker(tmp_path):

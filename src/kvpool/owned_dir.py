@@ -75,17 +75,27 @@ def sweep_abandoned(parent: str | Path, prefix: str, max_age_s: float | None = N
         except OSError:
             continue
         try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            # a writer unlinks its lock file (keep, remove, rename) before it unlocks: if
-            # the path no longer names the file locked here, the folder is not abandoned
-            abandoned = os.stat(folder / LOCK_NAME).st_ino == os.fstat(fd).st_ino
-        except OSError:
-            abandoned = False  # its writer is alive, or it finished meanwhile
-        if abandoned:
-            shutil.rmtree(folder, ignore_errors=True)
-            removed += 1
-        os.close(fd)
+            if lock_if_abandoned(fd, folder / LOCK_NAME):
+                shutil.rmtree(folder, ignore_errors=True)
+                removed += 1
+        finally:
+            os.close(fd)
     return removed
+
+
+def lock_if_abandoned(fd: int, path: str | Path) -> bool:
+    """Try to take the exclusive lock of the open lock file ``fd`` (opened from
+    ``path``) without waiting; True when it is taken and ``path`` still names that file.
+
+    False when its owner holds the lock, or when the owner unlinked or replaced the file
+    between the caller's open and this lock: an owner unlinks its lock file (keep,
+    remove, rename) before it unlocks, so a lock taken on a file no longer at ``path``
+    proves nothing about what ``path`` guards. The caller closes ``fd``."""
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        return os.stat(path).st_ino == os.fstat(fd).st_ino
+    except OSError:
+        return False  # held by its owner, or gone meanwhile
 
 
 def _older_than(folder: Path, seconds: float) -> bool:

@@ -30,7 +30,7 @@ from pathlib import Path
 
 from kvpool.config import env
 from kvpool.errors import UserError
-from kvpool.owned_dir import LOCK_NAME, OwnedDir, sweep_abandoned
+from kvpool.owned_dir import OwnedDir, sweep_abandoned
 
 SMOLLM2_NAME = "SmolLM2-135M-Instruct"
 SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -171,12 +171,12 @@ def converted_folder(gguf: Path, name: str, progress=print) -> Path:
     target = cache_root() / f"{name}-{fingerprint[:16]}"
     if (target / _FINGERPRINT_FILE).is_file():
         return target
-    progress(f"first run: converting {gguf.name} ({gguf.stat().st_size / _MIB:.0f} MiB) to "
-             f"safetensors once (about 20 s on an idle 2-core CPU) -> {target}")
     started = time.monotonic()
     ticker = _Ticker(progress, started)
 
-    def write(tmp: Path) -> None:
+    def write(tmp: Path) -> None:  # called once the cache folder is known to be writable
+        progress(f"first run: converting {gguf.name} ({gguf.stat().st_size / _MIB:.0f} MiB) to "
+                 f"safetensors once (about 20 s on an idle 2-core CPU) -> {target}")
         with ticker:
             model, tokenizer = _load_gguf(gguf, ticker)
             ticker.next_stage("writing safetensors")
@@ -247,7 +247,7 @@ def write_folder_atomically(target: Path, fingerprint: str, write) -> None:
         sweep_abandoned(target.parent, f".{target.name}.", max_age_s=_ABANDONED_S)
         write(tmp.path)
         (tmp.path / _FINGERPRINT_FILE).write_text(fingerprint + "\n")
-        os.unlink(tmp.path / LOCK_NAME)  # not part of the model
+        tmp.keep()  # unlocked and without its lock file, which is not part of the model
         try:
             os.rename(tmp.path, target)
         except OSError:

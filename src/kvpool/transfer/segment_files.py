@@ -21,6 +21,7 @@ import fcntl
 import logging
 import os
 
+from kvpool.owned_dir import lock_if_abandoned
 from kvpool.transfer.epoch import SHM_DIR
 
 PREFIX = "kvpool-"
@@ -42,12 +43,21 @@ class OwnerLock:
 
     def __init__(self, shm_name: str, shm_dir: str = SHM_DIR):
         self.path = owner_path(shm_name, shm_dir)
-        self._fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
-        try:
-            fcntl.flock(self._fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except OSError:
+        while True:
+            self._fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+            try:
+                fcntl.flock(self._fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except OSError:
+                os.close(self._fd)
+                raise
+            try:
+                if os.stat(self.path).st_ino == os.fstat(self._fd).st_ino:
+                    return
+            except FileNotFoundError:
+                pass
+            # a sweep removed the file between open and lock (it was unlocked then):
+            # a lock on the unlinked file would guard nothing, so make it again
             os.close(self._fd)
-            raise
 
     def release(self) -> None:
         """Remove the owner file and drop the lock (idempotent)."""
@@ -90,10 +100,8 @@ def _sweep_one(shm_dir: str, shm_name: str) -> int | None:
     except OSError:
         return None
     try:
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except OSError:
-            return None  # its node is alive
+        if not lock_if_abandoned(fd, lock):
+            return None  # its node is alive, or it replaced the file meanwhile
         path = os.path.join(shm_dir, shm_name)
         try:
             size = os.stat(path).st_blocks * 512  # memory held, not the sparse length
