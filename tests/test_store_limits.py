@@ -175,3 +175,48 @@ def test_a_contributed_segment_larger_than_dev_shm_is_refused_not_a_sigbus_later
     assert "refused: a segment of 512.0 MiB does not fit in /dev/shm" in run.stdout, run.stdout
     assert f"setup: {int(ErrorCode.INVALID_PARAMS)}" in run.stdout, run.stdout
     assert f"puts: {[3 << 20] * 4}" in run.stdout, run.stdout
+
+
+_FULL_SHM = """
+import os, sys
+from kvpool.client import Client
+from kvpool.errors import TransferFailed
+from kvpool.launch import Cluster
+
+with Cluster(segment_size="48MiB", extra_node_args=["--prefault", "no"]) as cluster:
+    with open("/dev/shm/filler", "wb") as f:  # another program takes /dev/shm after the node started
+        f.write(bytes(40 << 20))
+    with Client(cluster.master_addr, force_tcp=sys.argv[1] == "tcp") as client:
+        stored, refused = [], set()
+        for i in range(30):
+            key, value = f"k{i}", bytes([i + 1]) * (1 << 20)
+            try:
+                client.put(key, value)
+                stored.append((key, value))
+            except TransferFailed as exc:
+                refused.add("no memory for the segment's pages" in str(exc))
+        intact = all(client.get(k) == v for k, v in stored)
+        print(f"stored={len(stored)} refused={sorted(refused)} intact={intact}", flush=True)
+    os.unlink("/dev/shm/filler")
+    with Client(cluster.master_addr) as client:
+        client.put("after", bytes(1 << 20))
+        print("after:", len(client.get("after")), "node alive:", cluster.node_children[0].proc.poll() is None)
+"""
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="needs root for a private /dev/shm (unshare -m)")
+@pytest.mark.parametrize("transport", ["shm", "tcp"])
+def test_dev_shm_filling_under_a_node_not_prefaulted_refuses_writes_instead_of_a_sigbus(transport):
+    """A node run with ``--prefault no`` allocates its segment's pages as they are first
+    written. When another program fills /dev/shm after it started, a same-host writer's
+    copy into an unallocated page killed the writer (the engine) with SIGBUS, and a TCP
+    write was cut with a connection reset. Now the pages are populated before the
+    write: a put that finds no memory fails with TransferFailed saying why, what was
+    stored stays intact, and the node serves again once there is room."""
+    script = 'mount -t tmpfs -o size=64m tmpfs /dev/shm && exec "$0" -c "$1" "$2"'
+    run = subprocess.run(["unshare", "-m", "sh", "-c", script, sys.executable, _FULL_SHM, transport],
+                         capture_output=True, text=True, timeout=120)
+    assert run.returncode == 0, run.stdout + run.stderr  # shm: -7 (SIGBUS) before
+    stored = int(run.stdout.split("stored=")[1].split()[0])
+    assert 0 < stored < 30 and "refused=[True] intact=True" in run.stdout, run.stdout
+    assert f"after: {1 << 20} node alive: True" in run.stdout, run.stdout

@@ -49,6 +49,7 @@ ACCEPT_BACKOFF_S = 0.05  # pause after a failed accept (e.g. out of file descrip
 STALL_S = 30.0  # seconds a peer may pause mid-frame before its connection is closed
 BODY_CHUNK = 64 << 10  # bytes of a request body allocated ahead of their arrival
 _AGAIN = (errno.EAGAIN, errno.EWOULDBLOCK)
+_DRAIN_PIECE = 1 << 20  # scratch bytes for the payload of a write that is refused
 
 
 class DataCounters:
@@ -57,7 +58,8 @@ class DataCounters:
 
     requests[op] / bytes[op]: served requests and payload bytes, op "read" or "write";
     errors[kind]: "refused" (a range outside the segment), "stale" (a grant of another
-    mount epoch), "bad_frame" (undecodable or
+    mount epoch), "no_memory" (a write into pages that could not be allocated: /dev/shm
+    full under a segment not prefaulted), "bad_frame" (undecodable or
     unframed bytes), "auth" (a wrong answer to the challenge), "broken" (the peer
     vanished mid-request), "stalled" (the peer
     paused mid-frame for longer than the server's ``stall_s``), "accept" (a connection
@@ -107,13 +109,17 @@ class DataServer:
     ``counters`` (:class:`DataCounters`) say what it did; ``word``: the segment's epoch
     word (None: no epochs checked); ``stall_s``: seconds a peer
     may pause mid-frame (see the module docstring); ``secret``: connections must first
-    answer a challenge (:mod:`kvpool.auth`), else they are closed (counted as "auth")."""
+    answer a challenge (:mod:`kvpool.auth`), else they are closed (counted as "auth");
+    ``populate(offset, length) -> bool``: run before a write is received (a segment not
+    prefaulted: :meth:`kvpool.transfer.shm.Populator.populate`); a write it refuses is
+    read into a scratch buffer and answered NO_AVAILABLE_HANDLE (counted as "no_memory")."""
 
     def __init__(self, sock: socket.socket, segment: memoryview, word: EpochWord | None = None,
-                 stall_s: float = STALL_S, secret: bytes | None = None):
+                 stall_s: float = STALL_S, secret: bytes | None = None, populate=None):
         self.sock = sock
         self.segment = segment
         self.word = word
+        self.populate = populate
         self.stall_s = stall_s
         self.secret = secret  # set: every connection answers a challenge first (kvpool.auth)
         self.poll_s = spin_max_s()  # a write's payload is polled for this long between bursts
@@ -253,6 +259,13 @@ class DataServer:
             return self._refuse(conn, "refused", ErrorCode.INVALID_PARAMS, keep=False)
         if not self._admit(conn, req.epoch):
             return self._refuse(conn, "stale", ErrorCode.REPLICA_IS_GONE, keep=False)
+        if self.populate is not None and not all([self.populate(o, len(v)) for o, v in
+                                                  zip(_offsets(req), views)]):
+            self._leave(conn)
+            # the kernel's copy into an unallocated page fails mid-payload: take the
+            # payload elsewhere, so that the connection stays usable and the writer is told
+            self._drain(conn, sum(len(v) for v in views))
+            return self._refuse(conn, "no_memory", ErrorCode.NO_AVAILABLE_HANDLE, keep=True)
         try:  # polled while the payload keeps coming (kvpool.transfer.iov._poll_into)
             recv_views(conn, views, stall_s=self.stall_s, poll_s=self.poll_s)
         finally:
@@ -261,6 +274,14 @@ class DataServer:
         self.counters.served("write", total)
         self._reply(conn, [P.encode_frame(P.DataResp(ErrorCode.OK, total))])
         return True
+
+    def _drain(self, conn: socket.socket, length: int) -> None:
+        """Receive and drop ``length`` bytes of payload (in pieces of at most 1 MiB)."""
+        scratch = memoryview(bytearray(min(length, _DRAIN_PIECE)))
+        while length:
+            piece = min(length, len(scratch))
+            recv_views(conn, [scratch[:piece]], stall_s=self.stall_s)
+            length -= piece
 
     def _refuse(self, conn: socket.socket, kind: str, code: ErrorCode, keep: bool) -> bool:
         """Answer ``code``; a refused write closes (its payload cannot be skipped)."""
@@ -311,6 +332,11 @@ class DataServer:
             parts.append(part)
             length -= len(part)
         return parts[0] if len(parts) == 1 else b"".join(parts)
+
+
+def _offsets(req) -> list[int]:
+    """The segment offsets a DataWrite or DataWriteMany writes to."""
+    return [req.offset] if isinstance(req, P.DataWrite) else req.offsets
 
 
 def _recv_first(conn: socket.socket, header: bytearray, stopped: threading.Event) -> int:

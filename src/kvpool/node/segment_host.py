@@ -134,12 +134,13 @@ class SegmentHost:
         self.info = P.SegmentInfo(name, local_host_id(), self.shm.name, self.segment_size, self.data_addr)
         self.word = EpochWord(self.shm.buf, self.segment_size, self.shm.name)
         self._writers_word = EpochWord(self.shm.buf, self.segment_size, self.shm.name)
-        self.server = DataServer(self.listener, self.shm.buf[: self.segment_size], self.word,
-                                 self.stall_s, self.secret)
-        # same-process clients memcpy; into a segment not prefaulted, after populating
-        # each 2 MiB chunk once (a page fault per 4 KiB page otherwise)
+        # writers into a segment not prefaulted (same-process clients' memcpy, TCP
+        # receives) first populate each 2 MiB chunk once: a page fault per 4 KiB page
+        # otherwise, and a refusal rather than a SIGBUS when /dev/shm has no room left
         # (SharedMemory keeps its mapping in _mmap, 3.8 onwards: the one whose pages we fill)
         populate = None if self.prefault else Populator(self.shm._mmap, MADV_POPULATE_WRITE).populate
+        self.server = DataServer(self.listener, self.shm.buf[: self.segment_size], self.word,
+                                 self.stall_s, self.secret, populate)
         register_local_segment(self.shm.name, self.shm.buf, self._writers_word, populate)
         if self.populate_behind:
             threading.Thread(target=self._populate_all, args=(populate,), name="kvpool-populate",

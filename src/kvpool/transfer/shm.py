@@ -14,6 +14,7 @@ first, reads check after copying; a request of a stale epoch fails and says why.
 
 from __future__ import annotations
 
+import errno
 import mmap
 import os
 import threading
@@ -124,15 +125,16 @@ class _MemoryTransport(Transport):
         if found is None or not self._all_in(segment, ranges, cancel):
             return False
         view, word, before_write = found
+        allocated = True
         with word.writing(segment.epoch, deadline) as allowed:
             if allowed:
-                if before_write is not None and ranges:
-                    _before_writes(before_write, ranges)
-                for offset, src in ranges:
-                    view[offset : offset + len(src)] = src
-        if not allowed and cancel is not None:
-            cancel.note(_stale(segment))
-        return allowed
+                allocated = before_write is None or not ranges or _before_writes(before_write, ranges)
+                if allocated:
+                    for offset, src in ranges:
+                        view[offset : offset + len(src)] = src
+        if cancel is not None and not (allowed and allocated):
+            cancel.note(_stale(segment) if not allowed else _unallocated(segment))
+        return allowed and allocated
 
     @staticmethod
     def _all_in(segment: SegmentInfo, ranges: list[tuple[int, memoryview]], cancel: Cancel | None) -> bool:
@@ -153,18 +155,21 @@ class _MemoryTransport(Transport):
         return view[offset : offset + length], lambda: word.valid(segment.epoch)
 
 
-def _before_writes(before_write, ranges: list[tuple[int, memoryview]]) -> None:
+def _before_writes(before_write, ranges: list[tuple[int, memoryview]]) -> bool:
     """``before_write(offset, length)`` for writes of ``ranges``: once for their whole
     span when they lie close together (a batch placed in one allocation lease: 128
     values, one call instead of 128), else once per range (scattered ranges would
-    populate the gaps between them)."""
+    populate the gaps between them). False when it refused one (:meth:`Populator.populate`)."""
     lo = min(offset for offset, _ in ranges)
     hi = max(offset + len(src) for offset, src in ranges)
     if hi - lo <= 2 * sum(len(src) for _, src in ranges):
-        before_write(lo, hi - lo)
-        return
-    for offset, src in ranges:
-        before_write(offset, len(src))
+        return before_write(lo, hi - lo)
+    return all([before_write(offset, len(src)) for offset, src in ranges])
+
+
+def _unallocated(segment: SegmentInfo) -> str:
+    return (f"shm {segment.shm_name}: no memory for the segment's pages (/dev/shm is full; "
+            "its node was started with --prefault no)")
 
 
 class LocalTransport(_MemoryTransport):
@@ -296,23 +301,34 @@ class Populator:
         self.mm, self.advice = mm, advice
         self.populated = bytearray(-(-len(mm) // POPULATE_CHUNK))  # 1 per populated chunk
 
-    def populate(self, offset: int, length: int) -> None:
+    def populate(self, offset: int, length: int) -> bool:
         """Fill the page tables of the chunks ``[offset, offset + length)`` (bytes)
-        touches that were not filled yet. Never raises; races only repeat harmless work."""
+        touches that were not filled yet. Never raises; races only repeat harmless work.
+
+        Returns False when the kernel could not allocate their pages (a segment not
+        prefaulted, and /dev/shm filled since its node started): the caller must not
+        write there, or the write faults with SIGBUS and kills the writing process.
+        True otherwise, also where the advice is not supported (Linux < 5.14: pages then
+        fault as they are written, as before this check existed).
+        """
         first, last = offset // POPULATE_CHUNK, (offset + max(length, 1) - 1) // POPULATE_CHUNK
         if first == last and first < len(self.populated) and self.populated[first]:
-            return  # the common case: one chunk, filled before
+            return True  # the common case: one chunk, filled before
         todo = [c for c in range(first, min(last + 1, len(self.populated))) if not self.populated[c]]
         if not todo:
-            return
+            return True
         start = todo[0] * POPULATE_CHUNK
         try:
             self.mm.madvise(self.advice, start, min((todo[-1] + 1) * POPULATE_CHUNK, len(self.mm)) - start)
-        except (OSError, ValueError):
+        except OSError as exc:
+            if exc.errno != errno.EINVAL:
+                return False  # EFAULT or ENOMEM: no memory for the pages; asked again next time
             self.populated[:] = b"\1" * len(self.populated)  # not supported here: stop asking
-            return
+        except ValueError:  # a closed mapping: the write that follows fails on its own
+            return True
         for c in todo:
             self.populated[c] = 1
+        return True
 
 
 class _Mapping:

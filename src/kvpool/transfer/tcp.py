@@ -76,12 +76,15 @@ def _is_local_address(addr: str) -> bool:
 
 
 class NodeRefused(ConnectionAbortedError):
-    """The data server answered a request with a non-OK code (``code``); after a
-    refused write it closes the connection (the payload cannot be skipped)."""
+    """The data server answered a request with a non-OK code (``code``); after a write
+    refused before its payload (a range out of bounds, a stale epoch) it closes the
+    connection; one it could not store (NO_AVAILABLE_HANDLE) it read and dropped."""
 
     def __init__(self, code: int, what: str):
         self.code = code
-        super().__init__(f"the node replied {code_name(code)} to a {what}")
+        why = (" (no memory for the segment's pages: /dev/shm is full and the node was started "
+               "with --prefault no)") if code == ErrorCode.NO_AVAILABLE_HANDLE else ""
+        super().__init__(f"the node replied {code_name(code)} to a {what}{why}")
 
 
 def describe_failure(exc: BaseException) -> str:
@@ -271,7 +274,7 @@ def _write(sock: socket.socket, reqs: list[TransferRequest], deadline: float, re
     send_views(sock, [head, *(r.local_view() for r in reqs)], deadline)
     code = _await_reply(sock, deadline, replies, "write").code
     if code != ErrorCode.OK:
-        raise NodeRefused(code, "write")  # the server closes: its payload cannot be skipped
+        raise NodeRefused(code, "write")
     return True
 
 
