@@ -11,7 +11,8 @@ vLLM builds one instance in its scheduler process (role SCHEDULER) and one per w
 instance), ``kv_consumer`` only loads (a decode instance). Extra config keys:
 ``master`` ("host:port", default ``$KVPOOL_MASTER`` or 127.0.0.1:50051), ``force_tcp``
 (move bytes over TCP even on one host), ``timeout_s`` (10), ``retry_s`` (seconds
-between reconnection attempts while kvpool is down, 30), ``save_queue`` (save batches
+between reconnection attempts while kvpool is down, 30; made on a thread, so that vLLM's
+scheduler pays one ``timeout_s`` per outage), ``save_queue`` (save batches
 in flight at most, 8: a step whose saves find it full skips them), ``metrics_port`` (serve
 the ``kvpool_vllm_*`` Prometheus counters of this process; 0 = off), ``layerwise_load``
 (false, the default: same-host pages are copied, every layer, before the forward pass;

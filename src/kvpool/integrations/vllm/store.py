@@ -3,9 +3,12 @@
 vLLM must keep serving when kvpool's master is down or the store is full: every store
 call goes through :class:`GuardedStore`, which turns a failure into "no result" (the
 connector then reports no hit and saves nothing, so vLLM computes everything itself),
-logs the outage once, and tries to reconnect after ``retry_s``. Calls come from vLLM's
-threads and the connector's sender thread at once: a client that failed is closed when
-its last call has returned, never under another thread's call. Counters live in
+logs the outage once, and tries to reconnect after ``retry_s``, on a thread of its own:
+a master that is stopped rather than gone accepts the connection and never answers, so
+a reconnection made by the calling thread (vLLM's scheduler, in a lookup) stalled every
+running request for ``timeout_s`` once per ``retry_s``. Calls come from vLLM's threads
+and the connector's sender thread at once: a client that failed is closed when its last
+call has returned, never under another thread's call. Counters live in
 :data:`REGISTRY`, a Prometheus registry of this process (``metrics_port`` serves it).
 """
 
@@ -88,6 +91,8 @@ class GuardedStore:
         self._calls: collections.Counter[Client] = collections.Counter()  # calls running
         self._down_since: float | None = None
         self._next_try = 0.0
+        self._reconnecting: threading.Thread | None = None  # while an attempt runs
+        self._closes = 0  # close() calls: a reconnection begun before one is discarded
         self._lock = threading.Lock()
 
     @classmethod
@@ -123,23 +128,57 @@ class GuardedStore:
             self._release(client)
 
     def _acquire(self) -> Client | None:
-        """The client (connecting when due), counted as in use; None while down."""
+        """The client, counted as in use; None while down. The first connection is made
+        here (a new engine's first lookup waits for it); a reconnection after an outage
+        is started on a thread when due, and this call returns None meanwhile."""
         with self._lock:
             if self._client is None:
-                if self.clock() < self._next_try:
+                if self._down_since is None:
+                    self._connect()
+                elif self.clock() >= self._next_try and self._reconnecting is None:
+                    self._reconnecting = threading.Thread(target=self._reconnect, args=(self._closes,),
+                                                          daemon=True, name="kvpool-vllm-reconnect")
+                    self._reconnecting.start()
+                if self._client is None:
                     return None
-                try:
-                    self._client = Client(self.master, force_tcp=self.force_tcp,
-                                          timeout_s=self.timeout_s)
-                except (KVPoolError, OSError) as exc:
-                    self._mark_down("connect", exc)
-                    return None
-                if self._down_since is not None:
-                    self.log.info("kvpool: master %s is reachable again; loading and saving "
-                                  "KV blocks resumes", self.master)
-                self._down_since = None
             self._calls[self._client] += 1
             return self._client
+
+    def _connect(self) -> None:
+        """Make the client (the caller holds the lock); on failure, mark kvpool down."""
+        try:
+            self._client = Client(self.master, force_tcp=self.force_tcp, timeout_s=self.timeout_s)
+        except (KVPoolError, OSError) as exc:
+            self._mark_down("connect", exc)
+
+    def _reconnect(self, closes: int) -> None:
+        """One reconnection attempt, off the callers' threads; the client is published
+        only once it has answered, and only if the store was not closed meanwhile."""
+        try:
+            client = Client(self.master, force_tcp=self.force_tcp, timeout_s=self.timeout_s)
+        except (KVPoolError, OSError) as exc:
+            with self._lock:
+                self._reconnecting = None
+                self._mark_down("connect", exc)
+            return
+        with self._lock:
+            self._reconnecting = None
+            closed = self._closes != closes
+            if not closed:
+                self._client, self._down_since = client, None
+        if closed:
+            client.close()
+            return
+        self.log.info("kvpool: master %s is reachable again; loading and saving KV blocks "
+                      "resumes", self.master)
+
+    def wait_reconnected(self, timeout_s: float) -> bool:
+        """Wait for a reconnection attempt in flight (tests); True if none is left running."""
+        thread = self._reconnecting
+        if thread is not None:
+            thread.join(timeout_s)
+            return not thread.is_alive()
+        return True
 
     def _release(self, client: Client) -> None:
         """One call of ``client`` fewer; a retired client is closed after its last call."""
@@ -156,7 +195,8 @@ class GuardedStore:
         with self._lock:
             if self._client is client:
                 self._client = None  # retired: closed by its last call's _release
-            self._mark_down(what, exc)
+            if self._client is None:  # not when a reconnection has already replaced it
+                self._mark_down(what, exc)
 
     def _mark_down(self, what: str, exc: Exception) -> None:
         if self._down_since is None:
@@ -167,8 +207,10 @@ class GuardedStore:
         self._next_try = self.clock() + self.retry_s
 
     def close(self) -> None:
-        """Close the client (now, or after the calls still running on it)."""
+        """Close the client (now, or after the calls still running on it); a
+        reconnection still in flight closes what it makes."""
         with self._lock:
+            self._closes += 1
             client, self._client = self._client, None
             idle = client is not None and not self._calls[client]
         if idle:
