@@ -3,12 +3,19 @@ common path): gather puts, scatter reads, header checks, on a real cluster."""
 
 from __future__ import annotations
 
+import logging
+import os
+import signal
+import time
+
 import numpy as np
 import pytest
 
 from kvpool.cache.codec import HEADER_SIZE, PageHeader, decode_page
+from kvpool.child import pause_process
 from kvpool.client import Client
 from kvpool.integrations.objects import PageObjects
+from kvpool.launch import Cluster
 
 NS = bytes(range(32))
 
@@ -55,3 +62,33 @@ def test_bad_pages_are_misses_and_are_removed(client):
     # a page read under another page's header is refused as well
     assert objs.read(["p/0"], [header(5, 4024)], [[np.zeros(4024, np.uint8)]]) == [False]
     assert objs.rejects["page_key"] == 1
+
+
+def test_a_stopped_master_costs_the_engines_threads_one_timeout_per_retry_s(caplog):
+    """SGLang's prefetch and backup threads and LMCache's calls go through PageObjects:
+    a master that stops answering costs one ``timeout_s``, then calls answer all-False
+    at once for ``retry_s`` (said once), and the next call after it serves again."""
+    caplog.set_level(logging.INFO, logger="kvpool.integrations.objects")
+    clock = [0.0]
+    with Cluster(segment_size="16MiB") as cluster, Client(cluster.master_addr, timeout_s=1.0) as c:
+        objs = PageObjects(c, retry_s=30.0, clock=lambda: clock[0])
+        src, page = regions(3), [header(0, 4024)]
+        assert objs.write(["s/0"], page, [src]) == [True]
+        master = cluster.master.proc.pid
+        assert pause_process(master)
+        try:
+            assert objs.exists(["s/0"]) == [False]  # found out: one timeout
+            started = time.monotonic()
+            for _ in range(5):  # each of these waited timeout_s before
+                assert objs.exists(["s/0"]) == [False]
+                assert objs.write(["s/1"], page, [src]) == [False]
+                assert objs.read(["s/0"], page, [[np.zeros(4024, np.uint8)]]) == [False]
+            assert time.monotonic() - started < 1.0
+        finally:
+            os.kill(master, signal.SIGCONT)
+        assert caplog.text.count("the master did not answer") == 1
+        clock[0] += 31.0
+        dst = [np.zeros(n, np.uint8) for n in (1000, 24, 3000)]
+        assert objs.read(["s/0"], page, [dst]) == [True]
+        assert all(np.array_equal(a, b) for a, b in zip(src, dst))
+        assert "loading and saving pages resumes" in caplog.text

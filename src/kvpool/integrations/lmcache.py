@@ -8,6 +8,7 @@ In LMCache's YAML config::
       remote_storage_plugin.kvpool.class_name: KVPoolConnector
       kvpool.master: 127.0.0.1:50051
       # optional: kvpool.force_tcp: true, kvpool.timeout_s: 10, kvpool.replica_num: 1,
+      #           kvpool.retry_s: 10  (loads and saves skipped after the master did not answer),
       #           kvpool.http: 127.0.0.1:PORT  (the master's --http-port, for list())
 
 LMCache's DynamicConnectorAdapter constructs :class:`KVPoolConnector` with
@@ -90,7 +91,8 @@ class KVPoolConnector(RemoteConnector):
         self.http = extra.get("kvpool.http")
         self.client = Client(str(master), force_tcp=flag(extra, "kvpool.force_tcp", False),
                              timeout_s=float(extra.get("kvpool.timeout_s", 10.0)))
-        self.objects = PageObjects(self.client, int(extra.get("kvpool.replica_num", 1)))
+        self.objects = PageObjects(self.client, int(extra.get("kvpool.replica_num", 1)),
+                                   retry_s=float(extra.get("kvpool.retry_s", 10.0)))
         self.ns = self._namespace(local_cpu_backend.metadata)
         self._digest = self.ns.digest()
         self._prefix = f"{KEY_PREFIX}{self._digest.hex()}/"

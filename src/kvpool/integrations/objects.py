@@ -26,7 +26,9 @@ from __future__ import annotations
 import collections
 import hashlib
 import logging
-from collections.abc import Sequence
+import time
+from collections.abc import Callable, Sequence
+from typing import TypeVar
 
 import torch
 
@@ -34,11 +36,12 @@ from kvpool.cache.codec import (HEADER_SIZE, PageFormatError, PageHeader, check_
                                 decode_page, encode_header, seal_page)
 from kvpool.cache.keys import store_key
 from kvpool.client import Client, ReadHandle
-from kvpool.errors import ErrorCode, KVPoolError
+from kvpool.errors import ErrorCode, KVPoolError, RpcFailed
 
 log = logging.getLogger(__name__)
 
 STORED = (ErrorCode.OK, ErrorCode.OBJECT_ALREADY_EXISTS)
+T = TypeVar("T")
 
 
 def engine_page_key(ns_digest: bytes, engine_hash: bytes) -> bytes:
@@ -115,26 +118,54 @@ class PageObjects:
     and its payload regions (buffers; writable ones for reads) in payload order.
     Every call answers per object, in order; a store that cannot answer at all
     (master down, RPC failure) gives all-False and a warning, never an exception.
+    Once the master has not answered (RpcFailed, after the client's ``timeout_s``),
+    calls answer all-False at once for ``retry_s`` seconds (said once per outage, and
+    again when it answers): the engine's prefetch and backup threads would otherwise
+    wait ``timeout_s`` in every call to a master that is stopped.
 
     Attributes:
         rejects: Counter of pages refused on load, by PageFormatError reason
             ("checksum", "namespace", "length", ...).
     """
 
-    def __init__(self, client: Client, replica_num: int = 1):
+    def __init__(self, client: Client, replica_num: int = 1, retry_s: float = 10.0,
+                 clock: Callable[[], float] = time.monotonic):
         self.client = client
         self.replica_num = replica_num
+        self.retry_s, self.clock = retry_s, clock
         self.rejects: collections.Counter[str] = collections.Counter()
+        self._down_since: float | None = None  # when the master last failed to answer
+        self._next_try = 0.0
+
+    def _guarded(self, what: str, call: Callable[[], T]) -> T | None:
+        """``call()``, or None when it failed or the master is known to be down."""
+        if self.clock() < self._next_try:
+            return None
+        try:
+            result = call()
+        except RpcFailed as exc:
+            if self._down_since is None:
+                self._down_since = self.clock()
+                log.warning("kvpool: %s failed, the master did not answer (%s); loads and "
+                            "saves are skipped until it does (asked again every %.0f s)",
+                            what, exc, self.retry_s)
+            self._next_try = self.clock() + self.retry_s
+            return None
+        except KVPoolError as exc:
+            log.warning("kvpool: %s failed: %s", what, exc)
+            return None
+        if self._down_since is not None:
+            self._down_since = None
+            log.info("kvpool: the master answers again; loading and saving pages resumes")
+        return result
 
     def exists(self, names: Sequence[str]) -> list[bool]:
         """Per object: present now (one RPC; the master grants a read lease)."""
         if not names:
             return []
-        try:
-            return self.client.batch_is_exist(list(names))
-        except KVPoolError as exc:
-            log.warning("kvpool: existence check of %d pages failed: %s", len(names), exc)
-            return [False] * len(names)
+        found = self._guarded(f"existence check of {len(names)} pages",
+                              lambda: self.client.batch_is_exist(list(names)))
+        return [False] * len(names) if found is None else found
 
     def write(self, names: Sequence[str], headers: Sequence[PageHeader],
               parts: Sequence[Sequence]) -> list[bool]:
@@ -143,12 +174,9 @@ class PageObjects:
         if not names:
             return []
         values = [[encode_header(h, p), *p] for h, p in zip(headers, parts, strict=True)]
-        try:
-            codes = self.client.batch_put_parts(list(names), values, self.replica_num)
-        except KVPoolError as exc:
-            log.warning("kvpool: writing %d pages failed: %s", len(names), exc)
-            return [False] * len(names)
-        return [c in STORED for c in codes]
+        codes = self._guarded(f"writing {len(names)} pages",
+                              lambda: self.client.batch_put_parts(list(names), values, self.replica_num))
+        return [False] * len(names) if codes is None else [c in STORED for c in codes]
 
     def read(self, names: Sequence[str], headers: Sequence[PageHeader],
              parts: Sequence[Sequence], handles: Sequence | None = None) -> list[bool]:
@@ -161,15 +189,17 @@ class PageObjects:
         """
         if not names:
             return []
-        try:
-            if handles is None:
-                handles = self.client.batch_query(list(names))
-            ok = [False] * len(names)
-            live, ranges, held = self._plan(names, headers, parts, handles)
-            codes = self.client.batch_read_ranges(held, ranges) if held else []
-        except KVPoolError as exc:
-            log.warning("kvpool: reading %d pages failed: %s", len(names), exc)
-            return [False] * len(names)
+        ok = [False] * len(names)
+
+        def transfer():
+            live, ranges, held = self._plan(names, headers, parts,
+                                            self.client.batch_query(list(names)) if handles is None else handles)
+            return live, self.client.batch_read_ranges(held, ranges) if held else []
+
+        done = self._guarded(f"reading {len(names)} pages", transfer)
+        if done is None:
+            return ok
+        live, codes = done
         bad = []
         for (j, raw), got in zip(live, codes):
             if any(c < 0 for c in got):

@@ -10,7 +10,8 @@ SGLang builds it through its ``StorageBackendFactory`` from the server flags::
 ``interface_v1`` makes SGLang's cache controller call :meth:`batch_get_v1` /
 :meth:`batch_set_v1`, which move bytes between host-pool slots and the store without
 intermediate copies. Further extra-config keys: ``force_tcp`` (bool), ``timeout_s``,
-``replica_num``, ``weights_fingerprint`` (part of the namespace), ``model`` (overrides
+``replica_num``, ``retry_s`` (seconds that loads and saves are skipped after the master
+did not answer, 10), ``weights_fingerprint`` (part of the namespace), ``model`` (overrides
 SGLang's model name in the namespace).
 
 Store format: one object per page, ``sgl/<namespace digest hex>/<SGLang page hash>``,
@@ -107,7 +108,8 @@ class KVPoolHiCacheStorage(HiCacheStorage):
         self.is_writer = storage_config.is_storage_writer
         self.client = Client(master, force_tcp=flag(extra, "force_tcp", False),
                              timeout_s=float(extra.get("timeout_s", 10.0)))
-        self.objects = PageObjects(self.client, int(extra.get("replica_num", 1)))
+        self.objects = PageObjects(self.client, int(extra.get("replica_num", 1)),
+                                   retry_s=float(extra.get("retry_s", 10.0)))
         self.mem_pool_host = None
         self.side_pools: dict[str, tuple[Any, int]] = {}  # name -> (host pool, page bytes)
         self.ns: Namespace | None = None
