@@ -6,17 +6,25 @@
 - ``module_cluster``: one cluster per test module (64 MiB segment, 10 s lease).
 - ``client``: a :class:`kvpool.client.Client` on ``module_cluster``; every object is
   force-removed after the test so tests sharing the cluster stay independent.
+
+A launcher keeps its logs when a child failed, and cannot tell a failure from a child a
+test killed on purpose: the logs kept during a test that passed are removed after it
+(those of a failed test stay, for reading).
 """
 
 from __future__ import annotations
 
+import shutil
 import signal
+import tempfile
 import threading
+from pathlib import Path
 
 import pytest
 
 from kvpool.client import Client
-from kvpool.launch import Cluster
+from kvpool.launch import WORKDIR_PREFIX, Cluster
+from kvpool.owned_dir import LOCK_NAME
 
 DEFAULTS = {"segment_size": "64MiB", "lease_ttl_ms": 10_000}
 
@@ -54,3 +62,26 @@ def _sigint_restored():
     yield
     if threading.current_thread() is threading.main_thread():
         signal.signal(signal.SIGINT, signal.default_int_handler)
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item, call):
+    outcome = yield
+    report = outcome.get_result()
+    if report.when == "call":
+        item.kvpool_passed = report.passed
+
+
+def _kept_cluster_logs() -> set[Path]:
+    return {d for d in Path(tempfile.gettempdir()).glob(f"{WORKDIR_PREFIX}*")
+            if not (d / LOCK_NAME).exists()}
+
+
+@pytest.fixture(autouse=True)
+def _logs_of_passing_tests_dropped(request):
+    """Remove the cluster logs kept during a test that passed (see the module docstring)."""
+    before = _kept_cluster_logs()
+    yield
+    if getattr(request.node, "kvpool_passed", False):
+        for folder in _kept_cluster_logs() - before:
+            shutil.rmtree(folder, ignore_errors=True)
