@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import shutil
 import signal
-import tempfile
 import threading
 from pathlib import Path
 
@@ -24,7 +23,7 @@ import pytest
 
 from kvpool.client import Client
 from kvpool.launch import WORKDIR_PREFIX, Cluster
-from kvpool.owned_dir import LOCK_NAME
+from kvpool.owned_dir import OwnedDir
 
 DEFAULTS = {"segment_size": "64MiB", "lease_ttl_ms": 10_000}
 
@@ -72,16 +71,20 @@ def pytest_runtest_makereport(item, call):
         item.kvpool_passed = report.passed
 
 
-def _kept_cluster_logs() -> set[Path]:
-    return {d for d in Path(tempfile.gettempdir()).glob(f"{WORKDIR_PREFIX}*")
-            if not (d / LOCK_NAME).exists()}
-
-
 @pytest.fixture(autouse=True)
-def _logs_of_passing_tests_dropped(request):
-    """Remove the cluster logs kept during a test that passed (see the module docstring)."""
-    before = _kept_cluster_logs()
+def _logs_of_passing_tests_dropped(request, monkeypatch):
+    """Remove the cluster logs this process kept during a test that passed (see the
+    module docstring); other processes' folders, and a failed test's, stay."""
+    kept: list[Path] = []
+    keep = OwnedDir.keep
+
+    def recorded(self):
+        keep(self)
+        kept.append(self.path)
+
+    monkeypatch.setattr(OwnedDir, "keep", recorded)
     yield
     if getattr(request.node, "kvpool_passed", False):
-        for folder in _kept_cluster_logs() - before:
-            shutil.rmtree(folder, ignore_errors=True)
+        for folder in kept:
+            if folder.name.startswith(WORKDIR_PREFIX):
+                shutil.rmtree(folder, ignore_errors=True)

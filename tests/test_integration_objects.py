@@ -6,6 +6,7 @@ from __future__ import annotations
 import logging
 import os
 import signal
+import threading
 import time
 
 import numpy as np
@@ -84,6 +85,20 @@ def test_a_stopped_master_costs_the_engines_threads_one_timeout_per_retry_s(capl
                 assert objs.write(["s/1"], page, [src]) == [False]
                 assert objs.read(["s/0"], page, [[np.zeros(4024, np.uint8)]]) == [False]
             assert time.monotonic() - started < 1.0
+            clock[0] += 31.0  # due: one thread asks the master again, the others skip
+            waits = []
+
+            def timed_exists():
+                began = time.monotonic()
+                assert objs.exists(["s/0"]) == [False]
+                waits.append(time.monotonic() - began)
+
+            threads = [threading.Thread(target=timed_exists) for _ in range(4)]
+            for t in threads:
+                t.start()
+            for t in threads:
+                t.join()
+            assert sum(w > 0.5 for w in waits) == 1, waits
         finally:
             os.kill(master, signal.SIGCONT)
         assert caplog.text.count("the master did not answer") == 1

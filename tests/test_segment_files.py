@@ -62,25 +62,43 @@ def test_the_lock_is_held_until_released(tmp_path):
     assert os.path.exists(seg) and not os.path.exists(lock.path)
 
 
-def test_a_sweep_between_making_and_locking_an_owner_file_leaves_the_owner_a_file(tmp_path, monkeypatch):
-    """The owner file exists unlocked for a moment after it is made: a sweep then removes
-    it, and the owner must not end up locking a file that no longer guards its segment."""
+def test_an_owner_file_is_never_seen_unlocked(tmp_path, monkeypatch):
+    """A sweep that ran between the making of an owner file and its lock removed it (the
+    owner then locked a file that guarded nothing) or held its lock for a moment (the
+    owner failed to start). The file is now locked before it gets its name."""
     from kvpool.transfer import segment_files
-    real, swept = fcntl.flock, []
+    real, seen = fcntl.flock, []
 
     def flock(fd, op):
-        if not swept and op == fcntl.LOCK_EX | fcntl.LOCK_NB:
-            swept.append(True)
-            sweep_stale(str(tmp_path))  # the owner's first file is unlocked here: removed
+        if not seen:
+            seen.append(os.path.exists(owner_path("kvpool-ffff", str(tmp_path))))
+            sweep_stale(str(tmp_path))  # finds only the fresh half-made file: kept
         return real(fd, op)
 
     monkeypatch.setattr(segment_files.fcntl, "flock", flock)
     lock = OwnerLock("kvpool-ffff", str(tmp_path))
     monkeypatch.undo()
-    assert swept and os.path.exists(lock.path)
+    assert seen == [False] and os.path.exists(lock.path)
+    assert sorted(os.listdir(tmp_path)) == ["kvpool-ffff.owner"]
     _segment(tmp_path, "kvpool-ffff")
-    assert sweep_stale(str(tmp_path)) == (0, 0)  # guarded: the file at the path is the locked one
+    assert sweep_stale(str(tmp_path)) == (0, 0)  # guarded
     lock.release()
+
+
+def test_a_half_made_owner_file_goes_once_old_and_unlocked(tmp_path):
+    """An owner killed between making its file and naming it leaves ``*.owner.new``."""
+    old, fresh, held = (tmp_path / f"kvpool-{n}.owner.new" for n in ("aa", "bb", "cc"))
+    for path in (old, fresh, held):
+        path.write_bytes(b"")
+    for path in (old, held):
+        os.utime(path, (0, 0))
+    holder = os.open(held, os.O_RDWR)
+    fcntl.flock(holder, fcntl.LOCK_EX)
+    try:
+        sweep_stale(str(tmp_path))
+    finally:
+        os.close(holder)
+    assert not old.exists() and fresh.exists() and held.exists()
 
 
 def test_the_next_node_removes_a_segment_left_by_a_node_killed_with_its_tracker(tmp_path):

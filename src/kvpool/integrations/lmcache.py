@@ -149,10 +149,8 @@ class KVPoolConnector(RemoteConnector):
     def _lookup_and_lock(self, lookup_id: str, keys: List[CacheEngineKey]) -> int:
         if not keys:
             return 0
-        try:
-            handles = self.client.batch_query([self.store_key(k) for k in keys])
-        except KVPoolError as exc:
-            log.warning("kvpool: lookup of %d chunks failed: %s", len(keys), exc)
+        handles = self.objects.query([self.store_key(k) for k in keys], f"lookup of {len(keys)} chunks")
+        if handles is None:
             return 0
         hit = next((i for i, h in enumerate(handles) if self._stored_size(h) < 0), len(handles))
         self._release([h for h in handles[hit:] if isinstance(h, ReadHandle)])
@@ -201,13 +199,12 @@ class KVPoolConnector(RemoteConnector):
             return []
         names = [self.store_key(k) for k in keys]
         held = {h.key: h for h in locked or []}
-        try:
-            fresh = [n for n in names if n not in held]
-            found = dict(zip(fresh, self.client.batch_query(fresh))) if fresh else {}
-        except KVPoolError as exc:
+        fresh = [n for n in names if n not in held]
+        queried = self.objects.query(fresh, f"query of {len(fresh)} chunks") if fresh else []
+        if queried is None:
             self._release(list(held.values()))
-            log.warning("kvpool: query of %d chunks failed: %s", len(keys), exc)
             return [None] * len(keys)
+        found = dict(zip(fresh, queried))
         handles = [held.pop(n, None) or found.get(n, ErrorCode.OBJECT_NOT_FOUND) for n in names]
         self._release(list(held.values()))  # locked by the lookup but not asked for now
         objs, parts, headers = [], [], []

@@ -26,6 +26,7 @@ from __future__ import annotations
 import collections
 import hashlib
 import logging
+import threading
 import time
 from collections.abc import Callable, Sequence
 from typing import TypeVar
@@ -136,28 +137,46 @@ class PageObjects:
         self.rejects: collections.Counter[str] = collections.Counter()
         self._down_since: float | None = None  # when the master last failed to answer
         self._next_try = 0.0
+        self._lock = threading.Lock()  # the engine's prefetch and backup threads call at once
 
-    def _guarded(self, what: str, call: Callable[[], T]) -> T | None:
-        """``call()``, or None when it failed or the master is known to be down."""
-        if self.clock() < self._next_try:
-            return None
+    def _guarded(self, what: str, call: Callable[[], T], gated: bool = True) -> T | None:
+        """``call()``, or None when it failed or (``gated``) the master is known to be
+        down. When ``retry_s`` is up, one call asks the master again while the others
+        go on skipping, so an outage costs every thread at most one wait."""
+        started = self.clock()
+        with self._lock:
+            if gated and started < self._next_try:
+                return None
+            if gated and self._down_since is not None:
+                self._next_try = started + self.retry_s  # this call probes the master
         try:
             result = call()
         except RpcFailed as exc:
-            if self._down_since is None:
-                self._down_since = self.clock()
+            with self._lock:
+                first = self._down_since is None
+                if first:
+                    self._down_since = self.clock()
+                self._next_try = self.clock() + self.retry_s
+            if first:
                 log.warning("kvpool: %s failed, the master did not answer (%s); loads and "
                             "saves are skipped until it does (asked again every %.0f s)",
                             what, exc, self.retry_s)
-            self._next_try = self.clock() + self.retry_s
             return None
         except KVPoolError as exc:
             log.warning("kvpool: %s failed: %s", what, exc)
             return None
-        if self._down_since is not None:
-            self._down_since = None
+        with self._lock:  # a call begun before the outage proves nothing about its end
+            recovered = self._down_since is not None and started >= self._down_since
+            if recovered:
+                self._down_since = None
+        if recovered:
             log.info("kvpool: the master answers again; loading and saving pages resumes")
         return result
+
+    def query(self, names: Sequence[str], what: str) -> list | None:
+        """:meth:`Client.batch_query` of ``names`` (read handles, locked pages), or None
+        when it failed or the master is known to be down (``what`` names it in the log)."""
+        return self._guarded(what, lambda: self.client.batch_query(list(names)))
 
     def exists(self, names: Sequence[str]) -> list[bool]:
         """Per object: present now (one RPC; the master grants a read lease)."""
@@ -196,7 +215,8 @@ class PageObjects:
                                             self.client.batch_query(list(names)) if handles is None else handles)
             return live, self.client.batch_read_ranges(held, ranges) if held else []
 
-        done = self._guarded(f"reading {len(names)} pages", transfer)
+        # handles given: their grants go to the nodes, the master is not asked
+        done = self._guarded(f"reading {len(names)} pages", transfer, gated=handles is None)
         if done is None:
             return ok
         live, codes = done

@@ -17,15 +17,19 @@ without an owner file (made by another program, or an older kvpool) is left alon
 
 from __future__ import annotations
 
+import contextlib
 import fcntl
 import logging
 import os
+import time
 
 from kvpool.owned_dir import lock_if_abandoned
 from kvpool.transfer.epoch import SHM_DIR
 
 PREFIX = "kvpool-"
 OWNER_SUFFIX = ".owner"
+MAKING_SUFFIX = ".new"  # an owner file being made (a few microseconds)
+MAKING_ABANDONED_S = 60.0  # one older than this, and unlocked, was left by a killed owner
 log = logging.getLogger("kvpool.segments")
 
 
@@ -38,26 +42,26 @@ class OwnerLock:
 
     Take it before creating the segment and :meth:`release` it after unlinking the
     segment, so a sweeper never sees a live segment with an unlocked owner file.
-    Raises OSError when the file cannot be created or is locked by another process.
+    Raises OSError when the file cannot be created (FileExistsError: another owner
+    has the name).
     """
 
     def __init__(self, shm_name: str, shm_dir: str = SHM_DIR):
         self.path = owner_path(shm_name, shm_dir)
-        while True:
-            self._fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
-            try:
-                fcntl.flock(self._fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            except OSError:
-                os.close(self._fd)
-                raise
-            try:
-                if os.stat(self.path).st_ino == os.fstat(self._fd).st_ino:
-                    return
-            except FileNotFoundError:
-                pass
-            # a sweep removed the file between open and lock (it was unlocked then):
-            # a lock on the unlinked file would guard nothing, so make it again
+        # made and locked under another name, then linked into place: a sweep never
+        # finds an owner file unlocked (one that did made its owner fail to start, or
+        # lock a file it had just removed), and an existing one is never replaced
+        making = self.path + MAKING_SUFFIX
+        self._fd = os.open(making, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
+        try:
+            fcntl.flock(self._fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            os.link(making, self.path)  # FileExistsError: the name is taken
+        except OSError:
             os.close(self._fd)
+            raise
+        finally:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(making)
 
     def release(self) -> None:
         """Remove the owner file and drop the lock (idempotent)."""
@@ -80,7 +84,9 @@ def sweep_stale(shm_dir: str = SHM_DIR) -> tuple[int, int]:
     except OSError:
         return 0, 0
     for name in names:
-        if name.startswith(PREFIX) and name.endswith(OWNER_SUFFIX):
+        if name.startswith(PREFIX) and name.endswith(OWNER_SUFFIX + MAKING_SUFFIX):
+            _sweep_making(os.path.join(shm_dir, name))
+        elif name.startswith(PREFIX) and name.endswith(OWNER_SUFFIX):
             size = _sweep_one(shm_dir, name[: -len(OWNER_SUFFIX)])
             if size is not None:
                 removed += 1
@@ -110,5 +116,22 @@ def _sweep_one(shm_dir: str, shm_name: str) -> int | None:
             size = None
         os.unlink(lock)  # while locked: a node that re-creates the name makes a new file
         return size
+    finally:
+        os.close(fd)
+
+
+def _sweep_making(path: str) -> None:
+    """Remove an owner file left half made (its owner killed between making and naming
+    it): unlocked and older than :data:`MAKING_ABANDONED_S`, as a fresh one may not be
+    locked yet."""
+    try:
+        fd = os.open(path, os.O_RDWR | os.O_CLOEXEC)
+    except OSError:
+        return
+    try:
+        if time.time() - os.fstat(fd).st_mtime > MAKING_ABANDONED_S and lock_if_abandoned(fd, path):
+            os.unlink(path)
+    except OSError:
+        pass
     finally:
         os.close(fd)

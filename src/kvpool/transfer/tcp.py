@@ -194,7 +194,8 @@ class TcpTransport(Transport):
     def _with_conn(self, addr: str, deadline: float, cancel: Cancel, work):
         """Run ``work(sock)`` on a pooled (else new) connection to ``addr``; a failure on a
         reused connection (the peer may have dropped it while idle) is retried once on a
-        fresh one, which is safe because reads and writes of fixed ranges are idempotent.
+        fresh one, which is safe because reads and writes of fixed ranges are idempotent
+        (not a refusal: the node answered, NodeRefused is raised at once).
         Returns work's result; raises the _FAILURES of the last attempt, or TimeoutError
         at once when ``deadline`` has passed already (a batch's later chunks after a
         node stopped answering: each would otherwise wait a kernel poll, 0.2 s)."""
@@ -208,6 +209,13 @@ class TcpTransport(Transport):
             cancel.track(sock)
             try:
                 result = work(sock)
+            except NodeRefused as exc:  # the node answered: no use asking on another connection
+                cancel.untrack(sock)
+                if exc.code == ErrorCode.NO_AVAILABLE_HANDLE and not cancel.fired:
+                    self._pool.give(addr, sock)  # the node read the payload: still in step
+                else:
+                    sock.close()
+                raise
             except _FAILURES:
                 cancel.untrack(sock)
                 sock.close()

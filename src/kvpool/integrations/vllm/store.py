@@ -108,9 +108,14 @@ class GuardedStore:
 
     @property
     def down(self) -> bool:
-        """True while kvpool is known unreachable and no reconnection is due yet."""
-        return self._client is None and self._down_since is not None \
-            and self.clock() < self._next_try
+        """True while kvpool is known unreachable: from a failure until a reconnection
+        has succeeded (the scheduler plans no saves meanwhile). Asking starts a
+        reconnection when one is due: a producer that only saves asks nothing else."""
+        with self._lock:
+            if self._client is None and self._down_since is not None:
+                self._reconnect_if_due()
+                return True
+            return False
 
     def call(self, what: str, fn: Callable[[Client], T]) -> T | None:
         """``fn(client)``, or None when kvpool cannot be reached now (logged once)."""
@@ -135,14 +140,20 @@ class GuardedStore:
             if self._client is None:
                 if self._down_since is None:
                     self._connect()
-                elif self.clock() >= self._next_try and self._reconnecting is None:
-                    self._reconnecting = threading.Thread(target=self._reconnect, args=(self._closes,),
-                                                          daemon=True, name="kvpool-vllm-reconnect")
-                    self._reconnecting.start()
+                else:
+                    self._reconnect_if_due()
                 if self._client is None:
                     return None
             self._calls[self._client] += 1
             return self._client
+
+    def _reconnect_if_due(self) -> None:
+        """Start a reconnection attempt on a thread when ``retry_s`` has passed and none
+        runs (the caller holds the lock)."""
+        if self.clock() >= self._next_try and self._reconnecting is None:
+            self._reconnecting = threading.Thread(target=self._reconnect, args=(self._closes,),
+                                                  daemon=True, name="kvpool-vllm-reconnect")
+            self._reconnecting.start()
 
     def _connect(self) -> None:
         """Make the client (the caller holds the lock); on failure, mark kvpool down."""
@@ -156,7 +167,7 @@ class GuardedStore:
         only once it has answered, and only if the store was not closed meanwhile."""
         try:
             client = Client(self.master, force_tcp=self.force_tcp, timeout_s=self.timeout_s)
-        except (KVPoolError, OSError) as exc:
+        except Exception as exc:  # noqa: BLE001 - any failure must leave a later retry possible
             with self._lock:
                 self._reconnecting = None
                 self._mark_down("connect", exc)
@@ -208,7 +219,9 @@ class GuardedStore:
 
     def close(self) -> None:
         """Close the client (now, or after the calls still running on it); a
-        reconnection still in flight closes what it makes."""
+        reconnection still in flight closes what it makes. Not final: the store is
+        shared by the scheduler and worker connectors of one process, and a later call
+        by one of them connects again."""
         with self._lock:
             self._closes += 1
             client, self._client = self._client, None
