@@ -40,6 +40,17 @@ REFUSED = [
     (["node", "--segment-size", "100TiB", "--prefault", "no"], "GiB free in /dev/shm"),
     (["node", "--host", "0.0.0.0"], "--host 0.0.0.0: a node announces its --host to clients"),
     (["master", "--busy-poll", "-5"], "bad value '-5' for busy-poll (from flag): must be >= 0"),
+    # a TTL of NaN started a master that then failed every MountSegment
+    (["master", "--client-ttl", "nan"], "bad value 'nan' for client-ttl (from flag): must be a finite number"),
+    (["master", "--frame-timeout", "inf"], "for frame-timeout (from flag): must be a finite number"),
+    (["node", "--frame-timeout", "inf"], "for frame-timeout (from flag): must be > 0 and finite"),
+    # output folders: a line naming the flag, not a traceback or "cannot listen"
+    (["master", "--ready-file", "/nonexistent/dir/r.json"], "--ready-file /nonexistent/dir/r.json: folder"),
+    (["node", "--ready-file", "/nonexistent/dir/r.json"], "--ready-file /nonexistent/dir/r.json: folder"),
+    (["serve", "--log-dir", "/proc/nope"], "--log-dir /proc/nope: cannot make the folder"),
+    ([*DEMO, "--log-dir", "/proc/nope"], "--log-dir /proc/nope: cannot make the folder"),
+    ([*DEMO, "--log-dir", __file__], "cannot make the folder: File exists"),
+    (["bench", "master", "--log-dir", "/proc/nope"], "--log-dir /proc/nope: cannot make the folder"),
     # bench: before the first cell, not at the end of the run
     (["bench", "store", "--quick", "--repeats", "0"], "--repeats must be >= 1, got 0"),
     (["bench", "store", "--quick", "--l3-load-repeats", "-1"], "--l3-load-repeats must be >= 0, got -1"),

@@ -11,6 +11,7 @@ import os
 import queue
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -19,7 +20,7 @@ from pathlib import Path
 import pytest
 
 from kvpool.launch import Cluster, LaunchError
-from proc_helpers import KVPOOL, kvpool_env, poll_until, wait_ready_file
+from proc_helpers import KVPOOL, kvpool_env, poll_until, run_kvpool, wait_ready_file
 
 pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="/proc, process groups")
 
@@ -233,3 +234,41 @@ def test_the_folder_of_a_launcher_killed_with_9_is_removed_by_the_next_one():
         alive.kill()
         alive.wait(timeout=30)
     shutil.rmtree(kept)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_a_node_started_before_its_master_waits_for_it(tmp_path):
+    """`kvpool master & kvpool node &` (the README's own lines) raced: a node that found
+    no master yet exited with status 2. It now keeps trying for --master-wait seconds,
+    says so once, and mounts when the master comes up; with 0 it fails at once."""
+    port = _free_port()
+    r = run_kvpool("node", "--master", f"127.0.0.1:{port}", "--segment-size", "16MiB", "--master-wait", "0")
+    assert r.returncode == 2 and "cannot reach master" in r.stderr and "Traceback" not in r.stderr, r.stderr
+    node_log = tmp_path / "node.log"
+    node_ready, master_ready = tmp_path / "node.json", tmp_path / "master.json"
+    with open(node_log, "w") as log:
+        node = subprocess.Popen([*KVPOOL, "node", "--master", f"127.0.0.1:{port}", "--segment-size", "16MiB",
+                                 "--ready-file", str(node_ready)], stdout=log, stderr=subprocess.STDOUT,
+                                env=kvpool_env(), start_new_session=True)
+    master = None
+    try:
+        assert poll_until(lambda: "trying again" in node_log.read_text() or node.poll() is not None, 30), \
+            node_log.read_text()
+        assert node.poll() is None, node_log.read_text()
+        master = subprocess.Popen([*KVPOOL, "master", "--port", str(port), "--ready-file", str(master_ready)],
+                                  stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=kvpool_env(),
+                                  start_new_session=True)
+        wait_ready_file(master, master_ready, what="master")
+        info = wait_ready_file(node, node_ready, what="node")
+        assert info["segment"] and node_log.read_text().count("trying again") == 1
+    finally:
+        for proc in (node, master):
+            if proc is not None:
+                proc.send_signal(signal.SIGTERM)
+                proc.wait(30)
+    assert node.returncode == 0, node_log.read_text()

@@ -101,17 +101,32 @@ def test_a_master_refusal_is_logged_once_per_message(module_cluster, caplog):
     assert len([r for r in caplog.records if "refused GetReplicaList" in r.getMessage()]) == 1
 
 
-def test_the_facade_logs_why_the_master_refused_a_put(module_cluster, caplog, monkeypatch):
-    monkeypatch.setenv("KVPOOL_ALLOC_LEASES", "0")  # the refused body is a PutStart's
+@pytest.mark.parametrize("replicas, why", [
+    (10**6, "replica_num must be an int in 1..1024"),  # past the protocol's limit: the client says
+    (1000, "replica_num 1000 is not in 1..16 (the master's --max-replicas)"),  # the master says
+])
+def test_the_facade_logs_why_a_put_was_refused(module_cluster, caplog, monkeypatch, replicas, why):
+    """Mooncake's put returns only -600: the reason goes to the log, as Mooncake's does."""
+    monkeypatch.setenv("KVPOOL_ALLOC_LEASES", "0")
     store = MooncakeDistributedStore()
     assert store.setup("localhost", "m", 0, 16 * MIB, "tcp", "", module_cluster.master_addr) == 0
     config = ReplicateConfig()
-    # a count past the protocol's limit: the client lets it through (the master's
-    # config sets the largest count), and the master refuses the body at decode
-    config._replica_num = 10**6
-    with caplog.at_level(logging.WARNING, logger="kvpool.rpc"):
+    config.replica_num = replicas
+    with caplog.at_level(logging.WARNING, logger="kvpool"):
         assert store.put("refused", b"v", config) == ErrorCode.INVALID_PARAMS
     store.close()
+    assert any(why in r.getMessage() for r in caplog.records), [r.getMessage() for r in caplog.records]
+
+
+def test_a_body_the_master_cannot_decode_is_refused_and_logged(module_cluster, caplog):
+    """A count past the protocol's limit, sent by a client that does not check it: the
+    master refuses the body at decode and says why; the channel logs it."""
+    chan = RpcChannel(module_cluster.master_addr, timeout_s=10)
+    try:
+        with caplog.at_level(logging.WARNING, logger="kvpool.rpc"), pytest.raises(RpcFailed, match="bad request"):
+            chan.call(P.PutStart(P.PutItem("refused", 1, replica_num=10**6), ""))
+    finally:
+        chan.close()
     assert any("refused PutStart: bad request" in r.getMessage() for r in caplog.records)
 
 

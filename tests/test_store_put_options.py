@@ -73,6 +73,22 @@ def test_client_refuses_a_soft_pin_ttl_without_soft_pin(module_cluster):
         c.remove_all(force=True)
 
 
+@pytest.mark.parametrize("options, reason", [
+    ({"soft_pin": True, "soft_pin_ttl_ms": 10**30}, r"must be an int in 0\.\.4398046511104, got 10{30}"),
+    ({"replica_num": 1000}, r"replica_num 1000 is not in 1\.\.16 \(the master's --max-replicas\)"),
+    ({"soft_pin": True, "soft_pin_ttl_ms": 10**10}, r"--max-soft-pin-ttl"),
+])
+def test_a_refused_put_says_why(module_cluster, options, reason):
+    """Each was an OverflowError from the encoder, or a bare INVALID_PARAMS (a user asking
+    1000 replicas was not told the limit)."""
+    with Client(module_cluster.master_addr) as c:
+        with pytest.raises(InvalidParams, match=reason):
+            c.put("refused", b"v", **options)
+        with pytest.raises(InvalidParams, match="timeout_s must be a finite number"):
+            Client(module_cluster.master_addr, timeout_s=float("nan"))
+        assert not c.is_exist("refused")
+
+
 @pytest.mark.cluster(segment_size="16MiB", num_nodes=2)
 def test_preferred_segment_is_honoured_by_put_upsert_and_batch_put(cluster):
     segments = [n["segment"] for n in cluster.nodes]

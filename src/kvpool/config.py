@@ -51,7 +51,8 @@ def parse_size(value: str | int) -> int:
     m = _SIZE_RE.match(str(value))
     unit = m.group(2).lower() if m else None
     if not m or unit not in _UNITS:
-        raise UserError(f"not a size: {value!r} (examples: 4096, 64MiB, 1GiB, 16MB)")
+        raise UserError(f"not a size: {value!r} (units B, KB, MB, GB, TB, KiB, MiB, GiB, TiB; "
+                        "examples: 4096, 64MiB, 1GiB, 16MB)")
     return int(float(m.group(1)) * _UNITS[unit])
 
 
@@ -302,6 +303,20 @@ def check_output_path(flag: str, path: str | None, make_folders: bool = False) -
         raise UserError(f"{flag} {path}: folder {folder} is not writable")
     if os.path.isdir(path):
         raise UserError(f"{flag} {path}: is a folder, not a file")
+
+
+def make_output_folder(flag: str, path: str) -> str:
+    """Make the folder ``path`` (and its parents) for a command's logs, now rather than
+    once children start. Returns ``path``. Raises: UserError naming ``flag`` when it
+    cannot be made (a file in the way, no permission, a read-only file system) or is not
+    writable."""
+    try:
+        os.makedirs(path, exist_ok=True)
+    except OSError as exc:
+        raise UserError(f"{flag} {path}: cannot make the folder: {exc.strerror or exc}") from None
+    if not os.access(path, os.W_OK | os.X_OK):
+        raise UserError(f"{flag} {path}: folder is not writable")
+    return path
 
 
 def _yaml_problem(exc) -> str:

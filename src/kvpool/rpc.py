@@ -65,6 +65,11 @@ def _log_once(message: str) -> None:
     log.warning("%s", message)
 
 
+class MasterUnreachable(RpcFailed):
+    """No master accepted a connection (refused, no route, timed out, or no HA leader):
+    worth trying again later, unlike a version or authentication failure."""
+
+
 class RpcChannel:
     """A blocking connection to the master of ``addr`` (a master spec: "host:port", a
     list "h1:p1,h2:p2" or "etcd://h:2379[/key]", see :mod:`kvpool.masters`); not
@@ -91,7 +96,8 @@ class RpcChannel:
 
     def connect(self) -> None:
         """Open the connection to the first candidate master that accepts it. Raises
-        RpcFailed when none is reachable."""
+        MasterUnreachable when none accepts a connection, RpcFailed when one refuses us
+        (another protocol version, a failed authentication)."""
         errors = []
         for addr in self.masters.candidates():
             try:
@@ -102,7 +108,7 @@ class RpcChannel:
                     raise
                 self.masters.failed(addr)
                 errors.append(str(exc))
-        raise RpcFailed("; ".join(errors) or f"no master leads {self.masters.spec} now")
+        raise MasterUnreachable("; ".join(errors) or f"no master leads {self.masters.spec} now")
 
     def _open(self, addr: str) -> None:
         host, port = parse_addr(addr)
@@ -110,8 +116,9 @@ class RpcChannel:
         if self._sock is None:
             try:
                 self._sock = socket.create_connection((host, port), timeout=self.timeout_s)
-            except OSError as exc:
-                raise RpcFailed(f"cannot reach master at {addr}: {exc.strerror or exc}") from None
+            except OSError as exc:  # an unknown host name is a mistake, not a wait
+                kind = RpcFailed if isinstance(exc, socket.gaierror) else MasterUnreachable
+                raise kind(f"cannot reach master at {addr}: {exc.strerror or exc}") from None
             self._sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         self.addr = addr
         if self.secret is not None:
@@ -201,7 +208,8 @@ class RpcChannel:
             return self._exchange(frame, kind, during)
         except BlockingIOError:  # the kernel's timeout (SO_RCVTIMEO / SO_SNDTIMEO)
             hint = ("" if self._ever_answered else
-                    " (nothing has ever answered on this channel: is a kvpool master listening there?)")
+                    " (a process took the connection and never answered: a stopped or overloaded "
+                    "master, or not a kvpool master?)")
             self.masters.failed(self.addr)
             self.close()
             raise _Broken(RpcFailed(f"master {self.addr}: no answer within {wait_s:g} s{hint}"),

@@ -22,7 +22,8 @@ SUBCOMMANDS = {  # name -> (module with HELP / add_arguments / run, one-line hel
     "store": ("kvpool.bench.store",
               "the store's data path against Mooncake, Redis and the machine's limits"),
     "cache": ("kvpool.bench.cache", "the tiered prefix cache: hit rates and TTFT"),
-    "fuzz": ("kvpool.bench.fuzz", "hostile inputs against master, node and admin HTTP (hypothesis)"),
+    "fuzz": ("kvpool.bench.fuzz", "hostile inputs against master, node and admin HTTP (hypothesis; "
+             "about 21 min at the default --inputs)"),
     "master": ("kvpool.bench.master", "the master at 1e4..1e7 objects and with 10..1,000 simulated segments"),
     "chaos": ("kvpool.bench.chaos", "kill -9 nodes, clients and the HA leader under verified load"),
     "links": ("kvpool.bench.links", "fetch a cached prefix over a shaped link, or recompute it"),

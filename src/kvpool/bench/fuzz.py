@@ -50,7 +50,9 @@ HTTP_PATHS = ("/health", "/metrics", "/segments", "/keys", "/query_key", "/", "/
 
 
 def add_arguments(parser) -> None:
-    parser.add_argument("--inputs", type=int, default=100_000, help="generated inputs per target")
+    parser.add_argument("--inputs", type=int, default=100_000,
+                        help="generated inputs per target (the default on all 4 targets ran about 21 min "
+                        "on a 2-core machine; a progress line every 10,000 inputs)")
     parser.add_argument("--targets", default=",".join(TARGETS), help=f"comma-separated subset of {TARGETS}")
     parser.add_argument("--json", default=None, help="write the report here as JSON")
 

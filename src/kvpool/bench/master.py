@@ -32,7 +32,7 @@ import time
 
 from kvpool.bench.master_sim import MasterProcess, MetaClient, SimNodes
 from kvpool.bench.verdict import Verdict
-from kvpool.config import parse_size
+from kvpool.config import make_output_folder, parse_size
 from kvpool.errors import UserError
 
 HELP = "benchmark the master: bytes per object and ops/s from 1e4 to 1e7 objects; a simulated pool"
@@ -342,8 +342,8 @@ def build_panels(objects: list[dict], pool: list[dict]):
 def run(args) -> int:
     """Run the benchmark; prints one line per size and pool, the verdicts; JSON / PNG if asked."""
     resolve_args(args)
-    log_dir = args.log_dir or tempfile.mkdtemp(prefix="kvpool-bench-master-")
-    os.makedirs(log_dir, exist_ok=True)
+    log_dir = make_output_folder("--log-dir", args.log_dir) if args.log_dir else \
+        tempfile.mkdtemp(prefix="kvpool-bench-master-")
     started, load_before = time.time(), os.getloadavg()
     objects = run_objects(args, log_dir) if args.sizes else []
     pool = run_pool(args, log_dir) if args.segments else []

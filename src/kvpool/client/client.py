@@ -31,6 +31,8 @@ removal, no eviction) is unchanged.
 
 from __future__ import annotations
 
+import math
+import numbers
 import os
 import secrets
 import threading
@@ -79,7 +81,8 @@ class Client(ReadGrants, PutPath, GetPath):
         lease_bytes: the lease size asked for (the master may grant less).
 
     Raises RpcFailed at construction when the master cannot be reached, InvalidParams
-    when ``global_segment_size`` does not fit in /dev/shm (the message says what is free).
+    when ``global_segment_size`` does not fit in /dev/shm (the message says what is free)
+    or ``timeout_s`` is not a finite number > 0.
 
     ``hint_counts``: copies made from location hints ("confirmed", "missed"; see
     :mod:`kvpool.client.hints`), a Counter.
@@ -95,6 +98,8 @@ class Client(ReadGrants, PutPath, GetPath):
     def __init__(self, master_addr: str, force_tcp: bool = False, timeout_s: float = 10.0,
                  global_segment_size: int = 0, segment_host: str = "127.0.0.1",
                  alloc_leases: bool | None = None, lease_bytes: int = LEASE_BYTES):
+        if not (isinstance(timeout_s, numbers.Real) and 0 < timeout_s < math.inf):
+            raise InvalidParams(f"timeout_s must be a finite number of seconds > 0, got {timeout_s!r}")
         self.master_addr = master_addr
         self.force_tcp = force_tcp
         self.timeout_s = timeout_s

@@ -107,7 +107,9 @@ class PutPath:
             if code == ErrorCode.OK:
                 return 1
             if code is not None:
-                raise_for(code, f"put {key!r}: {code_name(code)}")
+                # the client checked key and size: a refused commit is about its pin
+                why = " (soft-pin TTL above the master's --max-soft-pin-ttl?)" if code == ErrorCode.INVALID_PARAMS else ""
+                raise_for(code, f"put {key!r}: {code_name(code)}{why}")
             if not pipeline.left(deadline):
                 raise TransferFailed(f"put {key!r}: TIMEOUT: the client's timeout_s "
                                      f"({self.timeout_s:g} s) ran out writing into its "
@@ -433,11 +435,15 @@ def _item(key: str, replica_num: int, upsert: bool, soft_pin: bool | None, soft_
           hard_pin: bool, preferred_segment: str) -> P.PutItem:
     """The PutItem of one put (size filled in later). Raises InvalidParams for a
     ``replica_num`` below 1, or a TTL given without ``soft_pin=True`` or a negative one
-    (Mooncake refuses all three)."""
-    if isinstance(replica_num, bool) or not isinstance(replica_num, numbers.Integral) or replica_num < 1:
-        raise InvalidParams(f"replica_num must be an int >= 1, got {replica_num!r}")
-    if soft_pin_ttl_ms is not None and (soft_pin is not True or soft_pin_ttl_ms < 0):
-        raise InvalidParams("soft_pin_ttl_ms needs soft_pin=True and must be >= 0")
+    (Mooncake refuses all three), and either above what the wire carries (the master's
+    own limits are lower: its reply says which)."""
+    if isinstance(replica_num, bool) or not isinstance(replica_num, numbers.Integral) or \
+            not 1 <= replica_num <= P.MAX_REPLICAS:
+        raise InvalidParams(f"replica_num must be an int in 1..{P.MAX_REPLICAS}, got {replica_num!r}")
+    if soft_pin_ttl_ms is not None and (soft_pin is not True or not isinstance(soft_pin_ttl_ms, numbers.Integral)
+                                        or not 0 <= soft_pin_ttl_ms <= P.MAX_TTL_MS):
+        raise InvalidParams(f"soft_pin_ttl_ms needs soft_pin=True and must be an int in 0..{P.MAX_TTL_MS}, "
+                            f"got {soft_pin_ttl_ms!r}")
     action = P.SOFT_PIN_PRESERVE if soft_pin is None else P.SOFT_PIN_ENABLE if soft_pin else P.SOFT_PIN_DISABLE
     return P.PutItem(key, 0, int(replica_num), upsert, action, bool(hard_pin), preferred_segment,
                      -1 if soft_pin_ttl_ms is None else int(soft_pin_ttl_ms))

@@ -31,7 +31,7 @@ from pathlib import Path
 import numpy as np
 
 from kvpool.child import in_this_process
-from kvpool.config import check_at_least, check_output_path
+from kvpool.config import check_at_least, check_output_path, make_output_folder
 from kvpool.engine.cli import add_cache_arguments, check_cache_arguments
 from kvpool.engine.procs import EngineProcess, decode_logits
 from kvpool.errors import UserError
@@ -118,8 +118,8 @@ def _check_args(args) -> None:
         raise UserError(f"--segment-size {args.segment_size}: {exc}") from None
     # fail now, not after minutes of work, on what can only fail at the end
     check_output_path("--json", args.json)
-    if args.log_dir and Path(args.log_dir).exists() and not Path(args.log_dir).is_dir():
-        raise UserError(f"--log-dir {args.log_dir}: not a folder")
+    if args.log_dir:
+        make_output_folder("--log-dir", args.log_dir)
 
 
 def _interrupt(signum, frame):

@@ -6,13 +6,14 @@ import asyncio
 import errno
 import gc
 import logging
+import math
 import os
 import signal
 import sys
 
 from kvpool.auth import secret_bytes
 from kvpool.config import (
-    Option, add_options, format_addr, parse_addr, parse_host, parse_size, resolve, write_ready_file,
+    Option, add_options, check_output_path, format_addr, parse_addr, parse_host, parse_size, resolve, write_ready_file,
 )
 from kvpool.errors import UserError
 from kvpool.master.busy_poll import BUSY_POLL_US
@@ -31,9 +32,12 @@ def _ratio(text) -> float:
 
 
 def _positive(parse, zero_ok: bool = False):
-    """``parse``, refusing values below 0, and 0 itself unless ``zero_ok``."""
+    """``parse``, refusing values below 0, and 0 itself unless ``zero_ok``, and NaN and
+    infinity (a TTL of NaN started a master that then failed every MountSegment)."""
     def check(text):
         value = parse(text)
+        if not math.isfinite(value):
+            raise ValueError("must be a finite number")
         if value < 0 or (value == 0 and not zero_ok):
             raise ValueError("must be >= 0" if zero_ok else "must be > 0")
         return value
@@ -174,6 +178,7 @@ def run(args) -> int:
     values = resolve(args, OPTIONS)
     if values["soft_pin_ttl"] > values["max_soft_pin_ttl"]:
         raise UserError("--soft-pin-ttl must not exceed --max-soft-pin-ttl")
+    check_output_path("--ready-file", args.ready_file)  # else "cannot listen" once serving
     logging.basicConfig(level=logging.INFO, format="%(asctime)s master %(levelname)s %(message)s")
     service = MasterService(config_from(values))
     ha = ({k: values[k] for k in ("etcd", "etcd_key", "etcd_lease_ttl", "advertise")}

@@ -156,6 +156,12 @@ class SegmentTable:
     def owned_by(self, owner_id: str) -> list[str]:
         return [n for n, s in self.segments.items() if s.owner_id == owner_id]
 
+    def excuse(self, seconds: float) -> None:
+        """Count every owner's silence from ``seconds`` later (the master itself did not
+        run meanwhile, so their heartbeats went unread); the heartbeat order stays."""
+        for owner, seen in list(self.last_seen.items()):
+            OrderedDict.__setitem__(self.last_seen, owner, seen + seconds)  # in place: no move
+
     def expired_owners(self, now: float, ttl_s: float) -> list[str]:
         """Owners silent for over ``ttl_s``: a prefix of the heartbeat order."""
         out = []

@@ -55,6 +55,7 @@ from kvpool.master.service import MasterService
 
 log = logging.getLogger("kvpool.master")
 TICK_S = 0.05
+STALL_EXCUSED_S = 1.0  # a tick this late means the master did not run: node silences meanwhile do not count
 STALL_S = 30.0  # seconds a frame may take to arrive after its header
 INDEX_DRAIN_S = 2.0  # seconds past the client TTL a reply waits for a node to take its index update
 STREAM_SNDBUF = 4 << 20  # bytes of index updates the kernel holds for a same-host node (Unix socket)
@@ -402,11 +403,16 @@ class MasterServer:
         await asyncio.gather(*tasks, return_exceptions=True)
 
     async def tick_forever(self) -> None:
+        last = self.service.clock()
         while True:
             await asyncio.sleep(TICK_S)
+            now = self.service.clock()
+            late, last = now - last - TICK_S, now
             if self.gate() is not None:
                 continue  # a standby keeps no state; a fenced leader must change nothing
             try:
+                if late > STALL_EXCUSED_S:
+                    self.service.excuse_stall(late)
                 self.service.tick()
                 self._send_index()
                 self._close_stale_streams()

@@ -196,11 +196,16 @@ class MasterService(Eviction, Restore, LeaseHandlers):
         return ttl if ttl <= self.config.max_soft_pin_ttl_ms else None
 
     def put_start(self, item: PutItem, host_id: str = "") -> PutStartResp:
-        if item.size <= 0 or not 1 <= item.replica_num <= self.config.max_replicas:
-            return PutStartResp(ErrorCode.INVALID_PARAMS)
+        if item.size <= 0:
+            return PutStartResp(ErrorCode.INVALID_PARAMS, message="empty value")
+        if not 1 <= item.replica_num <= self.config.max_replicas:
+            return PutStartResp(ErrorCode.INVALID_PARAMS, message=f"replica_num {item.replica_num} is "
+                                f"not in 1..{self.config.max_replicas} (the master's --max-replicas)")
         soft_pin_ttl = self._soft_pin_ttl(item)
         if soft_pin_ttl is None:
-            return PutStartResp(ErrorCode.INVALID_PARAMS)
+            return PutStartResp(ErrorCode.INVALID_PARAMS, message=(
+                "a soft-pin TTL needs soft pin ENABLE and at most the master's --max-soft-pin-ttl "
+                f"({self.config.max_soft_pin_ttl_ms} ms)"))
         now = self.clock()
         code = self._admit(item.key, item.upsert, now)
         if code != OK:
@@ -332,6 +337,17 @@ class MasterService(Eviction, Restore, LeaseHandlers):
         self.counters["put_discarded"] += 1
 
     # ------------------------------------------------------------ periodic upkeep
+
+    def excuse_stall(self, seconds: float) -> None:
+        """The master's own loop did not run for ``seconds`` (stopped, frozen, a long
+        pause): the heartbeats sent meanwhile wait unread in its sockets, so that time
+        does not count against any owner. Without this, a master paused past the client
+        TTL unmounted every live node and dropped all their objects (a node re-mounting
+        after a TTL drop is not restored from its index, on purpose: docs/store.md)."""
+        self.segments.excuse(seconds)
+        self.counters["stalls_excused"] += 1
+        log.warning("the master did not run for %.1f s (stopped or paused?): node heartbeats "
+                    "went unread meanwhile, so no node is timed out for that time", seconds)
 
     def tick(self) -> None:
         """Expire silent owners, grants and zombies, drop dead puts, evict above watermark."""

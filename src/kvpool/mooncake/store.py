@@ -217,6 +217,9 @@ class MooncakeDistributedStore:
             put(key, src, n, preferred_segment=preferred, **pins)
         except ObjectExists:
             return OK
+        except InvalidParams as exc:  # a caller's mistake: the code alone does not say which
+            log.error("%s", exc)
+            return INVALID
         except KVPoolError as exc:
             return put_code(exc.code)
         return OK

@@ -4,10 +4,11 @@ from __future__ import annotations
 
 import errno
 import logging
+import math
 import os
 import signal
 
-from kvpool.config import Option, add_options, parse_bool, parse_host, parse_size, resolve, write_ready_file
+from kvpool.config import Option, add_options, check_output_path, parse_bool, parse_host, parse_size, resolve, write_ready_file
 from kvpool.local_socket import WILDCARDS
 from kvpool.errors import UserError
 from kvpool.masters import check_spec
@@ -74,10 +75,17 @@ def _gib(n: int) -> str:
     return f"{n / (1 << 30):,.2f} GiB" if n >= 1 << 30 else f"{n / (1 << 20):,.1f} MiB"
 
 
+def _non_negative_float(text) -> float:
+    value = float(text)
+    if not 0 <= value < math.inf:
+        raise ValueError("must be >= 0 and finite")
+    return value
+
+
 def _positive_float(text) -> float:
     value = float(text)
-    if not value > 0:
-        raise ValueError("must be > 0")
+    if not 0 < value < math.inf:
+        raise ValueError("must be > 0 and finite")
     return value
 
 
@@ -93,6 +101,8 @@ OPTIONS = [
            env="NODE_HTTP_PORT"),
     Option("secret", "", str, "shared secret: asked of data-port peers, proven to the master "
            "(empty = none; prefer the env var or a config file: flags show in ps)", env="SECRET"),
+    Option("master-wait", 30.0, _non_negative_float, "seconds to keep trying a master that does not "
+           "accept connections yet at start (0 = fail at once)"),
     Option("frame-timeout", STALL_S, _positive_float, "seconds a data-port peer may pause mid-frame "
            "before its connection is closed"),
 ]
@@ -105,6 +115,7 @@ def add_arguments(parser) -> None:
 
 def run(args) -> int:
     from kvpool.node.segment_host import SegmentHost
+    from kvpool.rpc import MasterUnreachable
 
     values = resolve(args, OPTIONS)
     if values["host"] in WILDCARDS:  # clients would connect to 0.0.0.0: their own host
@@ -112,14 +123,21 @@ def run(args) -> int:
                         "address; give the address of the interface the other machines reach")
     size = segment_size(values["segment_size"])
     check_fits(size, values["prefault"])
+    check_output_path("--ready-file", args.ready_file)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s node %(levelname)s %(message)s")
     node = SegmentHost(values["master"], values["host"], values["port"], size, values["prefault"],
-                       stall_s=values["frame_timeout"], secret=values["secret"].encode())
+                       stall_s=values["frame_timeout"], secret=values["secret"].encode(),
+                       master_wait_s=values["master_wait"])
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: node.request_stop())
     admin, http_addr = None, None
     try:
-        node.start()
+        try:
+            node.start()
+        except MasterUnreachable:
+            if node.stop_requested:  # Ctrl-C or SIGTERM while waiting for the master
+                return 0
+            raise
         if values["http_port"] is not None:  # kvpool.node.admin, served from a thread of its own
             from kvpool.node.admin import NodeAdmin
 

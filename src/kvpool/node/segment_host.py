@@ -38,7 +38,7 @@ from kvpool import protocol as P
 from kvpool.config import format_addr
 from kvpool.errors import ErrorCode, InvalidParams, KVPoolError, RpcFailed, UserError
 from kvpool.node.data_server import STALL_S, DataServer
-from kvpool.rpc import RpcChannel
+from kvpool.rpc import MasterUnreachable, RpcChannel
 from kvpool.transfer import local_host_id
 from kvpool.transfer.epoch import SHM_DIR, EpochWord, shm_bytes
 from kvpool.transfer.segment_files import OwnerLock, sweep_stale
@@ -48,6 +48,7 @@ from kvpool.transfer.shm import (MADV_POPULATE_WRITE, POPULATE_CHUNK, Populator,
 log = logging.getLogger("kvpool.segment")
 FENCE_S = 5.0  # how long a remount waits for transfers of the old mount to end, per try
 REMOUNT_RETRY_S = 0.1  # seconds between two mount tries while the master is away (a restart is back in ~1 s)
+MASTER_RETRY_S = 0.5  # seconds between two tries to reach the master at start
 REMOUNT_LOG_S = 10.0  # a failing mount is logged at most this often (10 tries a second would flood the log)
 INDEX_POLL_S = 0.005  # seconds between two reads of the index stream (its frames wait in the kernel)
 
@@ -96,8 +97,9 @@ class SegmentHost:
 
     def __init__(self, master_addr: str, host: str, port: int, segment_size: int, prefault: bool = True,
                  owner_prefix: str = "node", populate_behind: bool = False, stall_s: float = STALL_S,
-                 secret: bytes | None = None):
+                 secret: bytes | None = None, master_wait_s: float = 0.0):
         self.stall_s = stall_s
+        self.master_wait_s = master_wait_s
         self.secret = auth.secret_or_env(secret)
         self.master_addr = master_addr
         self.owner_id = f"{owner_prefix}-{uuid.uuid4().hex[:12]}"
@@ -121,8 +123,10 @@ class SegmentHost:
         self.mounts = 0  # mounts made (the first and every re-mount)
 
     def start(self) -> None:
-        """Reach the master, create the segment, mount it, start the data server."""
-        self.master.connect()
+        """Reach the master (waiting up to ``master_wait_s`` for one to accept a
+        connection), create the segment, mount it, start the data server. Raises
+        RpcFailed (MasterUnreachable when none came up in time)."""
+        self._connect_master()
         sweep_stale()
         name = f"kvpool-{uuid.uuid4().hex[:16]}"
         self._owner = OwnerLock(name)  # before the segment exists: never one without a lock
@@ -150,6 +154,22 @@ class SegmentHost:
         threading.Thread(target=self.server.serve_forever, daemon=True).start()
         threading.Thread(target=self._heartbeat_loop, daemon=True).start()
         threading.Thread(target=self._stream_loop, name="kvpool-index", daemon=True).start()
+
+    def _connect_master(self) -> None:
+        """Connect, retrying while no master accepts: a node started beside its master
+        (a shell's `&`, a container whose master restarts) must not lose the race."""
+        deadline = time.monotonic() + self.master_wait_s
+        said = False
+        while True:
+            try:
+                return self.master.connect()
+            except MasterUnreachable as exc:
+                if time.monotonic() >= deadline or self._stop.is_set():
+                    raise
+                if not said:
+                    log.warning("%s; trying again for up to %g s (--master-wait)", exc, self.master_wait_s)
+                    said = True
+                self._stop.wait(min(MASTER_RETRY_S, max(0.0, deadline - time.monotonic())))
 
     def _populate_all(self, populate) -> None:
         """Allocate the pages of a segment not prefaulted, in the background, keeping
@@ -257,6 +277,11 @@ class SegmentHost:
     def request_stop(self) -> None:
         """Make :meth:`wait` return (safe from a signal handler)."""
         self._stop.set()
+
+    @property
+    def stop_requested(self) -> bool:
+        """Whether :meth:`request_stop` or :meth:`stop` was called."""
+        return self._stop.is_set()
 
     def stop(self) -> None:
         """Unmount (best effort), stop serving, unmap and unlink the segment."""

@@ -56,12 +56,15 @@ def _exit_report(child) -> str:
 
 
 def run(args) -> int:
-    from kvpool.config import write_ready_file
+    from kvpool.config import check_output_path, make_output_folder, write_ready_file
     from kvpool.launch import Cluster
 
     values = resolve(args, OPTIONS)
     size = segment_size(values["segment_size"])
     check_fits(size, prefault=True)
+    check_output_path("--ready-file", args.ready_file)
+    if args.log_dir:
+        make_output_folder("--log-dir", args.log_dir)
     stop = threading.Event()
 
     def on_signal(*_):
