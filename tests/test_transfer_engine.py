@@ -239,14 +239,14 @@ def test_a_batch_write_populates_its_span_once_and_scattered_ranges_each():
     for the whole span (not one per value), and of scattered ranges range by range
     (one span would populate the gaps between them too). Byte exactness of the
     writes themselves: the tests above, through every transport."""
-    from kvpool.transfer.shm import _before_writes
+    from kvpool.transfer.shm import populate_ranges
 
     calls: list[tuple[int, int]] = []
     record = lambda offset, length: calls.append((offset, length))  # noqa: E731
     dense = [(4096 * i, memoryview(bytes([i]) * 4000)) for i in range(128)]
-    _before_writes(record, dense)
+    populate_ranges(record, dense)
     assert calls == [(0, 4096 * 127 + 4000)]
     calls.clear()
     scattered = [(0, memoryview(b"a" * 100)), (1 << 20, memoryview(b"b" * 100))]
-    _before_writes(record, scattered)
+    populate_ranges(record, scattered)
     assert calls == [(0, 100), (1 << 20, 100)]

@@ -6,6 +6,7 @@ from __future__ import annotations
 import difflib
 import ipaddress
 import json
+import math
 import os
 import re
 
@@ -32,6 +33,20 @@ def parse_bool(text) -> bool:
     if value not in ("1", "0", "true", "false", "yes", "no", "on", "off"):
         raise ValueError("expected yes or no")
     return value in ("1", "true", "yes", "on")
+
+
+def positive(parse, zero_ok: bool = False):
+    """An option parser: ``parse``, refusing NaN and infinity (a TTL of NaN started a
+    master that then failed every MountSegment), values below 0, and 0 itself unless
+    ``zero_ok``. Raises ValueError, which :func:`resolve` reports naming the option."""
+    def check(text):
+        value = parse(text)
+        if not math.isfinite(value):
+            raise ValueError("must be a finite number")
+        if value < 0 or (value == 0 and not zero_ok):
+            raise ValueError("must be >= 0" if zero_ok else "must be > 0")
+        return value
+    return check
 
 
 def parse_size(value: str | int) -> int:

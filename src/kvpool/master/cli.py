@@ -6,14 +6,14 @@ import asyncio
 import errno
 import gc
 import logging
-import math
 import os
 import signal
 import sys
 
 from kvpool.auth import secret_bytes
 from kvpool.config import (
-    Option, add_options, check_output_path, format_addr, parse_addr, parse_host, parse_size, resolve, write_ready_file,
+    Option, add_options, check_output_path, format_addr, parse_addr, parse_host, parse_size, positive, resolve,
+    write_ready_file,
 )
 from kvpool.errors import UserError
 from kvpool.master.busy_poll import BUSY_POLL_US
@@ -31,19 +31,6 @@ def _ratio(text) -> float:
     return value
 
 
-def _positive(parse, zero_ok: bool = False):
-    """``parse``, refusing values below 0, and 0 itself unless ``zero_ok``, and NaN and
-    infinity (a TTL of NaN started a master that then failed every MountSegment)."""
-    def check(text):
-        value = parse(text)
-        if not math.isfinite(value):
-            raise ValueError("must be a finite number")
-        if value < 0 or (value == 0 and not zero_ok):
-            raise ValueError("must be >= 0" if zero_ok else "must be > 0")
-        return value
-    return check
-
-
 def _strategy(text) -> str:
     if text not in STRATEGIES:
         raise ValueError(f"choose one of {', '.join(STRATEGIES)}")
@@ -53,34 +40,34 @@ def _strategy(text) -> str:
 OPTIONS = [
     Option("host", "127.0.0.1", parse_host, "address to listen on: a name, IPv4 or IPv6 (::1)", env="MASTER_HOST"),
     Option("port", 50051, int, "TCP port of the control plane (0 = any free port)", env="MASTER_PORT"),
-    Option("default-kv-lease-ttl", 10_000, _positive(int), "read lease granted by get/exist, ms"),
+    Option("default-kv-lease-ttl", 10_000, positive(int), "read lease granted by get/exist, ms"),
     Option("eviction-high-watermark-ratio", 0.90, _ratio, "evict when used/total exceeds this"),
     Option("eviction-ratio", 0.05, _ratio, "share of objects one eviction pass frees"),
-    Option("client-ttl", 10.0, _positive(float), "seconds without heartbeat before a node's segments are unmounted"),
-    Option("put-start-discard-timeout", 30.0, _positive(float), "seconds after which an unfinished put may be taken over"),
-    Option("put-start-release-timeout", 600.0, _positive(float), "seconds after which an unfinished put's space is freed"),
-    Option("soft-pin-ttl", 1_800_000, _positive(int), "how long a soft pin protects an object, ms"),
-    Option("max-soft-pin-ttl", 86_400_000, _positive(int), "largest soft-pin TTL a put may ask for, ms"),
+    Option("client-ttl", 10.0, positive(float), "seconds without heartbeat before a node's segments are unmounted"),
+    Option("put-start-discard-timeout", 30.0, positive(float), "seconds after which an unfinished put may be taken over"),
+    Option("put-start-release-timeout", 600.0, positive(float), "seconds after which an unfinished put's space is freed"),
+    Option("soft-pin-ttl", 1_800_000, positive(int), "how long a soft pin protects an object, ms"),
+    Option("max-soft-pin-ttl", 86_400_000, positive(int), "largest soft-pin TTL a put may ask for, ms"),
     Option("allocation-strategy", "random", _strategy, f"replica placement: {' | '.join(STRATEGIES)}"),
-    Option("alloc-lease-ttl", 10.0, _positive(float), "seconds a client may allocate from and commit "
+    Option("alloc-lease-ttl", 10.0, positive(float), "seconds a client may allocate from and commit "
            "into an allocation lease (one-round-trip puts)"),
     Option("alloc-lease-size", 64 << 20, parse_size, "largest allocation lease, bytes (also at most "
            "1/16 of its segment; 0 = no leases: every put takes PutStart and PutEnd)"),
-    Option("max-leases-per-owner", 4, _positive(int), "open allocation leases one client may hold",
+    Option("max-leases-per-owner", 4, positive(int), "open allocation leases one client may hold",
            metavar="N"),
     Option("http-port", None, int, "admin HTTP port: /health /metrics /segments /query_key /keys "
            "(0 = a free port; unset = no admin server)", env="MASTER_HTTP_PORT"),
     Option("secret", "", str, "shared secret every client, node and admin request must prove "
            "(empty = none; prefer the env var or a config file: flags show in ps)", env="SECRET"),
-    Option("frame-timeout", 30.0, _positive(float), "seconds a request frame may take to arrive after "
+    Option("frame-timeout", 30.0, positive(float), "seconds a request frame may take to arrive after "
            "its header before the connection is closed"),
-    Option("busy-poll", BUSY_POLL_US, _positive(int, zero_ok=True), "microseconds the master keeps polling for the next "
+    Option("busy-poll", BUSY_POLL_US, positive(int, zero_ok=True), "microseconds the master keeps polling for the next "
            "request after answering one, while requests come that quickly (0 = never: sleep at once; "
            "polling saves waking a sleeping core, 30-40 us per request on a VM)"),
     Option("etcd", "", str, "etcd endpoints host:port[,host:port...]: run as leader or standby of an HA "
            "group (leader election on an etcd lease; empty = a single master)", env="ETCD"),
     Option("etcd-key", DEFAULT_KEY, str, "the election key in etcd (one per HA group)"),
-    Option("etcd-lease-ttl", 5, _positive(int), "seconds of the leader's etcd lease: a standby takes over "
+    Option("etcd-lease-ttl", 5, positive(int), "seconds of the leader's etcd lease: a standby takes over "
            "within about this long after the leader dies"),
     Option("advertise", "", str, "host:port clients and nodes reach this master at, published in etcd "
            "while it leads (default: the address it listens on)"),

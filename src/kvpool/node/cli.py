@@ -4,11 +4,10 @@ from __future__ import annotations
 
 import errno
 import logging
-import math
 import os
 import signal
 
-from kvpool.config import Option, add_options, check_output_path, parse_bool, parse_host, parse_size, resolve, write_ready_file
+from kvpool.config import Option, add_options, check_output_path, parse_bool, positive, parse_host, parse_size, resolve, write_ready_file
 from kvpool.local_socket import WILDCARDS
 from kvpool.errors import UserError
 from kvpool.masters import check_spec
@@ -75,20 +74,6 @@ def _gib(n: int) -> str:
     return f"{n / (1 << 30):,.2f} GiB" if n >= 1 << 30 else f"{n / (1 << 20):,.1f} MiB"
 
 
-def _non_negative_float(text) -> float:
-    value = float(text)
-    if not 0 <= value < math.inf:
-        raise ValueError("must be >= 0 and finite")
-    return value
-
-
-def _positive_float(text) -> float:
-    value = float(text)
-    if not 0 < value < math.inf:
-        raise ValueError("must be > 0 and finite")
-    return value
-
-
 OPTIONS = [
     Option("master", "127.0.0.1:50051", _addr, "master address host:port or [v6]:port; HA masters: "
            "host:port,host:port or etcd://host:2379[/key] (the leader named in etcd)", env="MASTER"),
@@ -101,9 +86,9 @@ OPTIONS = [
            env="NODE_HTTP_PORT"),
     Option("secret", "", str, "shared secret: asked of data-port peers, proven to the master "
            "(empty = none; prefer the env var or a config file: flags show in ps)", env="SECRET"),
-    Option("master-wait", 30.0, _non_negative_float, "seconds to keep trying a master that does not "
+    Option("master-wait", 30.0, positive(float, zero_ok=True), "seconds to keep trying a master that does not "
            "accept connections yet at start (0 = fail at once)"),
-    Option("frame-timeout", STALL_S, _positive_float, "seconds a data-port peer may pause mid-frame "
+    Option("frame-timeout", STALL_S, positive(float), "seconds a data-port peer may pause mid-frame "
            "before its connection is closed"),
 ]
 

@@ -42,6 +42,7 @@ from kvpool.errors import ErrorCode
 from kvpool.spin import spin_max_s
 from kvpool.transfer.epoch import MOUNT_WAIT_S, NO_EPOCH, EpochWord
 from kvpool.transfer.iov import recv_views, send_views
+from kvpool.transfer.shm import populate_ranges
 from kvpool.transfer.tcp import tune_data_socket
 
 log = logging.getLogger("kvpool.data")
@@ -259,8 +260,7 @@ class DataServer:
             return self._refuse(conn, "refused", ErrorCode.INVALID_PARAMS, keep=False)
         if not self._admit(conn, req.epoch):
             return self._refuse(conn, "stale", ErrorCode.REPLICA_IS_GONE, keep=False)
-        if self.populate is not None and not all([self.populate(o, len(v)) for o, v in
-                                                  zip(_offsets(req), views)]):
+        if self.populate is not None and not populate_ranges(self.populate, list(zip(_offsets(req), views))):
             self._leave(conn)
             # the kernel's copy into an unallocated page fails mid-payload: take the
             # payload elsewhere, so that the connection stays usable and the writer is told

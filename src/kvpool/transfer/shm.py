@@ -128,7 +128,7 @@ class _MemoryTransport(Transport):
         allocated = True
         with word.writing(segment.epoch, deadline) as allowed:
             if allowed:
-                allocated = before_write is None or not ranges or _before_writes(before_write, ranges)
+                allocated = before_write is None or populate_ranges(before_write, ranges)
                 if allocated:
                     for offset, src in ranges:
                         view[offset : offset + len(src)] = src
@@ -155,11 +155,14 @@ class _MemoryTransport(Transport):
         return view[offset : offset + length], lambda: word.valid(segment.epoch)
 
 
-def _before_writes(before_write, ranges: list[tuple[int, memoryview]]) -> bool:
+def populate_ranges(before_write, ranges: list[tuple[int, memoryview]]) -> bool:
     """``before_write(offset, length)`` for writes of ``ranges``: once for their whole
     span when they lie close together (a batch placed in one allocation lease: 128
     values, one call instead of 128), else once per range (scattered ranges would
-    populate the gaps between them). False when it refused one (:meth:`Populator.populate`)."""
+    populate the gaps between them). False when it refused one (:meth:`Populator.populate`);
+    True for no ranges. Used by same-host writers and by the node's TCP data server."""
+    if not ranges:
+        return True
     lo = min(offset for offset, _ in ranges)
     hi = max(offset + len(src) for offset, src in ranges)
     if hi - lo <= 2 * sum(len(src) for _, src in ranges):
