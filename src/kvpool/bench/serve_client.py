@@ -26,6 +26,8 @@ import numpy as np
 from kvpool.bench.serve_router import Router
 from kvpool.bench.serve_workloads import ServeRequest
 
+KEEPALIVE_S = 2.0  # seconds an idle connection to a server is kept: under the server's own keep-alive
+
 
 @dataclasses.dataclass
 class Outcome:
@@ -125,7 +127,10 @@ async def run_load(urls: list[str], model: str, requests: list[ServeRequest],
             router.finished(i)
             finished[req.index].set()
 
-    connector = aiohttp.TCPConnector(limit=0)
+    # idle connections are dropped before the server's keep-alive (vLLM: 5 s) closes them:
+    # aiohttp keeps them 15 s, and a request sent on one the server had just closed
+    # failed as ServerDisconnectedError without reaching it (1 of 12 in a CI run)
+    connector = aiohttp.TCPConnector(limit=0, keepalive_timeout=KEEPALIVE_S)
     async with aiohttp.ClientSession(connector=connector) as session:
         await asyncio.gather(*(one(session, r, a) for r, a in zip(requests, arrivals)))
     duration = time.perf_counter() - start
