@@ -294,6 +294,36 @@ def test_k18_upserts_removals_and_replicas_on_two_nodes_survive_a_restart():
             assert not client.is_exist("gone")
 
 
+def test_a_node_paused_across_a_master_restart_never_brings_back_what_clients_removed_or_replaced():
+    """The trial's scenario on real processes: node 2 is stopped (SIGSTOP) while the
+    master is killed and started again; clients upsert and remove its keys on the new
+    master; node 2 resumes and mounts with its index. Removed keys stay removed, upserts
+    keep the new value; keys nobody touched come back (or, past the restore window, are
+    misses), never with other bytes."""
+    removed, upserted, untouched = ["r0", "r1", "r2"], ["u0", "u1", "u2"], ["t0", "t1", "t2"]
+    with Cluster(segment_size="64MiB", num_nodes=2, extra_master_args=["--client-ttl", "5"]) as cluster:
+        with Client(cluster.master_addr) as client:
+            late = cluster.nodes[1]["segment"]
+            for key in removed + upserted + untouched:
+                client.put(key, value("old-" + key), preferred_segment=late)
+            pid = cluster.node_children[1].proc.pid
+            assert pause_process(pid)
+            try:
+                restart(cluster, client, segments=1)
+                for key in removed + upserted:
+                    client.upsert(key, value("new-" + key))
+                for key in removed:
+                    client.remove(key, force=True)
+            finally:
+                os.kill(pid, signal.SIGCONT)
+            wait_for(lambda: len(client.stats().segments) == 2, what="the paused node to mount again")
+            assert not any(client.is_exist(key) for key in removed)
+            assert [client.get(key) for key in upserted] == [value("new-" + key) for key in upserted]
+            for key in untouched:
+                with contextlib.suppress(ObjectNotFound):
+                    assert client.get(key) == value("old-" + key)
+
+
 def test_k18_a_segment_the_master_dropped_comes_back_empty_and_its_old_grants_fail():
     with Cluster(segment_size="64MiB", extra_master_args=FAST) as cluster, Client(cluster.master_addr) as client:
         client.put("k", value("k"))
@@ -359,6 +389,78 @@ def test_restore_keeps_the_newest_of_overlapping_entries_not_the_first_by_offset
     assert {k: svc.lookup(k).replicas[0].offset for k in ("reused", "after", "b")} == {
         "reused": 4096, "after": 8192, "b": 16512}
     assert svc.stats().used_bytes == 128 + 128 + 256
+
+
+class Clock:
+    """A settable monotonic clock (seconds) for MasterService."""
+
+    def __init__(self):
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def _upsert(svc: MasterService, key: str) -> None:
+    r = svc.put_start(P.PutItem(key, 100, upsert=True))
+    assert r.code == 0
+    assert svc.put_end(P.PutToken(key, r.put_id)).code == 0
+
+
+def test_a_node_mounting_late_never_undoes_a_removal_or_an_upsert_made_since_the_restart():
+    """Found by a trial: a node paused across a master restart mounted after clients had
+    upserted and removed its keys on the new master, and its index brought the removed
+    values back as hits (and, with the new master's clock behind, reverted the upserts).
+    Keys this incarnation settled are not restored; keys it never touched still are."""
+    clock = Clock()
+    svc = MasterService(clock=clock)
+    svc.tick()  # the lead's first tick opens the restore window
+    assert svc.mount("n1", _seg("s1"), True, [], 0).code == 0
+    _upsert(svc, "removed")
+    assert svc.remove("removed").code == 0
+    _upsert(svc, "upserted")
+    ours = svc.lookup("upserted").version
+    svc.lookup("upserted").lease_deadline = 0.0  # no read lease: evictable below
+    _upsert(svc, "evicted")
+    svc._evict(svc.lookup("evicted"))
+    skewed = ours + 10**12  # the old master's clock ran ahead: its versions compare newer
+    late = [P.IndexEntry("removed", 0, 100, skewed), P.IndexEntry("upserted", 4096, 100, skewed),
+            P.IndexEntry("evicted", 8192, 100, skewed), P.IndexEntry("untouched", 12288, 100, 5)]
+    clock.now = 5.0  # within the window (2 x the 10 s client TTL)
+    svc.tick()
+    reply = svc.mount("n2", _seg("s2"), True, late, 0)
+    assert sorted(reply.dropped) == ["evicted", "removed", "upserted"]
+    assert svc.lookup("removed") is None and svc.lookup("evicted") is None
+    upserted = svc.lookup("upserted")
+    assert upserted.version == ours and [r.segment for r in upserted.replicas] == ["s1"]
+    assert [r.segment for r in svc.lookup("untouched").replicas] == ["s2"]
+    assert svc.stats().used_bytes == 128 + 128  # s1: upserted; s2: untouched (dropped ranges free)
+
+
+def test_a_node_mounting_after_the_restore_window_brings_back_nothing():
+    """Past two client TTLs from the lead's first tick the master no longer knows every
+    key it settled, so a later mount's index is dropped whole (misses, never stale hits),
+    as the master would have dropped a node silent that long."""
+    clock = Clock()
+    svc = MasterService(clock=clock)
+    svc.tick()
+    clock.now = 2 * svc.config.client_ttl_s
+    svc.tick()
+    reply = svc.mount("n1", _seg("s1"), True, [P.IndexEntry("a", 0, 100, 5)], 0)
+    assert reply.code == 0 and reply.dropped == ["a"]
+    assert svc.stats().object_count == 0 and svc.stats().used_bytes == 0
+
+
+def test_the_restore_window_closes_early_once_too_many_keys_were_settled(monkeypatch):
+    monkeypatch.setattr("kvpool.master.restore.SETTLED_MAX", 2)
+    svc = MasterService(clock=Clock())
+    svc.tick()
+    assert svc.mount("n1", _seg("s1"), True, [], 0).code == 0
+    for key in ("a", "b"):
+        _upsert(svc, key)
+    assert svc.mount("n2", _seg("s2"), True, [P.IndexEntry("c", 0, 100, 5)], 0).dropped == []
+    _upsert(svc, "d")  # the third settled key: over the cap
+    assert svc.mount("n3", _seg("s3"), True, [P.IndexEntry("e", 0, 100, 5)], 0).dropped == ["e"]
 
 
 def test_index_changes_go_out_adds_first_and_an_add_replaces_its_own_drop():

@@ -36,7 +36,7 @@ from typing import Callable, Sequence
 
 import msgspec
 
-from kvpool import auth, local_socket
+from kvpool import auth, local_socket, tcp_connect
 from kvpool import protocol as P
 from kvpool.config import parse_addr
 from kvpool.errors import ErrorCode, RpcFailed, code_of
@@ -115,7 +115,7 @@ class RpcChannel:
         self._sock = local_socket.connect(host, port, self.timeout_s) if self.local else None
         if self._sock is None:
             try:
-                self._sock = socket.create_connection((host, port), timeout=self.timeout_s)
+                self._sock = tcp_connect.connect((host, port), self.timeout_s)
             except OSError as exc:  # an unknown host name is a mistake, not a wait
                 kind = RpcFailed if isinstance(exc, socket.gaierror) else MasterUnreachable
                 raise kind(f"cannot reach master at {addr}: {exc.strerror or exc}") from None

@@ -137,7 +137,7 @@ def _adds_room(obj: ObjectMeta, room: dict[str, int], need: int, segments) -> bo
 class Eviction:
     """Eviction handlers of :class:`~kvpool.master.service.MasterService` (a mixin: it
     uses the service's ``config``, ``segments``, ``objects``, ``queue``, ``counters``,
-    ``clock``, ``grants``, ``alloc_leases``, ``_free``, ``_forget`` and ``_index_drop``,
+    ``clock``, ``grants``, ``alloc_leases``, ``_free``, ``_forget``, ``_settle`` and ``_index_drop``,
     and keeps ``wants_eviction`` and ``_eviction_debt``, the objects the current pass
     still has to free)."""
 
@@ -212,6 +212,7 @@ class Eviction:
         return evicted
 
     def _evict(self, obj: ObjectMeta) -> None:
+        self._settle(obj.key)
         self._index_drop(obj)
         self._free(obj.replicas)  # its lease ended, and with it every grant on it
         self.counters["evicted_objects"] += 1

@@ -17,16 +17,33 @@ wall-clock nanoseconds, strictly increasing within an incarnation); replicas of 
 come together again. PROCESSING puts were never in an index: they are gone, their
 ranges free. The segment's allocator is built from the kept entries, so used bytes are
 exact (K07). Entries not kept are returned to the node, which forgets them.
+
+A node that mounts late must not undo what clients did meanwhile: the new master serves
+as soon as it runs, so a key may be removed, upserted or evicted here before the node
+holding its old version reports it (a node paused across the restart; or a standby
+whose clock runs behind, whose new versions compare older). So the keys this
+incarnation settled (committed, removed, evicted: :meth:`Restore._settle`) are never
+restored from a later mount, whatever its versions say. That record is bounded in time:
+the restore window closes :data:`RESTORE_WINDOW_TTLS` client TTLs after the first tick
+of the master's lead (or once :data:`SETTLED_MAX` keys were settled); a node that
+mounts later, silent for longer than the master itself would have timed it out, has
+its reported objects dropped (misses, never a stale hit).
 """
 
 from __future__ import annotations
 
+import logging
 import time
 
 from kvpool.master.allocator import OffsetAllocator
 from kvpool.master.objects import Replica, Segment
 from kvpool.master.table import ObjectMeta
 from kvpool.protocol import MAX_KEY_BYTES, IndexEntry, IndexUpdate
+
+log = logging.getLogger("kvpool.master")
+
+RESTORE_WINDOW_TTLS = 2  # client TTLs after the lead's first tick that late mounts are restored
+SETTLED_MAX = 1_000_000  # keys settled before the window closes early (memory: ~50 MB)
 
 
 class IndexLog:
@@ -101,7 +118,31 @@ def _settle(cluster: list[IndexEntry], rounded, dropped: list[str]) -> list[Inde
 class Restore:
     """Index upkeep and rebuilding for :class:`~kvpool.master.service.MasterService` (a
     mixin: it uses the service's ``segments``, ``objects``, ``queue``, ``index_log``,
-    ``_set_replicas`` and ``_retire``, and keeps ``_last_version``)."""
+    ``config``, ``_set_replicas`` and ``_retire``, and keeps ``_last_version``,
+    ``_settled`` (keys settled while the restore window is open; None once it closed)
+    and ``_restore_until`` (when it closes, on the service's clock; None before the
+    first tick))."""
+
+    def _settle(self, key: str) -> None:
+        """This incarnation decided ``key``'s fate (a commit, a removal, an eviction): no
+        mount restores an entry of it any more (module docstring)."""
+        settled = self._settled
+        if settled is not None:
+            settled.add(key)
+            if len(settled) > SETTLED_MAX:
+                self._close_restore(f"{SETTLED_MAX} keys changed since it began")
+
+    def _restore_tick(self, now: float) -> None:
+        """Open the restore window at the lead's first tick; close it when it is over."""
+        if self._restore_until is None:
+            self._restore_until = now + RESTORE_WINDOW_TTLS * self.config.client_ttl_s
+        elif self._settled is not None and now >= self._restore_until:
+            self._close_restore(f"{RESTORE_WINDOW_TTLS} client TTLs passed")
+
+    def _close_restore(self, why: str) -> None:
+        self._settled = None
+        log.info("restore window closed (%s): a segment mounted from now on has its reported "
+                 "objects dropped", why)
 
     def _next_version(self) -> int:
         self._last_version = max(self._last_version + 1, time.time_ns())
@@ -144,8 +185,12 @@ class Restore:
     def restore(self, seg: Segment, entries: list[IndexEntry]) -> list[str]:
         """Rebuild the objects of ``entries`` on the freshly mounted ``seg`` and give it
         an allocator in which exactly the kept ones are allocated. Returns the keys of
-        the entries not kept."""
+        the entries not kept: all of them once the restore window closed."""
         alloc = seg.allocator
+        if self._settled is None:
+            log.warning("segment %s mounted after the restore window: its %d reported objects are dropped "
+                        "(they may be older than what clients did since)", seg.info.name, len(entries))
+            return [e.key for e in entries]
         fits, dropped = [], []
         for e in entries:
             inside = (0 < len(e.key.encode("utf-8")) <= MAX_KEY_BYTES and e.size > 0
@@ -162,7 +207,10 @@ class Restore:
 
     def _adopt(self, name: str, e: IndexEntry) -> bool:
         """Make ``e`` a COMPLETE replica of its key if it is the newest version known
-        (another replica of the same version joins it). False: a newer version exists."""
+        (another replica of the same version joins it). False: a newer version exists,
+        or this incarnation settled the key (module docstring)."""
+        if e.key in self._settled:
+            return False
         replica = Replica(name, e.offset, e.size)
         obj = self.objects.get(e.key)
         self._last_version = max(self._last_version, e.version)

@@ -26,7 +26,7 @@ import time
 
 import msgspec
 
-from kvpool import auth
+from kvpool import auth, tcp_connect
 from kvpool import protocol as P
 from kvpool.config import parse_addr
 from kvpool.errors import ErrorCode, RpcFailed, code_name
@@ -180,7 +180,7 @@ class TcpTransport(Transport):
 
     def _connect(self, addr: str, deadline: float) -> socket.socket:
         limit = max(0.001, min(self.timeout_s, deadline - time.monotonic()))
-        sock = socket.create_connection(parse_addr(addr), timeout=limit)
+        sock = tcp_connect.connect(parse_addr(addr), limit)
         tune_data_socket(sock)
         P.set_kernel_timeouts(sock, POLL_S)
         if self.secret is not None:
