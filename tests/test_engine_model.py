@@ -12,7 +12,8 @@ import torch
 from kvpool.engine.engine import Engine
 from kvpool.engine.kv import kv_buffer, page_shape, pages_to_cache, pages_view, seq_cache
 from kvpool.engine.models import (
-    load_model, resolve_source, smollm2_gguf_path, weights_fingerprint, write_folder_atomically,
+    file_fingerprint, folder_fingerprint, load_model, resolve_source, smollm2_gguf_path, weights_fingerprint,
+    write_folder_atomically,
 )
 from kvpool.errors import UserError
 from proc_helpers import wait_for
@@ -218,3 +219,36 @@ def test_a_truncated_gguf_or_an_unusable_cache_folder_is_one_line_not_a_tracebac
         if run_env is not env:  # no "first run: converting ..." promise before the refusal
             assert "converting" not in proc.stdout + proc.stderr, proc.stdout + proc.stderr
     assert not list((tmp_path / "cache" / "models").iterdir())  # nothing half-written kept
+
+
+def test_a_weight_changed_only_in_the_middle_of_its_file_changes_the_fingerprint(tmp_path, monkeypatch):
+    """Found by a trial: the fingerprint hashed each file's first and last MiB, so a
+    fine-tune that changed one middle layer kept the old model's namespace (and loaded
+    its KV). Every byte counts now, and a folder's stale fingerprint file is not trusted."""
+    monkeypatch.setenv("KVPOOL_CACHE_DIR", str(tmp_path / "cache"))
+    size = 4 << 20
+    folders = []
+    for name, poke in (("a", None), ("b", size // 2)):
+        folder = tmp_path / name / "model"
+        folder.mkdir(parents=True)
+        data = bytearray(size)
+        if poke is not None:
+            data[poke] = 1
+        (folder / "model.safetensors").write_bytes(data)
+        (folder / "config.json").write_text("{}")
+        (folder / "kvpool_fingerprint.txt").write_text("same-stale-value\n")
+        folders.append(folder)
+    a, b = (folder_fingerprint(f) for f in folders)
+    assert a != b
+    assert folder_fingerprint(folders[0]) == a  # stable, and now from the memo
+    assert len(list((tmp_path / "cache" / "fingerprints").iterdir())) == 4
+
+
+def test_a_file_rewritten_in_place_is_read_again_not_taken_from_the_memo(tmp_path, monkeypatch):
+    monkeypatch.setenv("KVPOOL_CACHE_DIR", str(tmp_path / "cache"))
+    weights = tmp_path / "w.safetensors"
+    weights.write_bytes(b"\0" * 4096)
+    before = file_fingerprint([weights])
+    weights.write_bytes(b"\1" * 4096)
+    os.utime(weights, ns=(1, 1))  # a new modification time, as any write gives
+    assert file_fingerprint([weights]) != before

@@ -7,7 +7,7 @@ import logging
 import pytest
 
 from kvpool.errors import UserError
-from kvpool.integrations.extra_config import flag, warn_unknown
+from kvpool.integrations.extra_config import flag, master, number, warn_unknown, whole
 from kvpool.integrations.fetch_policy import FetchPolicy
 
 
@@ -31,3 +31,37 @@ def test_a_misspelt_key_is_named_with_the_key_it_was_probably_meant_to_be(caplog
 
 def test_the_fetch_policy_can_be_switched_off_by_text():
     assert FetchPolicy.from_config({"skip_slow_fetch": "false"}, {}, "float32") is None
+
+
+@pytest.mark.parametrize("value, why", [
+    (0, "must be a finite number > 0, got 0"), (-1, "> 0, got -1"), ("nan", "got 'nan'"),
+    (float("inf"), "got inf"), ("ten", "must be a number, got 'ten'"), (True, "got True"),
+])
+def test_a_timeout_that_cannot_work_is_refused_naming_its_key(value, why):
+    """Found by a trial: timeout_s -1 or 0 started vLLM, then every call was reported as
+    a kvpool outage; retry_s "nan" never reconnected; "ten" was a bare ValueError."""
+    with pytest.raises(UserError, match=f"timeout_s {why}" if "must" in why else why):
+        number({"timeout_s": value}, "timeout_s", 10.0)
+
+
+def test_numbers_in_range_and_their_defaults_pass():
+    assert number({"timeout_s": "2.5"}, "timeout_s", 10.0) == 2.5
+    assert number({"timeout_s": None}, "timeout_s", 10.0) == 10.0
+    assert number({"link_delay_ms": 0}, "link_delay_ms", 1.0, zero_ok=True) == 0.0
+    assert whole({"save_queue": "4"}, "save_queue", 8) == 4
+    assert whole({}, "metrics_port", 0, lowest=0, highest=65535) == 0
+
+
+@pytest.mark.parametrize("value", [0, -1, 2.5, "two", True, 70000])
+def test_a_count_or_port_out_of_range_is_refused(value):
+    with pytest.raises(UserError, match="replica_num must be an integer 1..16"):
+        whole({"replica_num": value}, "replica_num", 1, highest=16)
+
+
+def test_a_master_without_a_port_is_refused_and_a_good_one_made_canonical():
+    with pytest.raises(UserError, match="master: address '127.0.0.1' needs a port"):
+        master({"master": "127.0.0.1"}, "master")
+    with pytest.raises(UserError, match='needs "master": "host:port"'):
+        master({}, "master")
+    assert master({}, "master", "127.0.0.1:50051") == "127.0.0.1:50051"
+    assert master({"master": " h1:1,h2:2 "}, "master") == "h1:1,h2:2"

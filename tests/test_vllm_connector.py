@@ -8,6 +8,7 @@ what they returned (tokens, vLLM's num_cached_tokens, the connector's counters, 
     first      kv_both: Q1, Q1 under salt "a"            -> saves them; Q1's first save
                batch is copied only after Q1 has ended (vLLM must still hold its blocks)
     second     kv_both: Q1, Q1 under salt "b", salt "a"   -> loads Q1 and Q1@a, not Q1@b
+    overrides  kv_both, hf_overrides changing RoPE: Q1     -> loads nothing (other KV)
     producer   kv_producer: Q3, max_tokens=1              -> saves Q3's prompt
     consumer   kv_consumer, no local prefix cache, faults injected between lookup and
                load: Q3 (clean), Q1 (a block corrupted), Q1@a (a block removed)
@@ -33,6 +34,7 @@ pytestmark = pytest.mark.slow
 
 Q1, Q3 = QUESTIONS[0], QUESTIONS[2]
 SHORT = "Name three colours of the rainbow."
+ROPE_OVERRIDE = {"rope_parameters": {"rope_theta": 1000.0, "rope_type": "default"}}
 SHORT2 = "Which planet is closest to the sun? Answer in one sentence, then explain why."
 
 
@@ -56,6 +58,7 @@ def runs(tmp_path_factory):
             [{"question": Q1}, {"question": Q1, "cache_salt": "a"}])
         run("second", connector(m), [{"question": Q1}, {"question": Q1, "cache_salt": "b"},
                                      {"question": Q1, "cache_salt": "a"}])
+        run("overrides", connector(m), [{"question": Q1}], hf_overrides=ROPE_OVERRIDE)
         run("producer", connector(m, "kv_producer"), [{"question": Q3, "max_tokens": 1}])
         run("consumer", connector(m, "kv_consumer", module="vllm_fault_connector",
                                   name="FaultyKVPoolConnector",
@@ -92,6 +95,16 @@ def test_second_instance_loads_the_prompt_from_kvpool_with_the_same_tokens(runs)
     assert runs["first"]["metrics"]["kvpool_vllm_blocks_saved_total"] >= 2 * blocks
     assert runs["second"]["metrics"]["kvpool_vllm_blocks_loaded_total"] >= 2 * blocks
     assert runs["second"]["metrics"]["kvpool_vllm_bytes_loaded_total"] > 0
+
+
+def test_an_instance_with_hf_overrides_never_loads_the_blocks_of_one_without(runs):
+    """Found by a trial: --hf-overrides (here RoPE theta 100000 -> 1000) changes every
+    block's KV but not the model's files, and the instance loaded the stored blocks and
+    answered differently from its own computation. The overrides are in the namespace."""
+    overridden = runs["overrides"]
+    assert overridden["prompts"][0]["num_cached_tokens"] == 0
+    assert overridden["metrics"].get("kvpool_vllm_blocks_loaded_total", 0) == 0
+    assert overridden["metrics"]["kvpool_vllm_blocks_saved_total"] > 0  # saved in its own namespace
 
 
 def test_a_save_in_flight_at_request_end_keeps_its_blocks_until_stored(runs):

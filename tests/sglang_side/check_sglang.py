@@ -6,7 +6,9 @@ transformers on import and needs the torchvision placeholder of harness.py).
 
 from __future__ import annotations
 
+import contextlib
 import json
+import logging
 import os
 import subprocess
 import sys
@@ -289,6 +291,26 @@ def test_missing_master_is_a_clear_error():
     cfg.extra_config.pop("master")
     with pytest.raises(ValueError, match='needs "master"'):
         StorageBackendFactory.create_backend("dynamic", cfg, None)
+
+
+@pytest.mark.parametrize("key, value, why", [
+    ("master", "127.0.0.1", "needs a port"), ("replica_num", 0, "replica_num must be an integer >= 1"),
+    ("timeout_s", "ten", "timeout_s must be a number"), ("retry_s", "nan", "retry_s must be a finite number"),
+])
+def test_a_setting_that_cannot_work_is_refused_at_start_naming_its_key(key, value, why):
+    """Found by a trial: replica_num 0 was accepted and then every write failed."""
+    cfg = harness.storage_config("x:1")
+    cfg.extra_config[key] = value
+    with pytest.raises(ValueError, match=why):
+        StorageBackendFactory.create_backend("dynamic", cfg, None)
+
+
+def test_a_misspelt_key_is_named(caplog):
+    cfg = harness.storage_config("127.0.0.1:1")
+    cfg.extra_config["forcetcp"] = True
+    with caplog.at_level(logging.WARNING), contextlib.suppress(Exception):  # no master there
+        StorageBackendFactory.create_backend("dynamic", cfg, None)
+    assert "'forcetcp' is not one kvpool reads: ignored (did you mean 'force_tcp'?)" in caplog.text
 
 
 def test_stats_are_sglangs_storage_metrics(module_cluster, store):

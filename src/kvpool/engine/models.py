@@ -14,8 +14,12 @@
   :data:`TINY_MODELS`): Gated DeltaNet + full attention, sliding windows + full attention.
 
 The weights fingerprint goes into the cache namespace (DESIGN.md, judgement 1): KV of
-other weights must never be a hit. For files it hashes the size and the first and last
-MiB of every weight file plus the whole config; for tiny-random it hashes the weights.
+other weights must never be a hit. For files it is the SHA-256 of every byte of every
+weight file and of the config (:func:`file_fingerprint`; a trial showed that hashing only
+the first and last MiB let a fine-tune that changed one middle layer load the old
+model's KV), each file's digest kept in ``$KVPOOL_CACHE_DIR/fingerprints`` under its
+path, size, inode and modification time, so a file is read once per version; for
+tiny-random it hashes the weights.
 """
 
 from __future__ import annotations
@@ -23,6 +27,7 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import importlib.util
+import logging
 import os
 import threading
 import time
@@ -42,6 +47,9 @@ DTYPES = ("float32", "bfloat16", "float16")
 _FINGERPRINT_FILE = "kvpool_fingerprint.txt"
 _ABANDONED_S = 3600  # a conversion folder without a lock file this old is an abandoned one
 _MIB = 1 << 20
+_SLOW_HASH_BYTES = 1 << 30  # files to read beyond this many bytes: say so first (~1.5 GB/s here)
+
+log = logging.getLogger("kvpool")
 
 
 @dataclasses.dataclass
@@ -87,30 +95,76 @@ def smollm2_gguf_path() -> Path:
 
 
 def file_fingerprint(paths: list[Path]) -> str:
-    """Stable hex SHA-256 over each file's name, size, first MiB and last MiB.
-
-    Reading 2 MiB per file keeps this in milliseconds for a multi-GB checkpoint; a
-    different quantisation, revision or fine-tune changes the header or the tail.
-    """
-    h = hashlib.sha256(b"kvpool-weights-v1")
+    """Hex SHA-256 over each file's name, size and content digest (:func:`content_digest`),
+    in name order. Raises OSError when a file cannot be read."""
+    memos = [_memo_path(p) for p in paths]
+    pending = sum(p.stat().st_size for p, memo in zip(paths, memos) if memo is None or not memo.is_file())
+    if pending > _SLOW_HASH_BYTES:  # long work shows itself: once per file version
+        log.info("kvpool: hashing %.1f GiB of weights once for the cache namespace "
+                 "(about 1.5 GB/s here; remembered in %s)", pending / (1 << 30), _memo_dir())
+    h = hashlib.sha256(b"kvpool-weights-v2")
     for path in sorted(paths, key=lambda p: p.name):
         size = path.stat().st_size
-        h.update(path.name.encode() + b"\0" + size.to_bytes(8, "little"))
-        with open(path, "rb") as f:
-            h.update(f.read(_MIB))
-            f.seek(max(0, size - _MIB))
-            h.update(f.read(_MIB))
+        h.update(path.name.encode() + b"\0" + size.to_bytes(8, "little") + content_digest(path))
     return h.hexdigest()
 
 
+def content_digest(path: Path) -> bytes:
+    """SHA-256 (32 bytes) of every byte of ``path``, remembered per file version: a
+    memo named by the file's real path, size, device, inode and modification time (ns)
+    in :func:`_memo_dir`, so a file changed, replaced or copied elsewhere is read again.
+    Raises OSError when the file cannot be read; a memo that cannot be written is skipped."""
+    memo = _memo_path(path)
+    if memo is not None:
+        try:
+            digest = memo.read_bytes()
+            if len(digest) == 32:
+                return digest
+        except OSError:
+            pass
+    with open(path, "rb") as f:
+        digest = hashlib.file_digest(f, "sha256").digest()
+    if memo is not None:
+        try:
+            memo.parent.mkdir(parents=True, exist_ok=True)
+            tmp = memo.with_name(f".{memo.name}.{os.getpid()}")
+            tmp.write_bytes(digest)
+            os.replace(tmp, memo)  # whole or absent: a reader never sees half a digest
+        except OSError:
+            pass
+    return digest
+
+
+def _memo_dir() -> Path:
+    return cache_root().parent / "fingerprints"
+
+
+def _memo_path(path: Path) -> Path | None:
+    """The memo file of ``path``'s current version, None when it cannot be stat'ed."""
+    try:
+        st = os.stat(path)
+    except OSError:
+        return None
+    version = f"{os.path.realpath(path)}\0{st.st_size}\0{st.st_dev}\0{st.st_ino}\0{st.st_mtime_ns}"
+    return _memo_dir() / hashlib.sha256(version.encode()).hexdigest()
+
+
 def folder_fingerprint(folder: Path) -> str:
-    """Fingerprint of a HF model folder: its config.json and every weight file."""
-    cached = folder / _FINGERPRINT_FILE
-    if cached.is_file():
-        return cached.read_text().strip()
+    """Fingerprint of a HF model folder: its config.json and every weight file, from
+    their contents (a ``kvpool_fingerprint.txt`` in the folder only marks a finished
+    conversion: a copied folder whose weights were changed would carry a stale one)."""
     weights = [p for p in folder.iterdir()
                if p.suffix in (".safetensors", ".bin", ".gguf", ".pt")]
     return file_fingerprint(weights + [folder / "config.json"])
+
+
+def model_fingerprint(model: str, revision: str | None = None) -> str:
+    """The weights fingerprint of what an engine names its model: the
+    :func:`folder_fingerprint` of a local folder, else (a hub name) the ``revision``
+    given, or "" (then only the name tells checkpoints apart). Raises OSError when a
+    local weight file cannot be read."""
+    path = Path(model).expanduser()
+    return folder_fingerprint(path) if path.is_dir() else (revision or "")
 
 
 def resolve_source(spec: str) -> tuple[str, str, Path | None]:

@@ -17,7 +17,7 @@ store in Gbit/s; without it ``bandwidth_gbps``, payload GB/s, default the planne
 from __future__ import annotations
 
 from kvpool.errors import UserError
-from kvpool.integrations.extra_config import flag
+from kvpool.integrations.extra_config import flag, number
 from kvpool.plan.link import Link, fetch_seconds, recompute_seconds
 from kvpool.plan.prefill import (DEFAULT_ATTENTION_FLOPS, DEFAULT_BANDWIDTH_GBPS,
                                  DEFAULT_LINEAR_FLOPS, Rates)
@@ -26,13 +26,6 @@ from kvpool.plan.spec import ModelSpec, check_flops, spec_from_config
 
 KEYS = frozenset({"skip_slow_fetch", "link_gbit", "link_delay_ms", "bandwidth_gbps",
                   "linear_gflops", "attention_gflops", "attention_kernel"})  # what from_config reads
-
-
-def _number(extra: dict, key: str, default: float) -> float:
-    try:
-        return float(extra.get(key, default))
-    except (TypeError, ValueError):
-        raise UserError(f"{key} must be a number, got {extra[key]!r}") from None
 
 
 class FetchPolicy:
@@ -58,15 +51,14 @@ class FetchPolicy:
         positive number (delay: >= 0) or a model the planner cannot describe."""
         if not flag(extra, "skip_slow_fetch", True):
             return None
-        rates = Rates(linear=_number(extra, "linear_gflops", DEFAULT_LINEAR_FLOPS / 1e9) * 1e9,
-                      attention=_number(extra, "attention_gflops",
-                                        DEFAULT_ATTENTION_FLOPS / 1e9) * 1e9,
+        rates = Rates(linear=number(extra, "linear_gflops", DEFAULT_LINEAR_FLOPS / 1e9) * 1e9,
+                      attention=number(extra, "attention_gflops", DEFAULT_ATTENTION_FLOPS / 1e9) * 1e9,
                       attention_kernel=str(extra.get("attention_kernel", "causal")))
         if extra.get("link_gbit") is not None:
-            link = Link(_number(extra, "link_gbit", 0.0), _number(extra, "link_delay_ms", 0.0))
+            link = Link(number(extra, "link_gbit", 0.0), number(extra, "link_delay_ms", 0.0, zero_ok=True))
             bandwidth, latency = link.bandwidth, link.latency_s
         else:
-            bandwidth = _number(extra, "bandwidth_gbps", DEFAULT_BANDWIDTH_GBPS) * 1e9
+            bandwidth = number(extra, "bandwidth_gbps", DEFAULT_BANDWIDTH_GBPS) * 1e9
             latency = 0.0
             if not bandwidth > 0:
                 raise UserError(f"bandwidth_gbps must be > 0, got {bandwidth / 1e9:g}")

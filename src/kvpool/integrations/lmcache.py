@@ -44,11 +44,15 @@ from lmcache.v1.storage_backend.connector.base_connector import RemoteConnector
 from kvpool.cache.codec import HEADER_SIZE, PageHeader
 from kvpool.cache.namespace import Namespace
 from kvpool.client import Client, ReadHandle
+from kvpool.engine.models import model_fingerprint
 from kvpool.errors import ErrorCode, KVPoolError
-from kvpool.integrations.extra_config import flag
+from kvpool.integrations.extra_config import page_store_settings, warn_unknown
 from kvpool.integrations.objects import PageObjects
 
 log = logging.getLogger(__name__)
+
+EXTRA_KEYS = frozenset({"kvpool.master", "kvpool.force_tcp", "kvpool.timeout_s", "kvpool.retry_s",
+                        "kvpool.replica_num", "kvpool.http"})  # of extra_config's "kvpool." keys
 
 KEY_PREFIX = "lmc/"
 MAX_LOCKED_LOOKUPS = 1024  # lookups whose read leases wait for their get, oldest released first
@@ -80,19 +84,17 @@ class KVPoolConnector(RemoteConnector):
     def __init__(self, loop: asyncio.AbstractEventLoop, local_cpu_backend, config, plugin_name: str = "kvpool"):
         super().__init__(local_cpu_backend.config, local_cpu_backend.metadata)
         extra = (config.extra_config if config is not None else None) or {}
-        master = extra.get("kvpool.master")
-        if not master:
-            raise ValueError("kvpool connector needs extra_config 'kvpool.master: host:port'")
+        warn_unknown({k: v for k, v in extra.items() if str(k).startswith("kvpool.")}, EXTRA_KEYS, log,
+                     "extra_config")
+        settings = page_store_settings(extra, "kvpool.", "kvpool connector, extra_config")
         algorithm = getattr(config, "pre_caching_hash_algorithm", "builtin")
         if hash_seed_is_random(algorithm):
             log.warning(BUILTIN_HASH_WARNING)
         self.loop = loop
         self.local_cpu_backend = local_cpu_backend
         self.http = extra.get("kvpool.http")
-        self.client = Client(str(master), force_tcp=flag(extra, "kvpool.force_tcp", False),
-                             timeout_s=float(extra.get("kvpool.timeout_s", 10.0)))
-        self.objects = PageObjects(self.client, int(extra.get("kvpool.replica_num", 1)),
-                                   retry_s=float(extra.get("kvpool.retry_s", 10.0)))
+        self.client = Client(settings.master, force_tcp=settings.force_tcp, timeout_s=settings.timeout_s)
+        self.objects = PageObjects(self.client, settings.replica_num, retry_s=settings.retry_s)
         self.ns = self._namespace(local_cpu_backend.metadata)
         self._digest = self.ns.digest()
         self._prefix = f"{KEY_PREFIX}{self._digest.hex()}/"
@@ -101,7 +103,8 @@ class KVPoolConnector(RemoteConnector):
     def _namespace(self, metadata) -> Namespace:
         shapes = ";".join("x".join(map(str, s)) for s in self.meta_shapes)
         return Namespace(
-            model=metadata.model_name, dtype=",".join(str(d).removeprefix("torch.") for d in self.meta_dtypes),
+            model=metadata.model_name, weights_fingerprint=model_fingerprint(metadata.model_name),
+            dtype=",".join(str(d).removeprefix("torch.") for d in self.meta_dtypes),
             page_size=metadata.chunk_size, kv_layout=f"lmcache-{self.meta_fmt.name}",
             tp_rank=metadata.worker_id, tp_size=metadata.world_size, extra=(f"shapes={shapes}",))
 

@@ -63,11 +63,18 @@ from kvpool.cache.hybrid import restorable_prefixes
 from kvpool.cache.namespace import Namespace
 from kvpool.cache.pagestore import object_digest
 from kvpool.client import Client
+from kvpool.engine.models import model_fingerprint
 from kvpool.errors import InvalidParams
-from kvpool.integrations.extra_config import flag
+from kvpool.integrations.extra_config import page_store_settings, warn_unknown
 from kvpool.integrations.objects import PageObjects
 
 log = logging.getLogger(__name__)
+
+# kvpool's keys of the extra config, and those SGLang itself reads from the same JSON
+EXTRA_KEYS = frozenset({"master", "force_tcp", "timeout_s", "retry_s", "replica_num", "model",
+                        "weights_fingerprint",
+                        "backend_name", "module_path", "class_name", "interface_v1", "tp_lcm_size",
+                        "enable_metadata_cache", "metadata_ttl", "extra_backend_tag"})
 
 KEY_PREFIX = "sgl/"
 # Host layouts whose pages SGLang's host pools describe as byte regions
@@ -91,10 +98,8 @@ class KVPoolHiCacheStorage(HiCacheStorage):
 
     def __init__(self, storage_config: HiCacheStorageConfig, kwargs: Optional[dict] = None):
         extra = dict(storage_config.extra_config or {})
-        master = extra.get("master")
-        if not master:
-            raise ValueError('kvpool backend needs "master": "host:port" in '
-                             "--hicache-storage-backend-extra-config")
+        warn_unknown(extra, EXTRA_KEYS, log, "--hicache-storage-backend-extra-config")
+        settings = page_store_settings(extra, "", "kvpool backend, --hicache-storage-backend-extra-config")
         if storage_config.should_split_heads or storage_config.dcp_size > 1:
             raise NotImplementedError("kvpool's SGLang backend does not support heterogeneous "
                                       "TP (tp_lcm_size) or decode context parallelism yet")
@@ -103,13 +108,13 @@ class KVPoolHiCacheStorage(HiCacheStorage):
             raise ValueError("kvpool backend needs a model name (SGLang's model path, "
                              'or "model" in the extra config) for its namespace')
         self.storage_config = storage_config
-        self.extra = extra
+        # the weights' own fingerprint when SGLang serves a local folder: a checkpoint
+        # redeployed under the same path must not load the old one's KV (a trial)
+        self.fingerprint = str(extra.get("weights_fingerprint") or model_fingerprint(self.model))
         self.is_mla = bool(storage_config.is_mla_model)
         self.is_writer = storage_config.is_storage_writer
-        self.client = Client(master, force_tcp=flag(extra, "force_tcp", False),
-                             timeout_s=float(extra.get("timeout_s", 10.0)))
-        self.objects = PageObjects(self.client, int(extra.get("replica_num", 1)),
-                                   retry_s=float(extra.get("retry_s", 10.0)))
+        self.client = Client(settings.master, force_tcp=settings.force_tcp, timeout_s=settings.timeout_s)
+        self.objects = PageObjects(self.client, settings.replica_num, retry_s=settings.retry_s)
         self.mem_pool_host = None
         self.side_pools: dict[str, tuple[Any, int]] = {}  # name -> (host pool, page bytes)
         self.ns: Namespace | None = None
@@ -151,7 +156,7 @@ class KVPoolHiCacheStorage(HiCacheStorage):
         cfg = self.storage_config
         tp_rank, tp_size = (0, 1) if self.is_mla else (cfg.tp_rank, cfg.tp_size)
         return Namespace(
-            model=self.model, weights_fingerprint=str(self.extra.get("weights_fingerprint", "")),
+            model=self.model, weights_fingerprint=self.fingerprint,
             dtype=str(pool.dtype).removeprefix("torch."), page_size=pool.page_size,
             kv_layout=f"sglang-{'mla' if self.is_mla else 'mha'}-{pool.layout}",
             tp_rank=tp_rank, tp_size=tp_size, pp_rank=cfg.pp_rank, pp_size=cfg.pp_size,

@@ -34,10 +34,10 @@ from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
 from kvpool.config import env
 from kvpool.errors import UserError
-from kvpool.integrations.extra_config import flag, warn_unknown
+from kvpool.integrations.extra_config import flag, master as master_spec, number, warn_unknown, whole
 from kvpool.integrations.fetch_policy import KEYS as POLICY_KEYS
 from kvpool.integrations.fetch_policy import FetchPolicy
-from kvpool.integrations.vllm.keys import REPRODUCIBLE_HASHES, KeySpace
+from kvpool.integrations.vllm.keys import REPRODUCIBLE_HASHES, KeySpace, model_changes
 from kvpool.integrations.vllm.meta import KVPoolMetadata
 from kvpool.integrations.vllm.scheduler import SchedulerSide
 from kvpool.integrations.vllm.store import GuardedStore, serve_metrics
@@ -68,7 +68,9 @@ def key_space(vllm_config) -> KeySpace:
     return KeySpace(vllm_config.model_config.model, _kv_dtype(vllm_config),
                     vllm_config.cache_config.block_size, vllm_config.device_config.device_type,
                     tp_size=par.tensor_parallel_size, pp_size=par.pipeline_parallel_size,
-                    hash_algo=algo, revision=vllm_config.model_config.revision)
+                    hash_algo=algo, revision=vllm_config.model_config.revision,
+                    changes=model_changes(getattr(vllm_config.model_config, "hf_overrides", None),
+                                          getattr(vllm_config.model_config, "quantization", None)))
 
 
 def fetch_policy(extra: dict, vllm_config, keys: KeySpace) -> FetchPolicy | None:
@@ -95,10 +97,10 @@ class KVPoolConnector(KVConnectorBase_V1):
         tc = self._kv_transfer_config
         extra = tc.kv_connector_extra_config or {}
         warn_unknown(extra, EXTRA_KEYS, logger, "kv_connector_extra_config")
-        self.master = str(extra.get("master") or env("MASTER") or DEFAULT_MASTER)
+        self.master = master_spec(extra, "master", env("MASTER") or DEFAULT_MASTER)
         store = GuardedStore.shared(self.master, flag(extra, "force_tcp", False),
-                             float(extra.get("timeout_s", 10.0)), logger,
-                             retry_s=float(extra.get("retry_s", 30.0)))
+                                    number(extra, "timeout_s", 10.0), logger,
+                                    retry_s=number(extra, "retry_s", 30.0))
         keys = key_space(vllm_config)
         self.store = store
         self.scheduler: SchedulerSide | None = None
@@ -115,9 +117,9 @@ class KVPoolConnector(KVConnectorBase_V1):
             self.worker = WorkerSide(keys, store, get_tp_group().rank_in_group,
                                      get_pp_group().rank_in_group, logger, staging_rows=rows,
                                      segment=str(extra.get("segment", "")),
-                                     max_batches=int(extra.get("save_queue", 8)),
+                                     max_batches=whole(extra, "save_queue", 8),
                                      layerwise=flag(extra, "layerwise_load", False))
-            serve_metrics(int(extra.get("metrics_port", 0)))
+            serve_metrics(whole(extra, "metrics_port", 0, lowest=0, highest=65535))
         logger.info("kvpool: %s connector (%s) on master %s%s", role.name.lower(), tc.kv_role,
                     self.master, " over TCP" if store.force_tcp else "")
 

@@ -98,9 +98,11 @@ class GuardedStore:
     @classmethod
     def shared(cls, master: str, force_tcp: bool, timeout_s: float, log,
                retry_s: float = 30.0) -> "GuardedStore":
-        """One store per (master, force_tcp) in a process, so that the scheduler and
-        worker connectors of an in-process engine share a client and say an outage once."""
-        key = (master, force_tcp)
+        """One store per setting (master, force_tcp, timeout_s, retry_s) in a process, so
+        that the scheduler and worker connectors of an in-process engine share a client
+        and say an outage once (a connector of other timeouts gets its own: a trial saw
+        one configured with 5 s run on another's)."""
+        key = (master, force_tcp, timeout_s, retry_s)
         with _shared_lock:
             if key not in _shared:
                 _shared[key] = cls(master, force_tcp, timeout_s, log, retry_s)
