@@ -55,20 +55,50 @@ def test_bad_pages_are_misses_and_are_removed(client):
     blob[HEADER_SIZE + 10] ^= 1
     client.upsert("p/1", bytes(blob))
     dst = [[np.zeros(4024, np.uint8)], [np.zeros(4024, np.uint8)], [np.zeros(100, np.uint8)]]
-    client.put("p/2", b"x" * 300)  # a size that is not this page's
+    client.put("p/2", b"x" * 300)  # a size that is not this page's, and no page at all
     assert objs.read(["p/0", "p/1", "p/2"], [header(0, 4024), header(1, 4024), header(2, 100)], dst) \
         == [True, False, False]
-    assert objs.rejects == {"checksum": 1, "length": 1}
+    assert objs.rejects == {"checksum": 1, "magic": 1}
     assert objs.exists(["p/0", "p/1", "p/2"]) == [True, False, False]
     # a page read under another page's header is refused as well
     assert objs.read(["p/0"], [header(5, 4024)], [[np.zeros(4024, np.uint8)]]) == [False]
     assert objs.rejects["page_key"] == 1
 
 
+def test_a_reader_of_another_size_misses_and_leaves_the_page_stored(client, caplog):
+    """Buffers of the wrong size (SGLang's generic ``get`` into a wrong target) or a
+    header of another length (another engine configuration) are the reader's mismatch:
+    a miss, warned, and the stored page stays for the ranks and engines that use it.
+    Only an object whose own header does not fit its own bytes is removed."""
+    objs = PageObjects(client)
+    src = regions(11)
+    assert objs.write(["w/0"], [header(0, 4024)], [src]) == [True]
+    assert objs.read(["w/0"], [header(0, 4024)], [[np.zeros(10, np.uint8)]]) == [False]
+    assert objs.exists(["w/0"]) == [True]
+    assert objs.read(["w/0"], [header(0, 100)], [[np.zeros(100, np.uint8)]]) == [False]
+    assert objs.exists(["w/0"]) == [True] and not objs.rejects
+    assert "the caller's buffers hold 10 bytes" in caplog.text
+    assert "is stored with 4152 bytes, this reader expects 228" in caplog.text
+    dst = [np.zeros(n, np.uint8) for n in (1000, 24, 3000)]
+    assert objs.read(["w/0"], [header(0, 4024)], [dst]) == [True]
+    assert all(np.array_equal(a, b) for a, b in zip(src, dst))
+    # a write of the wrong size is not stored (no exception: SGLang's set answers a bool)
+    assert objs.write(["w/1", "w/2"], [header(1, 4024), header(2, 4024)], [src, src[:1]]) == [True, False]
+    assert objs.exists(["w/1", "w/2"]) == [True, False]
+    # objects that are not sound in themselves are removed: cut short, shorter than a header
+    client.put("w/3", bytes(client.get("w/0"))[:HEADER_SIZE + 100])
+    client.put("w/4", b"x" * 50)
+    assert objs.read(["w/3", "w/4"], [header(0, 4024), header(4, 4024)], [[np.zeros(4024, np.uint8)]] * 2) \
+        == [False, False]
+    assert objs.rejects == {"length": 1, "truncated": 1}
+    assert objs.exists(["w/0", "w/3", "w/4"]) == [True, False, False]
+
+
 def test_a_stopped_master_costs_the_engines_threads_one_timeout_per_retry_s(caplog):
     """SGLang's prefetch and backup threads and LMCache's calls go through PageObjects:
     a master that stops answering costs one ``timeout_s``, then calls answer all-False
-    at once for ``retry_s`` (said once), and the next call after it serves again."""
+    at once for ``retry_s`` (said once), and the next call after it serves again, as do
+    the calls right after that one (they do not wait out the retry_s its probe set)."""
     caplog.set_level(logging.INFO, logger="kvpool.integrations.objects")
     clock = [0.0]
     with Cluster(segment_size="16MiB") as cluster, Client(cluster.master_addr, timeout_s=1.0) as c:
@@ -107,3 +137,6 @@ def test_a_stopped_master_costs_the_engines_threads_one_timeout_per_retry_s(capl
         assert objs.read(["s/0"], page, [dst]) == [True]
         assert all(np.array_equal(a, b) for a, b in zip(src, dst))
         assert "loading and saving pages resumes" in caplog.text
+        clock[0] += 0.1
+        assert objs.exists(["s/0"]) == [True]
+        assert objs.write(["s/1"], page, [src]) == [True]

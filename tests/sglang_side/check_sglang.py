@@ -202,6 +202,25 @@ def test_generic_interface_reads_what_the_zero_copy_one_wrote(module_cluster, st
     a.close()
 
 
+def test_a_wrongly_sized_target_is_a_miss_and_the_page_stays(module_cluster, store):
+    """A caller's target or value of the wrong size says nothing about the stored page,
+    which other ranks and instances use: ``get`` misses and leaves it, ``set`` answers
+    False (SGLang's interface: a bool, not an exception)."""
+    pool = host_pool("mha", "page_first")
+    a = backend(module_cluster.master_addr, pool)
+    keys = keys_for(12, 2)
+    assert all(a.batch_set_v1(keys, fill(pool, keys)))
+    assert a.get(keys[0], torch.zeros(10)) is None
+    assert a.exists(keys[0]) and not a.rejects
+    got = a.get(keys[0], pool.get_dummy_flat_data_page())
+    assert got is not None and torch.equal(got, harness.page_data(pool, keys[0]))
+    new = keys_for(13, 1)[0]
+    assert a.set(new, torch.zeros(3)) is False
+    assert a.batch_set([keys[1], new], [harness.page_data(pool, keys[1]), torch.zeros(3)]) is False
+    assert not a.exists(new)
+    a.close()
+
+
 def test_salted_requests_get_their_own_pages(module_cluster, store):
     class Key(list):
         extra_key, cache_salt = None, "tenant-a"

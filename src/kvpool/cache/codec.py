@@ -182,3 +182,19 @@ def check_header(header, expect: PageHeader) -> int:
         raise LengthMismatch(f"page has {tokens} tokens / {length} bytes, expected "
                              f"{expect.token_count} / {expect.payload_len}")
     return checksum
+
+
+def check_stored_size(header, size: int, expect: PageHeader) -> None:
+    """Judge a stored object of ``size`` bytes that is not the size of the page ``expect``
+    describes, from its header (its first ``HEADER_SIZE`` bytes): return when the header
+    names this page with a payload length that is the object's own (a sound page of
+    another size: the reader's mismatch, not the page's), else raise the PageFormatError
+    of an object that is unsound in itself (corrupt, truncated, foreign).
+    """
+    try:
+        check_header(header, expect)
+    except LengthMismatch:
+        if _HEADER.unpack_from(memoryview(header).cast("B"))[6] == size - HEADER_SIZE:
+            return
+        raise
+    raise LengthMismatch(f"object is {size} bytes, its header says {HEADER_SIZE + expect.payload_len}")

@@ -18,7 +18,8 @@ does not match is a load error (a miss), never used. Two ways to move them:
   header into a small buffer and each region straight into its place
   (``Client.batch_read_ranges``), then check the header and the payload checksum there.
   A page that fails its check is counted and removed from the store so that a writer
-  can store it again.
+  can store it again. A page whose regions are not the size its header gives is the
+  caller's mismatch: not written, not read, and the stored page is left alone.
 """
 
 from __future__ import annotations
@@ -34,7 +35,7 @@ from typing import TypeVar
 import torch
 
 from kvpool.cache.codec import (HEADER_SIZE, PageFormatError, PageHeader, check_parts,
-                                decode_page, encode_header, seal_page)
+                                check_stored_size, decode_page, encode_header, seal_page)
 from kvpool.cache.keys import store_key
 from kvpool.client import Client, ReadHandle
 from kvpool.errors import ErrorCode, KVPoolError, RpcFailed
@@ -142,7 +143,8 @@ class PageObjects:
     def _guarded(self, what: str, call: Callable[[], T], gated: bool = True) -> T | None:
         """``call()``, or None when it failed or (``gated``) the master is known to be
         down. When ``retry_s`` is up, one call asks the master again while the others
-        go on skipping, so an outage costs every thread at most one wait."""
+        go on skipping, so an outage costs every thread at most one wait; once a call
+        finds the master answering, calls go through again at once."""
         started = self.clock()
         with self._lock:
             if gated and started < self._next_try:
@@ -167,8 +169,8 @@ class PageObjects:
             return None
         with self._lock:  # a call begun before the outage proves nothing about its end
             recovered = self._down_since is not None and started >= self._down_since
-            if recovered:
-                self._down_since = None
+            if recovered:  # the master answers: no call waits out the probe's retry_s
+                self._down_since, self._next_try = None, 0.0
         if recovered:
             log.info("kvpool: the master answers again; loading and saving pages resumes")
         return result
@@ -189,13 +191,18 @@ class PageObjects:
     def write(self, names: Sequence[str], headers: Sequence[PageHeader],
               parts: Sequence[Sequence]) -> list[bool]:
         """Store each page as header + ``parts[i]`` joined. Per page: stored now, or
-        already there (a page key fixes the bytes, so an existing object is this page)."""
-        if not names:
-            return []
-        values = [[encode_header(h, p), *p] for h, p in zip(headers, parts, strict=True)]
-        codes = self._guarded(f"writing {len(names)} pages",
-                              lambda: self.client.batch_put_parts(list(names), values, self.replica_num))
-        return [False] * len(names) if codes is None else [c in STORED for c in codes]
+        already there (a page key fixes the bytes, so an existing object is this page);
+        False for a page whose parts are not its header's length (warned)."""
+        ok = [False] * len(names)
+        todo = self._fitting(names, headers, parts, "storing")
+        if not todo:
+            return ok
+        values = [[encode_header(headers[j], parts[j]), *parts[j]] for j in todo]
+        codes = self._guarded(f"writing {len(todo)} pages", lambda: self.client.batch_put_parts(
+            [names[j] for j in todo], values, self.replica_num))
+        for j, c in zip(todo, codes or []):
+            ok[j] = c in STORED
+        return ok
 
     def read(self, names: Sequence[str], headers: Sequence[PageHeader],
              parts: Sequence[Sequence], handles: Sequence | None = None) -> list[bool]:
@@ -221,12 +228,17 @@ class PageObjects:
             return ok
         live, codes = done
         bad = []
-        for (j, raw), got in zip(live, codes):
+        for (j, raw, size), got in zip(live, codes):
             if any(c < 0 for c in got):
                 continue  # vanished, expired or failed in transfer: a plain miss
             try:
-                check_parts(raw, parts[j], headers[j])
-                ok[j] = True
+                if size == HEADER_SIZE + headers[j].payload_len:
+                    check_parts(raw, parts[j], headers[j])
+                    ok[j] = True
+                else:  # only its header was read: a sound page of another size stays
+                    check_stored_size(raw, size, headers[j])
+                    log.warning("kvpool: page %s is stored with %d bytes, this reader expects "
+                                "%d: a miss", names[j], size, HEADER_SIZE + headers[j].payload_len)
             except PageFormatError as exc:
                 self.rejects[exc.reason] += 1
                 bad.append(names[j])
@@ -234,28 +246,45 @@ class PageObjects:
         return ok
 
     def _plan(self, names, headers, parts, handles):
-        """(index, header buffer) and byte ranges of the pages to read; handles whose size
-        cannot be this page are released and counted as "length" rejects."""
-        live, ranges, held, wrong = [], [], [], []
+        """(index, header buffer, stored size) and byte ranges of the pages to read. Of an
+        object whose size is not this page's only the header is read: whether the object
+        is bad or merely another size is for its own header to tell. Pages whose regions
+        cannot take them (the caller's mismatch) are not read and their handles released."""
+        fit = set(self._fitting(names, headers, parts, "loading"))
+        live, ranges, held, unread = [], [], [], []
         for j, h in enumerate(handles):
             if not isinstance(h, ReadHandle):
                 continue
-            if h.size != HEADER_SIZE + headers[j].payload_len:
-                wrong.append(h)
+            if j not in fit:
+                unread.append(h)
                 continue
-            raw = bytearray(HEADER_SIZE)
+            raw = bytearray(min(h.size, HEADER_SIZE))  # shorter: a truncated page
             spans, offset = [(0, raw)], HEADER_SIZE
-            for part in parts[j]:
-                spans.append((offset, part))
-                offset += memoryview(part).nbytes
-            live.append((j, raw))
+            if h.size == HEADER_SIZE + headers[j].payload_len:
+                for part in parts[j]:
+                    spans.append((offset, part))
+                    offset += memoryview(part).nbytes
+            live.append((j, raw, h.size))
             ranges.append(spans)
             held.append(h)
-        if wrong:
-            self.client.release(wrong)
-            self.rejects["length"] += len(wrong)
-            self._drop([h.key for h in wrong])
+        if unread:
+            self.client.release(unread)
         return live, ranges, held
+
+    @staticmethod
+    def _fitting(names, headers, parts, what: str) -> list[int]:
+        """Indices of the pages whose regions add up to their header's payload length.
+        The others are warned about: the caller's buffers are the wrong size, which says
+        nothing about the stored page (other ranks and engines still use it)."""
+        fit = []
+        for j, (h, p) in enumerate(zip(headers, parts, strict=True)):
+            n = sum(memoryview(x).nbytes for x in p)
+            if n == h.payload_len:
+                fit.append(j)
+            else:
+                log.warning("kvpool: not %s page %s: the caller's buffers hold %d bytes, the "
+                            "page has %d", what, names[j], n, h.payload_len)
+        return fit
 
     def _drop(self, names: list[str]) -> None:
         """Remove refused pages (best effort) so that the next writer stores them again."""

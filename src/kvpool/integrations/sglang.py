@@ -23,7 +23,8 @@ own Mooncake backend keys MHA pages by TP rank alone, so rank 0 of a TP2 and of 
 deployment share keys for different head slices; here they never do. SGLang's page hash
 (``get_hash_str``, seeded by its own namespace when a request has ``cache_salt`` or
 ``extra_key``) stays the page's identity inside it. A page whose header does not match on
-load (corrupted, another namespace, another size) is a miss and is removed.
+load (corrupted, another namespace) is a miss and is removed; a sound page of another
+size, or a target buffer of the wrong size, is a miss and the page stays.
 
 MLA KV is the same on every TP rank: the namespace has no TP rank for MLA and only the
 storage writer rank (``HiCacheStorageConfig.is_storage_writer``) writes; the others
