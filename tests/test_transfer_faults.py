@@ -5,6 +5,7 @@ never harms another."""
 from __future__ import annotations
 
 import os
+import signal
 import socket
 import struct
 import threading
@@ -14,13 +15,14 @@ import numpy as np
 import pytest
 
 from kvpool import protocol as P
+from kvpool.child import pause_process
 from kvpool.client import Client
 from kvpool.config import parse_addr
 from kvpool.errors import TransferFailed
 from kvpool.transfer import local_host_id
 from kvpool.transfer.engine import TransferEngine
 from kvpool.transfer.request import Op, TransferRequest, TransferStatus
-from kvpool.transfer.tcp import TcpTransport
+from kvpool.transfer.tcp import SILENT_FIRST_S, SILENT_MAX_S, SilentPeers, TcpTransport
 from proc_helpers import wait_for
 
 BIG = 192 << 20
@@ -45,6 +47,62 @@ def test_node_killed_mid_tcp_transfer_fails_within_timeout_and_reports_no_succes
             assert (dst == 0xAB).all()
         else:
             assert statuses == [TransferStatus.FAILED]
+
+
+class Clock:
+    def __init__(self):
+        self.now = 100.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def test_a_silent_peer_is_skipped_doubling_while_it_stays_silent_and_cleared_by_an_answer():
+    clock = Clock()
+    peers = SilentPeers(clock)
+    peers.check("n:1")  # never timed out: asked
+    peers.timed_out("n:1")
+    with pytest.raises(TimeoutError, match="node n:1 let a request time out: not asked for 1 s"):
+        peers.check("n:1")
+    peers.check("n:2")  # other peers are asked
+    clock.now += SILENT_FIRST_S
+    peers.check("n:1")  # the skip is over: the next request asks it
+    peers.timed_out("n:1")  # and it timed out again: twice as long
+    clock.now += SILENT_FIRST_S
+    with pytest.raises(TimeoutError, match="not asked for 2 s"):
+        peers.check("n:1")
+    for _ in range(10):
+        peers.timed_out("n:1")
+    with pytest.raises(TimeoutError, match=f"not asked for {SILENT_MAX_S:g} s"):
+        peers.check("n:1")
+    peers.answered("n:1")
+    peers.check("n:1")
+
+
+@pytest.mark.cluster(segment_size="64MiB")
+def test_a_hung_node_costs_one_timeout_then_reads_fail_at_once_until_it_answers(cluster):
+    """Found by a trial: with a node stopped (SIGSTOP; the master still lists it for its
+    TTL), every read of its pages waited the client's whole timeout."""
+    with Client(cluster.master_addr, force_tcp=True, timeout_s=1) as c:
+        c.put("k", b"v" * 4096)
+        pid = cluster.node_children[0].proc.pid
+        assert pause_process(pid)
+        try:
+            with pytest.raises(TransferFailed):
+                c.get("k")  # waits for its deadline: the node is marked silent
+            with pytest.raises(TransferFailed, match="not asked for"):
+                c.get("k")  # at once, without asking it
+        finally:
+            os.kill(pid, signal.SIGCONT)
+        # the skip ends after a second; then the node answers and is cleared
+        wait_for(lambda: _get_or_none(c, "k") == b"v" * 4096, timeout_s=15, what="reads from the node again")
+
+
+def _get_or_none(client: Client, key: str) -> bytes | None:
+    try:
+        return client.get(key)
+    except TransferFailed:
+        return None
 
 
 @pytest.mark.cluster(segment_size="256MiB")

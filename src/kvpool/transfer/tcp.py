@@ -14,6 +14,9 @@ threads or the engine's lanes borrow several, so concurrent transfers never inte
 on one socket. A connection that fails or times out is closed, never reused.
 Every request carries its grant's mount epoch (``SegmentInfo.epoch``); the data server
 refuses a stale one (REPLICA_IS_GONE, see :mod:`kvpool.transfer.epoch`).
+A peer that let a request run to its deadline unanswered is not asked again for a while
+(:class:`SilentPeers`): a hung node otherwise cost every engine step that wanted its
+blocks the client's whole timeout (a trial: 7 s per request, each time).
 """
 
 from __future__ import annotations
@@ -120,6 +123,43 @@ def _await_reply(sock: socket.socket, deadline: float, replies: ReplyWait, kind:
     return reply
 
 
+SILENT_FIRST_S = 1.0  # a peer that timed out is skipped this long, then asked again
+SILENT_MAX_S = 30.0  # doubling while it keeps timing out, up to this
+
+
+class SilentPeers:
+    """Peers that let a request reach its deadline: each is skipped (:meth:`check`
+    raises TimeoutError at once) for :data:`SILENT_FIRST_S` seconds, doubling up to
+    :data:`SILENT_MAX_S` while the requests sent after each skip time out too; one
+    answer clears it. So a hung node costs one timeout, then one per skip; a request
+    it would have answered late is a miss (the engine computes those tokens), never a
+    wrong hit. ``clock``: seconds, time.monotonic by default. Thread-safe."""
+
+    def __init__(self, clock=time.monotonic):
+        self.clock = clock
+        self._skips: dict[str, tuple[float, float]] = {}  # addr -> (skipped until, that skip's length)
+        self._lock = threading.Lock()
+
+    def check(self, addr: str) -> None:
+        """Raise TimeoutError while ``addr`` is skipped."""
+        skip = self._skips.get(addr)
+        if skip is not None and self.clock() < skip[0]:
+            raise TimeoutError(f"node {addr} let a request time out: not asked for {skip[1]:g} s")
+
+    def timed_out(self, addr: str) -> None:
+        """A request to ``addr`` reached its deadline unanswered: skip it (longer if
+        it was skipped before)."""
+        with self._lock:
+            last = self._skips.get(addr, (0.0, SILENT_FIRST_S / 2))[1]
+            length = min(SILENT_MAX_S, 2 * last)
+            self._skips[addr] = (self.clock() + length, length)
+
+    def answered(self, addr: str) -> None:
+        if addr in self._skips:  # the common case: no lock
+            with self._lock:
+                self._skips.pop(addr, None)
+
+
 class _Pool:
     """Idle connections per peer address; thread-safe."""
 
@@ -166,6 +206,7 @@ class TcpTransport(Transport):
         self.local_lanes = LOCAL_LANES
         self._local: dict[str, bool] = {}  # data address -> whether this namespace holds it
         self._replies = ReplyWait()  # polls briefly for a node's quick replies (kvpool.spin)
+        self.silent = SilentPeers()
 
     def can_reach(self, segment: SegmentInfo) -> bool:
         return bool(segment.data_addr)
@@ -201,11 +242,16 @@ class TcpTransport(Transport):
         node stopped answering: each would otherwise wait a kernel poll, 0.2 s)."""
         if time.monotonic() >= deadline:
             raise TimeoutError(f"the deadline passed before a request to {addr} was sent")
+        self.silent.check(addr)
         sock = self._pool.take(addr)
         reused = sock is not None
         while True:
             if sock is None:
-                sock = self._connect(addr, deadline)
+                try:
+                    sock = self._connect(addr, deadline)
+                except TimeoutError:  # no answer to the SYN: a host gone or hung
+                    self.silent.timed_out(addr)
+                    raise
             cancel.track(sock)
             try:
                 result = work(sock)
@@ -216,14 +262,17 @@ class TcpTransport(Transport):
                 else:
                     sock.close()
                 raise
-            except _FAILURES:
+            except _FAILURES as exc:
                 cancel.untrack(sock)
                 sock.close()
+                if isinstance(exc, TimeoutError) and not cancel.fired and time.monotonic() >= deadline:
+                    self.silent.timed_out(addr)
                 if not reused or cancel.fired or time.monotonic() > deadline:
                     raise
                 sock, reused = None, False
                 continue
             cancel.untrack(sock)
+            self.silent.answered(addr)
             if cancel.fired:
                 sock.close()  # it may have been shut down under us
             else:
