@@ -23,11 +23,14 @@ as soon as it runs, so a key may be removed, upserted or evicted here before the
 holding its old version reports it (a node paused across the restart; or a standby
 whose clock runs behind, whose new versions compare older). So the keys this
 incarnation settled (committed, removed, evicted: :meth:`Restore._settle`) are never
-restored from a later mount, whatever its versions say. That record is bounded in time:
-the restore window closes :data:`RESTORE_WINDOW_TTLS` client TTLs after the first tick
-of the master's lead (or once :data:`SETTLED_MAX` keys were settled); a node that
-mounts later, silent for longer than the master itself would have timed it out, has
-its reported objects dropped (misses, never a stale hit).
+restored from a later mount, whatever its versions say. They are kept in a Bloom filter
+(:class:`SettledKeys`, 256 KiB): a false positive only drops an entry that could have
+been restored (a miss), and a set of the keys cost the master some 40 bytes per put
+while the window is open. That record is bounded in time: the restore window closes
+:data:`RESTORE_WINDOW_TTLS` client TTLs after the first tick of the master's lead (or
+once :data:`SETTLED_MAX` keys were settled); a node that mounts later, silent for
+longer than the master itself would have timed it out, has its reported objects
+dropped (misses, never a stale hit).
 """
 
 from __future__ import annotations
@@ -43,7 +46,33 @@ from kvpool.protocol import MAX_KEY_BYTES, IndexEntry, IndexUpdate
 log = logging.getLogger("kvpool.master")
 
 RESTORE_WINDOW_TTLS = 2  # client TTLs after the lead's first tick that late mounts are restored
-SETTLED_MAX = 1_000_000  # keys settled before the window closes early (memory: ~50 MB)
+SETTLED_MAX = 200_000  # keys settled before the window closes early (the filter's false hits stay ~1.5%)
+_BITS = 21  # SettledKeys holds 2^21 bits (256 KiB)
+_MASK = (1 << _BITS) - 1
+
+
+class SettledKeys:
+    """A Bloom filter of keys (2^21 bits, 3 probes taken from the key's 64-bit
+    ``hash()``, which Python caches on the str): no false negatives; false positives
+    about 1.5% at :data:`SETTLED_MAX` keys. Valid within one process (str hashes are
+    salted per process). ``added``: calls of :meth:`add` (repeats counted)."""
+
+    def __init__(self):
+        self._bits = bytearray(1 << (_BITS - 3))
+        self.added = 0
+
+    def add(self, key: str) -> None:
+        h, bits, mask = hash(key), self._bits, _MASK  # written out: ~4x faster than a loop
+        a, b, c = h & mask, (h >> _BITS) & mask, (h >> 2 * _BITS) & mask
+        bits[a >> 3] |= 1 << (a & 7)
+        bits[b >> 3] |= 1 << (b & 7)
+        bits[c >> 3] |= 1 << (c & 7)
+        self.added += 1
+
+    def __contains__(self, key: str) -> bool:
+        h, bits, mask = hash(key), self._bits, _MASK
+        a, b, c = h & mask, (h >> _BITS) & mask, (h >> 2 * _BITS) & mask
+        return bool(bits[a >> 3] >> (a & 7) & bits[b >> 3] >> (b & 7) & bits[c >> 3] >> (c & 7) & 1)
 
 
 class IndexLog:
@@ -129,7 +158,7 @@ class Restore:
         settled = self._settled
         if settled is not None:
             settled.add(key)
-            if len(settled) > SETTLED_MAX:
+            if settled.added > SETTLED_MAX:
                 self._close_restore(f"{SETTLED_MAX} keys changed since it began")
 
     def _restore_tick(self, now: float) -> None:

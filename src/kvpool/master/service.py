@@ -37,7 +37,7 @@ from kvpool.master.config import MasterConfig
 from kvpool.master.eviction import Eviction, EvictionQueue
 from kvpool.master.leases import ReadGrants
 from kvpool.master.objects import Grants, PendingPut, Replica
-from kvpool.master.restore import IndexLog, Restore
+from kvpool.master.restore import IndexLog, Restore, SettledKeys
 from kvpool.master.segments import SegmentTable, new_epoch
 from kvpool.master.table import NO_SEG, ObjectMeta, ObjectTable
 from kvpool.protocol import (
@@ -85,7 +85,7 @@ class MasterService(Eviction, Restore, LeaseHandlers):
         self._eviction_debt = 0
         self.index_log = IndexLog()  # changes for the nodes' indexes (master/restore.py)
         self._last_version = 0
-        self._settled: set[str] | None = set()  # keys no late mount restores (master/restore.py)
+        self._settled: SettledKeys | None = SettledKeys()  # keys no late mount restores (master/restore.py)
         self._restore_until: float | None = None
         self.alloc_leases = AllocLeases(self.segments.alignment, first_id=new_epoch())
 
