@@ -97,6 +97,7 @@ def test_policy_defaults_and_switch():
 
 
 def test_policy_refuses_a_value_that_is_not_a_number():
-    for extra in ({"link_gbit": "fast"}, {"linear_gflops": None}, {"link_gbit": -1}):
+    # null reads as absent (the default), as for every key of an engine's extra config
+    for extra in ({"link_gbit": "fast"}, {"linear_gflops": "none"}, {"link_gbit": -1}, {"linear_gflops": 0}):
         with pytest.raises(UserError):
             FetchPolicy.from_config(extra, _config(), "float32")

@@ -173,12 +173,16 @@ def test_silent_peer_times_out_within_the_deadline_and_wait_cancels():
     held = []
     threading.Thread(target=lambda: held.append(listener.accept()), daemon=True).start()
     segment = P.SegmentInfo("silent", "another-host/1", "", 1 << 20, f"127.0.0.1:{listener.getsockname()[1]}")
+    dst = bytearray(4096)
     with TransferEngine([TcpTransport()]) as engine:
-        dst = bytearray(4096)
         t0 = time.monotonic()
         assert engine.transfer([TransferRequest(Op.READ, memoryview(dst), 0, segment, 0, 4096)], timeout_s=0.5) \
             == [TransferStatus.TIMEOUT]
         assert time.monotonic() - t0 < 3
+        # it timed out once: it is not asked again for a while (SilentPeers), however long the deadline
+        reason = engine.transfer([TransferRequest(Op.READ, memoryview(dst), 0, segment, 0, 4096)], timeout_s=60)
+        assert reason == [TransferStatus.FAILED] and "not asked for 1 s" in reason.describe(0)
+    with TransferEngine([TcpTransport()]) as engine:  # a transport that has not seen it time out
         t0 = time.monotonic()
         handle = engine.submit([TransferRequest(Op.READ, memoryview(dst), 0, segment, 0, 4096)], timeout_s=60)
         assert handle.wait(timeout=0.3) == [TransferStatus.TIMEOUT]  # cancelled long before 60 s
