@@ -125,10 +125,12 @@ def _await_reply(sock: socket.socket, deadline: float, replies: ReplyWait, kind:
 
 SILENT_FIRST_S = 1.0  # a peer that timed out is skipped this long, then asked again
 SILENT_MAX_S = 30.0  # doubling while it keeps timing out, up to this
+SILENT_AFTER_S = 0.5  # only a request given this long counts: a hint's 0.1 s copy may just be unlucky
 
 
 class SilentPeers:
-    """Peers that let a request reach its deadline: each is skipped (:meth:`check`
+    """Peers that let a request given at least :data:`SILENT_AFTER_S` seconds reach its
+    deadline (:class:`TcpTransport` decides which count): each is skipped (:meth:`check`
     raises TimeoutError at once) for :data:`SILENT_FIRST_S` seconds, doubling up to
     :data:`SILENT_MAX_S` while the requests sent after each skip time out too; one
     answer clears it. So a hung node costs one timeout, then one per skip; a request
@@ -243,6 +245,7 @@ class TcpTransport(Transport):
         if time.monotonic() >= deadline:
             raise TimeoutError(f"the deadline passed before a request to {addr} was sent")
         self.silent.check(addr)
+        counts = deadline - time.monotonic() >= SILENT_AFTER_S  # whether its timeout says the peer is silent
         sock = self._pool.take(addr)
         reused = sock is not None
         while True:
@@ -250,7 +253,8 @@ class TcpTransport(Transport):
                 try:
                     sock = self._connect(addr, deadline)
                 except TimeoutError:  # no answer to the SYN: a host gone or hung
-                    self.silent.timed_out(addr)
+                    if counts:
+                        self.silent.timed_out(addr)
                     raise
             cancel.track(sock)
             try:
@@ -265,7 +269,7 @@ class TcpTransport(Transport):
             except _FAILURES as exc:
                 cancel.untrack(sock)
                 sock.close()
-                if isinstance(exc, TimeoutError) and not cancel.fired and time.monotonic() >= deadline:
+                if counts and isinstance(exc, TimeoutError) and not cancel.fired and time.monotonic() >= deadline:
                     self.silent.timed_out(addr)
                 if not reused or cancel.fired or time.monotonic() > deadline:
                     raise
