@@ -14,6 +14,7 @@ import typing
 import urllib.request
 
 import msgspec
+import proc_helpers
 import msgspec.inspect as mi
 import pytest
 
@@ -26,6 +27,7 @@ from kvpool.master.admin import start_master_admin
 from kvpool.master.config import MasterConfig
 from kvpool.master.server import MasterServer
 from kvpool.master.service import MasterService
+from kvpool.node.data_server import DataServer
 from kvpool.rpc import RpcChannel
 
 STALLERS = 12  # the field recipe: 12 idle connections, each a header announcing MAX_FRAME
@@ -90,6 +92,72 @@ def test_k22_node_memory_is_bounded_by_the_bytes_a_connection_sent(cluster):
         grown = max(peak) - before
         assert grown < 32 << 20, f"node RSS grew {grown >> 20} MiB for {STALLERS} stalled headers"
         assert c.get("warm") == b"w" * 4096
+
+
+def _threads(pid: int) -> int:
+    with open(f"/proc/{pid}/status") as f:
+        return next(int(line.split()[1]) for line in f if line.startswith("Threads:"))
+
+
+def _wait_closed(socks, count: int, timeout_s: float = 10.0) -> list[socket.socket]:
+    """Poll until the server closed ``count`` of ``socks``; returns those still open."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        left = [s for s in socks if not _closed_by_peer(s)]
+        if len(socks) - len(left) >= count:
+            return left
+        assert time.monotonic() < deadline, f"{len(socks) - len(left)} of {count} connections closed"
+        time.sleep(0.02)
+
+
+@pytest.mark.cluster(segment_size="16MiB", extra_node_args=("--max-connections", "4", "--frame-timeout", "1"))
+def test_k22_a_node_serves_at_most_max_connections_and_closes_the_longest_idle(cluster):
+    """Found in review: the data port ran a thread per connection with no cap, so idle
+    connections (allowed between frames) cost the node a thread each without end. Now
+    a fifth connection closes the longest idle one; a well-behaved client whose pooled
+    connection was closed retries on a new one and is served."""
+    pid, addr = int(cluster.nodes[0]["pid"]), cluster.node_addrs[0]
+    with Client(cluster.master_addr, force_tcp=True, timeout_s=5.0) as c:
+        c.put("warm", b"w" * 4096)
+        before = _threads(pid)  # the client's pooled connection(s) included
+        idle = [socket.create_connection(parse_addr(addr), timeout=10) for _ in range(20)]
+        try:
+            left = _wait_closed(idle, 16)  # the client's pooled connection went first, then these
+            assert len(left) == 4
+            proc_helpers.wait_for(lambda: _threads(pid) <= before + 4, 10, "the closed connections' threads to end")
+            assert c.get("warm") == b"w" * 4096  # its pooled connection was closed: a new one
+            c.put("after", b"a" * 65536)
+            assert c.get("after") == b"a" * 65536
+        finally:
+            for sock in idle:
+                sock.close()
+
+
+def test_a_full_data_port_closes_a_new_connection_when_every_one_is_inside_a_request():
+    """The policy behind the cap, on one DataServer and real socket pairs: the longest
+    idle connection makes room; none idle, the new one is refused (counted as full)."""
+    with socket.socket() as listener:
+        server = DataServer(listener, memoryview(bytearray(4096)), max_connections=2)
+        pairs = [socket.socketpair() for _ in range(4)]
+        try:
+            (a, pa), (b, pb), (c, pc), (d, pd) = pairs
+            assert server._make_room(a) and server._make_room(b)
+            server._mark(a, idle=False)
+            server._mark(b, idle=False)
+            assert not server._make_room(c)  # both inside a request
+            server._mark(b, idle=True)
+            assert server._make_room(c)  # b was idle: closed for c
+            pb.settimeout(5)
+            assert pb.recv(1) == b""
+            server._mark(b, idle=False)  # b's thread, late: stays forgotten
+            assert server._make_room(d)  # c is idle now: closed for d; a still in its request
+            pc.settimeout(5)
+            assert pc.recv(1) == b""
+            assert server.counters.snapshot()["errors"] == {"idle_closed": 2}
+        finally:
+            for pair in pairs:
+                for sock in pair:
+                    sock.close()
 
 
 @pytest.mark.cluster(segment_size="16MiB", extra_master_args=("--frame-timeout", "1"))

@@ -34,7 +34,7 @@ def test_the_fetch_policy_can_be_switched_off_by_text():
 
 
 @pytest.mark.parametrize("value, why", [
-    (0, "must be a finite number > 0, got 0"), (-1, "> 0, got -1"), ("nan", "got 'nan'"),
+    (0, "must be > 0, got 0"), (-1, "must be > 0, got -1"), ("nan", "must be a finite number, got 'nan'"),
     (float("inf"), "got inf"), ("ten", "must be a number, got 'ten'"), (True, "got True"),
 ])
 def test_a_timeout_that_cannot_work_is_refused_naming_its_key(value, why):

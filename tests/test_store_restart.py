@@ -250,6 +250,33 @@ def test_k18_a_put_end_of_the_old_master_never_commits_a_put_of_the_new_one():
         chan.close()
 
 
+@pytest.mark.parametrize("when", ("before_the_write", "before_put_end"))
+@pytest.mark.parametrize("kind", ("tcp", "shm"))
+def test_a_put_the_master_forgot_in_a_restart_is_put_again_once_and_stored(kind, when):
+    """Found by a trial: a put whose master restarted (or failed over) between PutStart and
+    PutEnd raised ObjectNotFound ("PutEnd refused"), or TransferFailed when its write came
+    under the old mount epoch, though nothing of it was stored. The new master's answer
+    (PutEnd or PutRevoke: no such put) says so; the bytes are still the caller's."""
+    with setup(kind) as (cluster, client), \
+            Client(cluster.master_addr, force_tcp=kind == "tcp", alloc_leases=False) as writer:
+        write_all, restarts = writer._write_all, []
+
+        def restart_once_around_the_write(jobs, deadline=None):  # fault injection, real restart
+            if not restarts and when == "before_the_write":
+                restarts.append(restart(cluster, client))
+            out = write_all(jobs, deadline)
+            if not restarts:
+                restarts.append(restart(cluster, client))
+            return out
+
+        writer._write_all = restart_once_around_the_write
+        assert writer.put("spans", value("spans")) == 1
+        assert len(restarts) == 1
+        assert client.get("spans") == value("spans")
+        stats = client.stats()
+        assert stats.object_count == 1 and stats.used_bytes == SIZE + stats.leased_bytes  # K07
+
+
 @pytest.mark.parametrize("kind", ("shm", "local"))
 def test_k18_committed_objects_survive_a_master_restart(kind):
     with setup(kind) as (cluster, client):

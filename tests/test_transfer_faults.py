@@ -79,6 +79,22 @@ def test_a_silent_peer_is_skipped_doubling_while_it_stays_silent_and_cleared_by_
     peers.check("n:1")
 
 
+def test_a_node_mounted_again_on_the_address_of_a_silent_one_is_asked_at_once():
+    """Found by a trial: a node restarted on the same address stayed skipped for what was
+    left of its predecessor's skip (up to 30 s of misses). Its new mount epoch makes it
+    another peer; the old epoch stays skipped (its grants are stale anyway)."""
+    clock = Clock()
+    peers = SilentPeers(clock)
+    for _ in range(6):
+        peers.timed_out("n:1", epoch=7)
+    with pytest.raises(TimeoutError, match=f"not asked for {SILENT_MAX_S:g} s"):
+        peers.check("n:1", epoch=7)
+    peers.check("n:1", epoch=8)  # mounted again: asked
+    peers.answered("n:1", epoch=8)
+    with pytest.raises(TimeoutError):
+        peers.check("n:1", epoch=7)
+
+
 @pytest.mark.cluster(segment_size="64MiB")
 def test_a_hung_node_costs_one_timeout_then_reads_fail_at_once_until_it_answers(cluster):
     """Found by a trial: with a node stopped (SIGSTOP; the master still lists it for its

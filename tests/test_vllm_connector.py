@@ -11,7 +11,8 @@ what they returned (tokens, vLLM's num_cached_tokens, the connector's counters, 
     overrides  kv_both, hf_overrides changing RoPE: Q1     -> loads nothing (other KV)
     producer   kv_producer: Q3, max_tokens=1              -> saves Q3's prompt
     consumer   kv_consumer, no local prefix cache, faults injected between lookup and
-               load: Q3 (clean), Q1 (a block corrupted), Q1@a (a block removed)
+               load: Q3 (clean), Q1 (a block corrupted), Q1@a (a block removed),
+               Q3 (the master stopped during its load: kvpool unreachable)
     hung       kv_both, the master stopped (SIGSTOP) before the first batch put: two
                short chats (the put times out in the background)
     down       kv_both against a master that is not there: a short chat
@@ -60,13 +61,14 @@ def runs(tmp_path_factory):
                                      {"question": Q1, "cache_salt": "a"}])
         run("overrides", connector(m), [{"question": Q1}], hf_overrides=ROPE_OVERRIDE)
         run("producer", connector(m, "kv_producer"), [{"question": Q3, "max_tokens": 1}])
-        run("consumer", connector(m, "kv_consumer", module="vllm_fault_connector",
-                                  name="FaultyKVPoolConnector",
-                                  faults=[None, "corrupt:5", "remove:9"]),
-            [{"question": Q3}, {"question": Q1}, {"question": Q1, "cache_salt": "a"}],
-            enable_prefix_caching=False)
         master_pid = c.master.proc.pid
         try:
+            run("consumer", connector(m, "kv_consumer", module="vllm_fault_connector",
+                                      name="FaultyKVPoolConnector", timeout_s=3,
+                                      faults=[None, "corrupt:5", "remove:9", f"stop:{master_pid}"]),
+                [{"question": Q3}, {"question": Q1}, {"question": Q1, "cache_salt": "a"},
+                 {"question": Q3}],
+                enable_prefix_caching=False)
             run("hung", connector(m, module="vllm_fault_connector", name="FaultyKVPoolConnector",
                                   stop_master_on_save=master_pid, timeout_s=3, retry_s=3600),
                 [{"text": SHORT}, {"text": SHORT2}])
@@ -145,7 +147,20 @@ def test_a_block_damaged_between_lookup_and_load_is_recomputed(runs):
     metrics = consumer["metrics"]
     assert metrics["kvpool_vllm_load_errors_total{reason=checksum}"] == 1
     assert metrics["kvpool_vllm_load_errors_total{reason=missing}"] == 1
-    assert consumer["log"].count("failed to load") == 2
+    assert consumer["log"].count("failed to load") == 3
+
+
+def test_a_load_while_kvpool_is_unreachable_is_recomputed_and_counted_as_unavailable(runs):
+    consumer = runs["consumer"]
+    unreached = consumer["prompts"][3]  # Q3 again, its load's grant query timed out
+    assert "kvpool-test: master" in consumer["log"]
+    assert unreached["output_ids"] == runs["base"]["prompts"][1]["output_ids"]
+    # the blocks its lookup found (fewer than Q3's first time: Q3 shares its first blocks
+    # with Q1, whose corrupted block 5 was removed), each counted under its own reason,
+    # not as "missing"
+    blocks = unreached["num_cached_tokens"] // BLOCK
+    assert blocks >= 1
+    assert consumer["metrics"]["kvpool_vllm_load_errors_total{reason=unavailable}"] == blocks
 
 
 def test_vllm_serves_on_when_a_background_save_hangs_and_fails(runs):

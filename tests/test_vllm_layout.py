@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from kvpool.cache.codec import HEADER_SIZE
-from kvpool.errors import InvalidParams
+from kvpool.errors import ErrorCode, InvalidParams
 from kvpool.integrations.objects import PageRows, engine_page_key
 from kvpool.integrations.vllm import layout as L
 
@@ -87,6 +87,10 @@ def test_page_rows_seal_and_check_each_row():
     assert [rows.check(i, h, rows.row_bytes) for i, h in enumerate(headers)] == ["", "", ""]
     assert rows.check(0, headers[1], rows.row_bytes) == "page_key"
     assert rows.check(0, headers[0], -704) == "missing"
+    # a node that did not answer is not an eviction: the label says which (metrics honest)
+    assert rows.check(0, headers[0], int(ErrorCode.TRANSFER_FAIL)) == "transfer_fail"
+    assert rows.check(0, headers[0], int(ErrorCode.LEASE_EXPIRED)) == "lease_expired"
+    assert rows.check(0, headers[0], -12345) == "-12345"  # a newer peer's code, named as sent
     assert rows.check(0, headers[0], rows.row_bytes - 1) == "length"
     rows.buf[2, HEADER_SIZE + 5] ^= 0xFF
     assert rows.check(2, headers[2], rows.row_bytes) == "checksum"

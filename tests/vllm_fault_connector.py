@@ -7,7 +7,9 @@ Loaded by a real vLLM engine in tests (``kv_connector_module_path:
 
 - ``"faults"``: one entry per load the worker runs, in order: ``null`` (leave it),
   ``"corrupt:K"`` (flip one payload byte of block K of that load: its checksum fails) or
-  ``"remove:K"`` (remove block K's object: the read finds nothing).
+  ``"remove:K"`` (remove block K's object: the read finds nothing) or ``"stop:PID"``
+  (SIGSTOP the kvpool master PID for this load, SIGCONT after it: the load's grant query
+  times out, kvpool is unreachable).
 - ``"hold_first_save": true``: the sender copies the first save batch only after vLLM
   has finished every request in it, then logs how many of its blocks vLLM still holds
   (``kvpool-test: ... N of M blocks still allocated``, from the scheduler's block pool).
@@ -17,6 +19,8 @@ Loaded by a real vLLM engine in tests (``kv_connector_module_path:
 
 from __future__ import annotations
 
+import os
+import signal
 import threading
 
 from kvpool.cache.codec import HEADER_SIZE
@@ -81,9 +85,17 @@ class FaultyKVPoolConnector(KVPoolConnector):
     def start_load_kv(self, forward_context, **kwargs) -> None:
         meta = self._get_connector_metadata()
         if meta.loads and self.faults:
-            fault = self.faults.pop(0)
-            if fault:
-                self._damage(meta.loads[0], *fault.split(":"))
+            mode, _, arg = (self.faults.pop(0) or "").partition(":")
+            if mode == "stop":
+                pid = int(arg)
+                pause_process(pid)
+                logger.info("kvpool-test: master %d stopped for a load", pid)
+                try:
+                    return super().start_load_kv(forward_context, **kwargs)
+                finally:
+                    os.kill(pid, signal.SIGCONT)
+            if mode:
+                self._damage(meta.loads[0], mode, arg)
         super().start_load_kv(forward_context, **kwargs)
 
     def _damage(self, run, mode: str, index: str) -> None:

@@ -131,7 +131,7 @@ def test_missing_master_is_a_clear_error(inst):
 
 @pytest.mark.parametrize("key, value, why", [
     ("kvpool.master", "127.0.0.1", "needs a port"), ("kvpool.replica_num", -1, "must be an integer >= 1"),
-    ("kvpool.timeout_s", 0, "must be a finite number > 0"), ("kvpool.retry_s", "nan", "must be a finite number"),
+    ("kvpool.timeout_s", 0, "timeout_s must be > 0"), ("kvpool.retry_s", "nan", "must be a finite number"),
 ])
 def test_a_setting_that_cannot_work_is_refused_at_start_naming_its_key(inst, key, value, why):
     inst.config.extra_config[key] = value

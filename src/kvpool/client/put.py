@@ -32,6 +32,10 @@ from kvpool.transfer import as_byte_view
 from kvpool.transfer.buffers import RegisteredBuffer
 from kvpool.transfer.request import Cancel, Op, TransferRequest, TransferStatus
 
+# PutEnd's and PutRevoke's answers for a put the master does not have in flight
+_FORGOTTEN = (ErrorCode.OBJECT_NOT_FOUND, ErrorCode.INVALID_WRITE)
+
+
 class PutPath:
     """The put methods of :class:`~kvpool.client.Client` (a mixin: it uses the client's
     ``_call``, ``engine``, ``host_id``, ``master_addr``, ``timeout_s``, ``_lock``,
@@ -63,7 +67,8 @@ class PutPath:
         allocation lease and then the PutStart way, share that one deadline), RpcFailed
         (the master did not answer: its waits share that deadline too, so a put returns
         within about 1.25 x ``timeout_s`` whichever step hangs; whether a put whose commit
-        went unanswered was applied, a query tells).
+        went unanswered was applied, a query tells; also when the master forgot the put
+        twice: a master restarted or failed over during it is tried once more).
         """
         return self._put(key, value, _item(key, replica_num, False, soft_pin, soft_pin_ttl_ms, hard_pin,
                                            preferred_segment))
@@ -114,15 +119,36 @@ class PutPath:
                 raise TransferFailed(f"put {key!r}: TIMEOUT: the client's timeout_s "
                                      f"({self.timeout_s:g} s) ran out writing into its "
                                      "allocation lease; not tried the PutStart way")
+        placed = self._put_started_one(key, item, src, deadline)
+        if placed is None and pipeline.left(deadline):
+            # the master that answered never heard of this put: it restarted, or another
+            # took over (HA), between PutStart and PutEnd, so nothing of it was committed;
+            # its bytes are still in the caller's buffer: once more, on that master
+            placed = self._put_started_one(key, item, src, deadline)
+        if placed is None:
+            raise RpcFailed(f"put {key!r}: the master forgot the put while it was written "
+                            "(a master restart or failover); nothing was stored")
+        return placed
+
+    def _put_started_one(self, key: str, item: P.PutItem, src: memoryview, deadline: float) -> int | None:
+        """The PutStart / write / PutEnd way of :meth:`put`: the replicas stored, or None
+        when the master does not know the put at its end (it answered PutEnd, or the
+        PutRevoke of a failed write, OBJECT_NOT_FOUND or INVALID_WRITE: another
+        incarnation, or the put was discarded), which :meth:`_put` tries once more."""
         reply = self._call(P.PutStart(item, self.host_id), idempotent=False, deadline=deadline)
         detail = f": {reply.message}" if reply.message else ""
         raise_for(reply.code, f"put {key!r}: {code_name(reply.code)}{detail}")
         token = P.PutToken(key, reply.put_id)
         written, why = self._write_all([(0, d, src) for d in reply.replicas], deadline)
         if not written[0]:
-            self._revoke(P.PutRevoke(token), deadline)
+            revoked = self._revoke(P.PutRevoke(token), deadline)
+            if revoked is not None and revoked.code in _FORGOTTEN:
+                return None  # e.g. a write under the old master's mount epoch, fenced
             raise TransferFailed(f"put {key!r}: writing a replica failed ({why})")
-        raise_for(self._call(P.PutEnd(token), deadline=deadline).code, f"put {key!r}: PutEnd refused")
+        code = self._call(P.PutEnd(token), deadline=deadline).code
+        if code in _FORGOTTEN:
+            return None
+        raise_for(code, f"put {key!r}: PutEnd refused")
         if len(reply.replicas) < item.replica_num:
             self.replica_shortfall.note(f"put {key!r}: {len(reply.replicas)} of "
                                         f"{item.replica_num} replicas placed")
@@ -235,12 +261,14 @@ class PutPath:
                     f"{items[short[0]].replica_num} replicas)", len(short))
         return codes
 
-    def _revoke(self, request: P.PutRevoke | P.BatchPutRevoke, deadline: float) -> None:
+    def _revoke(self, request: P.PutRevoke | P.BatchPutRevoke, deadline: float):
         """Withdraw puts whose writes failed, best effort: a revoke the master does not
         answer must not hide why the put failed (the write), and the master discards a
-        put never ended after ``put_start_discard_timeout`` anyway (K04)."""
+        put never ended after ``put_start_discard_timeout`` anyway (K04). Returns the
+        reply (None: no answer)."""
         with contextlib.suppress(RpcFailed):
-            self._call(request, deadline=deadline)
+            return self._call(request, deadline=deadline)
+        return None
 
     # ------------------------------------------------------------ allocation leases
 

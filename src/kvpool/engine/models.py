@@ -103,9 +103,9 @@ def file_fingerprint(paths: list[Path]) -> str:
         log.info("kvpool: hashing %.1f GiB of weights once for the cache namespace "
                  "(about 1.5 GB/s here; remembered in %s)", pending / (1 << 30), _memo_dir())
     h = hashlib.sha256(b"kvpool-weights-v2")
-    for path in sorted(paths, key=lambda p: p.name):
+    for path, memo in sorted(zip(paths, memos), key=lambda pm: pm[0].name):
         size = path.stat().st_size
-        h.update(path.name.encode() + b"\0" + size.to_bytes(8, "little") + content_digest(path))
+        h.update(path.name.encode() + b"\0" + size.to_bytes(8, "little") + _digest(path, memo))
     return h.hexdigest()
 
 
@@ -114,7 +114,11 @@ def content_digest(path: Path) -> bytes:
     memo named by the file's real path, size, device, inode and modification time (ns)
     in :func:`_memo_dir`, so a file changed, replaced or copied elsewhere is read again.
     Raises OSError when the file cannot be read; a memo that cannot be written is skipped."""
-    memo = _memo_path(path)
+    return _digest(path, _memo_path(path))
+
+
+def _digest(path: Path, memo: Path | None) -> bytes:
+    """:func:`content_digest` of ``path`` with its memo file ``memo`` (None: none)."""
     if memo is not None:
         try:
             digest = memo.read_bytes()

@@ -15,9 +15,8 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import logging
-import math
 
-from kvpool.config import parse_bool
+from kvpool.config import parse_bool, positive
 from kvpool.errors import UserError
 from kvpool.masters import check_spec
 
@@ -53,12 +52,15 @@ def number(extra: dict, key: str, default: float, *, zero_ok: bool = False) -> f
     if value is None:
         return default
     try:
-        out = float(value)
+        out = None if isinstance(value, bool) else float(value)  # float(True) is 1.0: a flag
     except (TypeError, ValueError):
-        raise UserError(f"{key} must be a number, got {value!r}") from None
-    if isinstance(value, bool) or not math.isfinite(out) or out < 0 or (out == 0 and not zero_ok):
-        raise UserError(f"{key} must be a finite number {'>=' if zero_ok else '>'} 0, got {value!r}")
-    return out
+        out = None
+    if out is None:
+        raise UserError(f"{key} must be a number, got {value!r}")
+    try:
+        return positive(float, zero_ok)(out)  # the master's and node's option check
+    except ValueError as exc:
+        raise UserError(f"{key} {exc}, got {value!r}") from None
 
 
 def whole(extra: dict, key: str, default: int, lowest: int = 1, highest: int | None = None) -> int:

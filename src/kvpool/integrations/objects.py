@@ -38,7 +38,7 @@ from kvpool.cache.codec import (HEADER_SIZE, PageFormatError, PageHeader, check_
                                 check_stored_size, decode_page, encode_header, seal_page)
 from kvpool.cache.keys import store_key
 from kvpool.client import Client, ReadHandle
-from kvpool.errors import ErrorCode, KVPoolError, RpcFailed
+from kvpool.errors import ErrorCode, KVPoolError, RpcFailed, code_name
 
 log = logging.getLogger(__name__)
 
@@ -54,6 +54,14 @@ def engine_page_key(ns_digest: bytes, engine_hash: bytes) -> bytes:
 def engine_store_keys(ns_digest: bytes, engine_hashes: Sequence[bytes]) -> list[str]:
     """Store object names (``"kvp/<hex>"``) of engine block hashes in a namespace."""
     return [store_key(engine_page_key(ns_digest, h)) for h in engine_hashes]
+
+
+def unread_reason(code: int) -> str:
+    """Why a page was not read, from the negative ErrorCode its query or read gave, as a
+    metric label: "missing" (OBJECT_NOT_FOUND: evicted, never stored), else the code's
+    name in lower case ("transfer_fail": a node that did not answer, "lease_expired",
+    "replica_is_not_ready", ...), so a hung node is not counted as an eviction."""
+    return "missing" if code == ErrorCode.OBJECT_NOT_FOUND else code_name(code).lower()
 
 
 class PageRows:
@@ -103,7 +111,7 @@ class PageRows:
         ``header`` describes, else the reason it must not be used ("missing",
         "truncated", "checksum", "namespace", ...)."""
         if nbytes < 0:
-            return "missing"
+            return unread_reason(nbytes)
         if nbytes != self.row_bytes:
             return "length"
         try:

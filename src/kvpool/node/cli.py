@@ -11,7 +11,7 @@ from kvpool.config import Option, add_options, check_output_path, parse_bool, po
 from kvpool.local_socket import WILDCARDS
 from kvpool.errors import UserError
 from kvpool.masters import check_spec
-from kvpool.node.data_server import STALL_S
+from kvpool.node.data_server import MAX_CONNECTIONS, STALL_S
 
 HELP = "run a kvpool storage node: a shared-memory segment mounted with the master"
 
@@ -90,6 +90,8 @@ OPTIONS = [
            "accept connections yet at start (0 = fail at once)"),
     Option("frame-timeout", STALL_S, positive(float), "seconds a data-port peer may pause mid-frame "
            "before its connection is closed"),
+    Option("max-connections", MAX_CONNECTIONS, positive(int), "data-port connections served at once "
+           "(a thread each); past it the longest idle one is closed (its client reconnects)"),
 ]
 
 
@@ -112,6 +114,7 @@ def run(args) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s node %(levelname)s %(message)s")
     node = SegmentHost(values["master"], values["host"], values["port"], size, values["prefault"],
                        stall_s=values["frame_timeout"], secret=values["secret"].encode(),
+                       max_connections=values["max_connections"],
                        master_wait_s=values["master_wait"])
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: node.request_stop())

@@ -11,8 +11,11 @@ What a connection may cost (K22): a request frame's body is read in chunks of
 :data:`BODY_CHUNK` as its bytes arrive, so a header announcing a huge body costs only
 what was really sent; a connection that stops sending mid-frame (header, body or write
 payload) or stops reading a reply for ``stall_s`` seconds is closed (counted as
-"stalled"). Between frames a connection may stay idle for as long as it likes. One thread per
-connection, blocking sockets: payloads go straight between socket and segment, scattered
+"stalled"). Between frames a connection may stay idle for as long as it likes, but at most
+``max_connections`` (:data:`MAX_CONNECTIONS`) are served at once: a connection past them
+closes the longest idle one (its client's next request on it fails and is retried on a new
+connection, as for any pooled connection the peer dropped), or is closed itself when every
+one is inside a request (counted as "full"). One thread per connection, blocking sockets: payloads go straight between socket and segment, scattered
 with ``recvmsg_into`` and gathered (reply header included) with ``sendmsg``
 (:mod:`kvpool.transfer.iov`).
 
@@ -32,6 +35,7 @@ import errno
 import logging
 import socket
 import threading
+import time
 from collections import Counter
 
 import msgspec
@@ -46,6 +50,8 @@ from kvpool.transfer.shm import populate_ranges
 from kvpool.transfer.tcp import tune_data_socket
 
 log = logging.getLogger("kvpool.data")
+MAX_CONNECTIONS = 1024  # data connections (one thread each, ~100 KiB resident) served at once
+FULL_LOG_S = 60.0  # seconds between two log lines about a full data port
 ACCEPT_BACKOFF_S = 0.05  # pause after a failed accept (e.g. out of file descriptors)
 STALL_S = 30.0  # seconds a peer may pause mid-frame before its connection is closed
 BODY_CHUNK = 64 << 10  # bytes of a request body allocated ahead of their arrival
@@ -64,7 +70,9 @@ class DataCounters:
     unframed bytes), "auth" (a wrong answer to the challenge), "broken" (the peer
     vanished mid-request), "stalled" (the peer
     paused mid-frame for longer than the server's ``stall_s``), "accept" (a connection
-    that could not be accepted or served); connections: accepted.
+    that could not be accepted or served), "full" (a connection closed at once: the
+    server held ``max_connections``, each inside a request), "idle_closed" (an idle
+    connection closed to make room for a new one); connections: accepted.
     """
 
     def __init__(self):
@@ -113,10 +121,12 @@ class DataServer:
     answer a challenge (:mod:`kvpool.auth`), else they are closed (counted as "auth");
     ``populate(offset, length) -> bool``: run before a write is received (a segment not
     prefaulted: :meth:`kvpool.transfer.shm.Populator.populate`); a write it refuses is
-    read into a scratch buffer and answered NO_AVAILABLE_HANDLE (counted as "no_memory")."""
+    read into a scratch buffer and answered NO_AVAILABLE_HANDLE (counted as "no_memory");
+    ``max_connections``: connections served at once (see the module docstring)."""
 
     def __init__(self, sock: socket.socket, segment: memoryview, word: EpochWord | None = None,
-                 stall_s: float = STALL_S, secret: bytes | None = None, populate=None):
+                 stall_s: float = STALL_S, secret: bytes | None = None, populate=None,
+                 max_connections: int = MAX_CONNECTIONS):
         self.sock = sock
         self.segment = segment
         self.word = word
@@ -128,6 +138,10 @@ class DataServer:
         self.stopped = threading.Event()
         self._gate = threading.Condition()
         self._busy: set[socket.socket] = set()  # connections inside an admitted request
+        self.max_connections = max_connections
+        self._idle_since: dict[socket.socket, float | None] = {}  # open -> idle since (None: in a request)
+        self._conns_lock = threading.Lock()
+        self._full_logged = -FULL_LOG_S  # when "full" was last logged (time.monotonic)
 
     def _admit(self, conn: socket.socket, epoch: int) -> bool:
         """Let a request of ``epoch`` move bytes (False: stale). A request of a new epoch
@@ -189,6 +203,15 @@ class DataServer:
             self._start_conn(conn)
 
     def _start_conn(self, conn: socket.socket) -> None:
+        if not self._make_room(conn):
+            self.counters.error("full")
+            now = time.monotonic()
+            if now >= self._full_logged + FULL_LOG_S:  # under a flood of connections: a line a minute
+                self._full_logged = now
+                log.warning("data port: %d connections open, each inside a request: closing new "
+                            "ones (--max-connections)", self.max_connections)
+            conn.close()
+            return
         try:
             P.set_kernel_timeouts(conn, self.stall_s)  # blocking calls wake to check for a stall
             tune_data_socket(conn)
@@ -196,7 +219,35 @@ class DataServer:
         except (OSError, RuntimeError) as exc:  # RuntimeError: no thread could be started
             self.counters.error("accept")
             log.warning("cannot serve a data connection: %s", exc)
+            self._forget(conn)
             conn.close()
+
+    def _make_room(self, conn: socket.socket) -> bool:
+        """Count ``conn`` as open (idle); with ``max_connections`` open already, first
+        close the one idle longest. False when none is idle: ``conn`` is not counted."""
+        with self._conns_lock:
+            if len(self._idle_since) >= self.max_connections:
+                idle = [(since, c) for c, since in self._idle_since.items() if since is not None]
+                if not idle:
+                    return False
+                victim = min(idle, key=lambda pair: pair[0])[1]
+                del self._idle_since[victim]
+                with contextlib.suppress(OSError):
+                    victim.shutdown(socket.SHUT_RDWR)  # its thread's recv returns EOF: it ends
+                self.counters.error("idle_closed")
+            self._idle_since[conn] = time.monotonic()
+            return True
+
+    def _mark(self, conn: socket.socket, idle: bool) -> None:
+        """``conn`` waits for a request (``idle``) or is inside one; a connection closed
+        to make room stays forgotten."""
+        with self._conns_lock:
+            if conn in self._idle_since:
+                self._idle_since[conn] = time.monotonic() if idle else None
+
+    def _forget(self, conn: socket.socket) -> None:
+        with self._conns_lock:
+            self._idle_since.pop(conn, None)
 
     def stop(self) -> None:
         self.stopped.set()
@@ -208,8 +259,10 @@ class DataServer:
                 if not self._authenticated(conn):
                     self.counters.error("auth")
                     return
-                while self._handle(conn):
-                    pass
+                while True:
+                    self._mark(conn, idle=True)
+                    if not self._handle(conn):
+                        break
         except _Closed:
             pass
         except _BadHeader:
@@ -219,6 +272,7 @@ class DataServer:
         except (P.FrameError, OSError):  # EOF inside a frame or a payload, a reset
             self.counters.error("broken")
         finally:
+            self._forget(conn)
             self.counters.opened(-1)
 
     def _authenticated(self, conn: socket.socket) -> bool:
@@ -313,6 +367,7 @@ class DataServer:
         ConnectionError (EOF mid-frame), OSError."""
         header = bytearray(P.HEADER.size)
         got = _recv_first(conn, header, self.stopped)
+        self._mark(conn, idle=False)
         if got < len(header):
             recv_views(conn, [memoryview(header)[got:]], stall_s=self.stall_s)
         try:

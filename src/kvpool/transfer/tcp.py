@@ -135,31 +135,34 @@ class SilentPeers:
     :data:`SILENT_MAX_S` while the requests sent after each skip time out too; one
     answer clears it. So a hung node costs one timeout, then one per skip; a request
     it would have answered late is a miss (the engine computes those tokens), never a
-    wrong hit. ``clock``: seconds, time.monotonic by default. Thread-safe."""
+    wrong hit. A peer is an address and the mount epoch of its segment: a node started
+    again on the same address (or mounted again after a master restart) mounts under a
+    new epoch and is asked at once, not after the old one's skip (up to 30 s of misses).
+    ``clock``: seconds, time.monotonic by default. Thread-safe."""
 
     def __init__(self, clock=time.monotonic):
         self.clock = clock
-        self._skips: dict[str, tuple[float, float]] = {}  # addr -> (skipped until, that skip's length)
+        self._skips: dict[tuple[str, int], tuple[float, float]] = {}  # peer -> (skipped until, that skip's length)
         self._lock = threading.Lock()
 
-    def check(self, addr: str) -> None:
-        """Raise TimeoutError while ``addr`` is skipped."""
-        skip = self._skips.get(addr)
+    def check(self, addr: str, epoch: int = 0) -> None:
+        """Raise TimeoutError while ``addr`` under mount ``epoch`` is skipped."""
+        skip = self._skips.get((addr, epoch))
         if skip is not None and self.clock() < skip[0]:
             raise TimeoutError(f"node {addr} let a request time out: not asked for {skip[1]:g} s")
 
-    def timed_out(self, addr: str) -> None:
-        """A request to ``addr`` reached its deadline unanswered: skip it (longer if
-        it was skipped before)."""
+    def timed_out(self, addr: str, epoch: int = 0) -> None:
+        """A request to ``addr`` under mount ``epoch`` reached its deadline unanswered:
+        skip that peer (longer if it was skipped before)."""
         with self._lock:
-            last = self._skips.get(addr, (0.0, SILENT_FIRST_S / 2))[1]
+            last = self._skips.get((addr, epoch), (0.0, SILENT_FIRST_S / 2))[1]
             length = min(SILENT_MAX_S, 2 * last)
-            self._skips[addr] = (self.clock() + length, length)
+            self._skips[(addr, epoch)] = (self.clock() + length, length)
 
-    def answered(self, addr: str) -> None:
-        if addr in self._skips:  # the common case: no lock
+    def answered(self, addr: str, epoch: int = 0) -> None:
+        if (addr, epoch) in self._skips:  # the common case: no lock
             with self._lock:
-                self._skips.pop(addr, None)
+                self._skips.pop((addr, epoch), None)
 
 
 class _Pool:
@@ -234,17 +237,18 @@ class TcpTransport(Transport):
                 raise ConnectionRefusedError(f"node {addr} refused authentication") from None
         return sock
 
-    def _with_conn(self, addr: str, deadline: float, cancel: Cancel, work):
-        """Run ``work(sock)`` on a pooled (else new) connection to ``addr``; a failure on a
+    def _with_conn(self, segment: SegmentInfo, deadline: float, cancel: Cancel, work):
+        """Run ``work(sock)`` on a pooled (else new) connection to ``segment``'s node; a failure on a
         reused connection (the peer may have dropped it while idle) is retried once on a
         fresh one, which is safe because reads and writes of fixed ranges are idempotent
         (not a refusal: the node answered, NodeRefused is raised at once).
         Returns work's result; raises the _FAILURES of the last attempt, or TimeoutError
         at once when ``deadline`` has passed already (a batch's later chunks after a
         node stopped answering: each would otherwise wait a kernel poll, 0.2 s)."""
+        addr, epoch = segment.data_addr, segment.epoch
         if time.monotonic() >= deadline:
             raise TimeoutError(f"the deadline passed before a request to {addr} was sent")
-        self.silent.check(addr)
+        self.silent.check(addr, epoch)
         counts = deadline - time.monotonic() >= SILENT_AFTER_S  # whether its timeout says the peer is silent
         sock = self._pool.take(addr)
         reused = sock is not None
@@ -254,7 +258,7 @@ class TcpTransport(Transport):
                     sock = self._connect(addr, deadline)
                 except TimeoutError:  # no answer to the SYN: a host gone or hung
                     if counts:
-                        self.silent.timed_out(addr)
+                        self.silent.timed_out(addr, epoch)
                     raise
             cancel.track(sock)
             try:
@@ -270,13 +274,13 @@ class TcpTransport(Transport):
                 cancel.untrack(sock)
                 sock.close()
                 if counts and isinstance(exc, TimeoutError) and not cancel.fired and time.monotonic() >= deadline:
-                    self.silent.timed_out(addr)
+                    self.silent.timed_out(addr, epoch)
                 if not reused or cancel.fired or time.monotonic() > deadline:
                     raise
                 sock, reused = None, False
                 continue
             cancel.untrack(sock)
-            self.silent.answered(addr)
+            self.silent.answered(addr, epoch)
             if cancel.fired:
                 sock.close()  # it may have been shut down under us
             else:
@@ -287,10 +291,11 @@ class TcpTransport(Transport):
         """Writes (one DataWriteMany), then reads (one DataRead), on one connection."""
         writes = [r for r in requests if r.op == Op.WRITE]
         reads = [r for r in requests if r.op == Op.READ]
-        addr = requests[0].segment.data_addr
+        segment = requests[0].segment
+        addr = segment.data_addr
         try:
-            ok_w = self._with_conn(addr, deadline, cancel, lambda s: _write(s, writes, deadline, self._replies)) if writes else True
-            ok_r = self._with_conn(addr, deadline, cancel, lambda s: _read(s, reads, deadline, cancel, self._replies)) if reads else True
+            ok_w = self._with_conn(segment, deadline, cancel, lambda s: _write(s, writes, deadline, self._replies)) if writes else True
+            ok_r = self._with_conn(segment, deadline, cancel, lambda s: _read(s, reads, deadline, cancel, self._replies)) if reads else True
         except _FAILURES as exc:
             cancel.note(f"tcp {addr}: {describe_failure(exc)}")
             return [False] * len(requests)
@@ -305,7 +310,7 @@ class TcpTransport(Transport):
                                               self._replies) else None
 
         try:
-            return self._with_conn(segment.data_addr, deadline, cancel, work)
+            return self._with_conn(segment, deadline, cancel, work)
         except _FAILURES as exc:
             cancel.note(f"tcp {segment.data_addr}: {describe_failure(exc)}")
             return None

@@ -31,7 +31,7 @@ from kvpool.cache.codec import HEADER_SIZE, PageFormatError, check_header
 from kvpool.cache.keys import store_key
 from kvpool.client.grants import ReadHandle
 from kvpool.errors import ErrorCode
-from kvpool.integrations.objects import PageRows, engine_page_key
+from kvpool.integrations.objects import PageRows, engine_page_key, unread_reason
 from kvpool.integrations.vllm import layout as L
 from kvpool.integrations.vllm.keys import KeySpace
 from kvpool.integrations.vllm.loader import ViewLoader, prefault
@@ -88,6 +88,7 @@ class WorkerSide:
         self.device = torch.device("cpu")
         self.layout = ""
         self._errors: set[int] = set()
+        self._why: dict[str, int] = {}  # this load's failed blocks by reason, for its log line
         self._bad_keys: list[str] = []  # read but unusable: removed when the load ends
         self._loader = ViewLoader()
         self.layerwise = layerwise
@@ -163,10 +164,10 @@ class WorkerSide:
             return
         t0 = time.perf_counter()
         handles = self.store.call("load", lambda c: c.batch_query([p[2] for p in plan]))
-        handles = handles or [ErrorCode.OBJECT_NOT_FOUND] * len(plan)
+        handles = handles or [None] * len(plan)  # None: kvpool unreachable now
         held = [i for i, h in enumerate(handles) if isinstance(h, ReadHandle)]
         for i in set(range(len(plan))) - set(held):
-            self._load_failed(plan[i], "missing")
+            self._load_failed(plan[i], "unavailable" if handles[i] is None else unread_reason(handles[i]))
         opened = self.store.call("load", lambda c: c.open_views([handles[i] for i in held]))
         items, staged = [], []
         for pos, i in enumerate(held):
@@ -241,6 +242,7 @@ class WorkerSide:
         was read but is unusable is removed afterwards, so the recomputed block can be
         saved in its place (a missing one needs nothing)."""
         LOAD_ERRORS.labels(why).inc()
+        self._why[why] = self._why.get(why, 0) + 1
         self._errors.add(planned[0])
         if read:
             self._bad_keys.append(planned[2])
@@ -251,12 +253,11 @@ class WorkerSide:
         returns how many landed."""
         rows = self._rows_for(len(plan))
         got = self.store.call("load", lambda c: c.batch_read_into(handles, rows.rows()))
-        got = got or [-1] * len(plan)
         good = []
-        for i, (planned, n) in enumerate(zip(plan, got)):
-            why = rows.check(i, planned[1], n)
+        for i, (planned, n) in enumerate(zip(plan, got or [None] * len(plan))):
+            why = "unavailable" if n is None else rows.check(i, planned[1], n)
             if why:
-                self._load_failed(planned, why, read=n >= 0)
+                self._load_failed(planned, why, read=n is not None and n >= 0)
             else:
                 good.append(i)
         if good:
@@ -276,9 +277,10 @@ class WorkerSide:
         row_bytes = PageRows(0, self.page_shape, self.dtype).row_bytes
         BLOCKS_LOADED.inc(loaded)
         BYTES_LOADED.inc(loaded * row_bytes)
+        why, self._why = self._why, {}
         if loaded < total:
-            self.log.warning("kvpool: %d of %d blocks failed to load (missing or failed their "
-                             "page check); vLLM recomputes them", total - loaded, total)
+            self.log.warning("kvpool: %d of %d blocks failed to load (%s); vLLM recomputes them",
+                             total - loaded, total, ", ".join(f"{n} {w}" for w, n in sorted(why.items())))
         self.log.info("kvpool: loaded %d of %d blocks (%.1f MB) in %.0f ms", loaded, total,
                       loaded * row_bytes / 1e6, 1e3 * (time.perf_counter() - t0))
 
