@@ -99,6 +99,39 @@ def test_second_instance_loads_the_prompt_from_kvpool_with_the_same_tokens(runs)
     assert runs["second"]["metrics"]["kvpool_vllm_bytes_loaded_total"] > 0
 
 
+# counted within a step (lookups in the scheduler, loads before the forward pass), so
+# reported to vLLM in that step; saves end on the sender thread, possibly after the last
+STEP_COUNTED = ("lookup_blocks", "fetch_skipped_blocks", "blocks_loaded", "bytes_loaded",
+                "load_errors")
+
+
+def as_kvpool_names(vllm_metrics: dict[str, float]) -> dict[str, float]:
+    """vLLM's ``vllm:kvpool_X_total{engine=..,model_name=..,reason=r}`` samples under the
+    connector's own names (``kvpool_vllm_X_total{reason=r}``), summed over engines."""
+    out: dict[str, float] = {}
+    for key, value in vllm_metrics.items():
+        name, _, labels = key.partition("{")
+        own = [kv for kv in labels.rstrip("}").split(",") if kv.split("=")[0] in ("reason", "result")]
+        ours = name.replace("vllm:kvpool_", "kvpool_vllm_") + (f"{{{own[0]}}}" if own else "")
+        out[ours] = out.get(ours, 0) + value
+    return out
+
+
+def test_vllm_own_log_and_metrics_carry_the_connectors_counts(runs):
+    for name in ("second", "consumer", "full"):
+        ours, theirs = runs[name]["metrics"], as_kvpool_names(runs[name]["vllm_metrics"])
+        assert set(theirs) <= set(ours), name
+        for key, value in ours.items():
+            if key.removeprefix("kvpool_vllm_").startswith(STEP_COUNTED):
+                assert theirs.get(key, 0) == value, (name, key)
+            else:
+                assert theirs.get(key, 0) <= value, (name, key)
+    assert runs["second"]["metrics"]["kvpool_vllm_blocks_loaded_total"] > 0
+    assert as_kvpool_names(runs["consumer"]["vllm_metrics"])[
+        "kvpool_vllm_load_errors_total{reason=checksum}"] == 1
+    assert "KV Transfer metrics: " in runs["second"]["log"]
+
+
 def test_an_instance_with_hf_overrides_never_loads_the_blocks_of_one_without(runs):
     """Found by a trial: --hf-overrides (here RoPE theta 100000 -> 1000) changes every
     block's KV but not the model's files, and the instance loaded the stored blocks and

@@ -5,7 +5,8 @@ process: ``VLLM_ENABLE_V1_MULTIPROCESSING=0``, so the connector's counters are r
 here) with the job's KV connector, runs its prompts one after another and writes, per
 prompt, the greedy output token ids, vLLM's ``num_cached_tokens``, the TTFT (engine
 timestamps: first token minus queued) and the wall time of the whole request, then the
-connector's counters after the engine has shut down (its saves are done then).
+connector's counters after the engine has shut down (its saves are done then), and the
+``vllm:kvpool_*`` counters vLLM's Prometheus logger kept from the connector's stats.
 
 JOB: {"model": folder, "connector": null | kv_transfer_config dict,
       "prompts": [{"question": str (about the shipped document) | "text": str (a short chat),
@@ -37,9 +38,11 @@ def prompt_messages(question: str) -> list[dict]:
 
 
 def run_job(job: dict) -> dict:
-    """Run one instance (see module docstring); returns {"prompts": [...], "metrics": {...}}."""
+    """Run one instance (see module docstring); returns {"startup_s", "prompts", "metrics",
+    "vllm_metrics"}."""
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+    import prometheus_client
     from vllm import LLM, SamplingParams
     from vllm.config import KVTransferConfig
     from vllm.inputs import TokensPrompt
@@ -70,12 +73,16 @@ def run_job(job: dict) -> dict:
                         "num_cached_tokens": out.num_cached_tokens or 0,
                         "output_ids": list(out.outputs[0].token_ids),
                         "text": out.outputs[0].text, "ttft_s": ttft, "wall_s": wall})
+    llm.llm_engine.do_log_stats()  # vLLM's interval log once more: the last prompts' stats
     # the engine's shutdown ends the connector's background saves: every block is
     # counted once its put has committed
     llm.llm_engine.engine_core.shutdown()
     store = sys.modules.get("kvpool.integrations.vllm.store")  # loaded by KVPoolConnector
     metrics = store.snapshot() if store else {}
-    return {"startup_s": startup_s, "prompts": results, "metrics": metrics}
+    # the same counts as vLLM's stat loggers saw them, step by step
+    vllm_metrics = store.snapshot(prometheus_client.REGISTRY, "vllm:kvpool_") if store else {}
+    return {"startup_s": startup_s, "prompts": results, "metrics": metrics,
+            "vllm_metrics": vllm_metrics}
 
 
 def compare(out_path: str | None, question: str, max_tokens: int = 8, rounds: int = 2) -> dict:

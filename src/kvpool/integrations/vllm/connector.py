@@ -14,7 +14,8 @@ instance), ``kv_consumer`` only loads (a decode instance). Extra config keys:
 between reconnection attempts while kvpool is down, 30; made on a thread, so that vLLM's
 scheduler pays one ``timeout_s`` per outage), ``save_queue`` (save batches
 in flight at most, 8: a step whose saves find it full skips them), ``metrics_port`` (serve
-the ``kvpool_vllm_*`` Prometheus counters of this process; 0 = off), ``layerwise_load``
+the ``kvpool_vllm_*`` Prometheus counters of this process; 0 = off; the same counts reach
+vLLM's own log and ``/metrics`` as ``vllm:kvpool_*``, :mod:`kvpool.integrations.vllm.stats`), ``layerwise_load``
 (false, the default: same-host pages are copied, every layer, before the forward pass;
 true: layer by layer while it runs, for hosts with a core to spare beside the engine's), ``segment`` (the
 store segment to place saved blocks on first: this instance's host, so that the master
@@ -40,6 +41,7 @@ from kvpool.integrations.fetch_policy import FetchPolicy
 from kvpool.integrations.vllm.keys import REPRODUCIBLE_HASHES, KeySpace, model_changes
 from kvpool.integrations.vllm.meta import KVPoolMetadata
 from kvpool.integrations.vllm.scheduler import SchedulerSide
+from kvpool.integrations.vllm.stats import KVPoolPromMetrics, KVPoolStats, take
 from kvpool.integrations.vllm.store import GuardedStore, serve_metrics
 from kvpool.integrations.vllm.worker import WorkerSide
 
@@ -150,6 +152,22 @@ class KVPoolConnector(KVConnectorBase_V1):
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         return self.worker.get_block_ids_with_load_errors()
+
+    def get_kv_connector_stats(self) -> KVPoolStats | None:
+        """The counts gained since the last step's report, or None (vLLM asks after every
+        step, in both roles: each count is reported once per process)."""
+        data = take()
+        return KVPoolStats(data=data) if data else None
+
+    @classmethod
+    def build_kv_connector_stats(cls, data: dict[str, Any] | None = None) -> KVPoolStats:
+        """A stats object of a report's ``data`` (a copy: vLLM aggregates into it)."""
+        return KVPoolStats(data=dict(data or {}))
+
+    @classmethod
+    def build_prom_metrics(cls, vllm_config, metric_types, labelnames, per_engine_labelvalues):
+        """vLLM's ``vllm:kvpool_*`` Prometheus counters (:class:`KVPoolPromMetrics`)."""
+        return KVPoolPromMetrics(vllm_config, metric_types, labelnames, per_engine_labelvalues)
 
     def shutdown(self) -> None:
         if self.worker is not None:

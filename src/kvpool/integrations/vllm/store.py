@@ -60,12 +60,13 @@ def serve_metrics(port: int) -> None:
         _served_ports.add(port)
 
 
-def snapshot() -> dict[str, float]:
-    """Every sample of :data:`REGISTRY` as ``{"name{label=value}": value}`` (for tests)."""
+def snapshot(registry: CollectorRegistry = REGISTRY, prefix: str = "") -> dict[str, float]:
+    """Every sample of ``registry`` (default :data:`REGISTRY`) whose name starts with
+    ``prefix``, as ``{"name{label=value}": value}`` (for tests)."""
     out = {}
-    for family in REGISTRY.collect():
+    for family in registry.collect():
         for s in family.samples:
-            if s.name.endswith("_created"):
+            if s.name.endswith("_created") or not s.name.startswith(prefix):
                 continue
             labels = ",".join(f"{k}={v}" for k, v in sorted(s.labels.items()))
             out[f"{s.name}{{{labels}}}" if labels else s.name] = s.value
