@@ -18,16 +18,13 @@ step: a finished request that had saves planned keeps its blocks
 
 from __future__ import annotations
 
-from prometheus_client import Counter
-
 from kvpool.integrations.fetch_policy import FetchPolicy
 from kvpool.integrations.vllm.keys import KeySpace
 from kvpool.integrations.vllm.meta import BlockRun, KVPoolMetadata
-from kvpool.integrations.vllm.store import LOOKUP_BLOCKS, REGISTRY, GuardedStore
+from kvpool.integrations.vllm.store import LOOKUP_BLOCKS, GuardedStore, counter
 
-FETCH_SKIPPED = Counter("kvpool_vllm_fetch_skipped_blocks", "blocks found in kvpool but "
-                        "recomputed because loading them was predicted slower",
-                        registry=REGISTRY)
+FETCH_SKIPPED = counter("fetch_skipped_blocks", "blocks found in kvpool but recomputed because "
+                        "loading them was predicted slower")
 
 
 def request_namespace(request) -> tuple[str, str]:

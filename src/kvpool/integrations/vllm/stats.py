@@ -24,11 +24,8 @@ from prometheus_client import Counter
 from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (KVConnectorPromMetrics,
                                                                     KVConnectorStats)
 
-from kvpool.integrations.vllm.store import REGISTRY
+from kvpool.integrations.vllm.store import LABELS, PREFIX, REGISTRY
 
-PREFIX = "kvpool_vllm_"
-# the label of each labelled counter in REGISTRY (the others have none)
-LABELS = {"lookup_blocks": "result", "saves_skipped": "reason", "load_errors": "reason"}
 _reported: dict[str, int] = {}  # key -> the count last reported by this process
 _lock = threading.Lock()  # vLLM's scheduler and worker may ask from two threads
 

@@ -28,25 +28,32 @@ from kvpool.errors import KVPoolError
 T = TypeVar("T")
 
 REGISTRY = CollectorRegistry(auto_describe=True)
-LOOKUP_BLOCKS = Counter("kvpool_vllm_lookup_blocks", "blocks looked up in kvpool beyond "
-                        "vLLM's local hit, by result", ["result"], registry=REGISTRY)
-BLOCKS_LOADED = Counter("kvpool_vllm_blocks_loaded", "blocks loaded from kvpool into vLLM",
-                        registry=REGISTRY)
-BYTES_LOADED = Counter("kvpool_vllm_bytes_loaded", "bytes of stored pages loaded",
-                       registry=REGISTRY)
-BLOCKS_SAVED = Counter("kvpool_vllm_blocks_saved", "blocks saved from vLLM into kvpool",
-                       registry=REGISTRY)
-BYTES_SAVED = Counter("kvpool_vllm_bytes_saved", "bytes of stored pages saved",
-                      registry=REGISTRY)
-SAVES_SKIPPED = Counter("kvpool_vllm_saves_skipped", "blocks not saved, by reason "
-                        "(exists, no_space, unavailable, ...)", ["reason"], registry=REGISTRY)
-LOAD_ERRORS = Counter("kvpool_vllm_load_errors", "blocks that failed to load and were "
-                      "recomputed, by reason (missing, checksum, namespace, ...)", ["reason"],
-                      registry=REGISTRY)
-FREES_DELAYED = Counter("kvpool_vllm_frees_delayed", "finished requests whose blocks vLLM "
-                        "kept until a save of them in flight had ended", registry=REGISTRY)
-UNAVAILABLE = Counter("kvpool_vllm_store_unavailable", "store calls that failed because "
-                      "kvpool could not be reached", registry=REGISTRY)
+PREFIX = "kvpool_vllm_"
+LABELS: dict[str, str] = {}  # the label of each labelled counter, by name without PREFIX
+
+
+def counter(name: str, documentation: str, label: str | None = None) -> Counter:
+    """Counter ``kvpool_vllm_<name>`` in :data:`REGISTRY`, with one label or none (recorded
+    in :data:`LABELS`: vLLM's copies of the counters, ``stats``, are built from them)."""
+    if label:
+        LABELS[name] = label
+    return Counter(PREFIX + name, documentation, [label] if label else [], registry=REGISTRY)
+
+
+LOOKUP_BLOCKS = counter("lookup_blocks", "blocks looked up in kvpool beyond vLLM's local hit, "
+                        "by result", "result")
+BLOCKS_LOADED = counter("blocks_loaded", "blocks loaded from kvpool into vLLM")
+BYTES_LOADED = counter("bytes_loaded", "bytes of stored pages loaded")
+BLOCKS_SAVED = counter("blocks_saved", "blocks saved from vLLM into kvpool")
+BYTES_SAVED = counter("bytes_saved", "bytes of stored pages saved")
+SAVES_SKIPPED = counter("saves_skipped", "blocks not saved, by reason (exists, no_space, "
+                        "unavailable, ...)", "reason")
+LOAD_ERRORS = counter("load_errors", "blocks that failed to load and were recomputed, by reason "
+                      "(missing, checksum, namespace, ...)", "reason")
+FREES_DELAYED = counter("frees_delayed", "finished requests whose blocks vLLM kept until a save "
+                        "of them in flight had ended")
+UNAVAILABLE = counter("store_unavailable", "store calls that failed because kvpool could not "
+                      "be reached")
 
 _served_ports: set[int] = set()
 _shared: dict[tuple[str, bool], "GuardedStore"] = {}
