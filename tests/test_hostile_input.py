@@ -27,6 +27,7 @@ from kvpool.master.admin import start_master_admin
 from kvpool.master.config import MasterConfig
 from kvpool.master.server import MasterServer
 from kvpool.master.service import MasterService
+from kvpool.launch import Child, Cluster
 from kvpool.node.data_server import DataServer
 from kvpool.rpc import RpcChannel
 
@@ -131,6 +132,29 @@ def test_k22_a_node_serves_at_most_max_connections_and_closes_the_longest_idle(c
         finally:
             for sock in idle:
                 sock.close()
+
+
+def test_a_node_under_a_low_open_file_limit_fits_its_connection_cap_to_it(tmp_path):
+    """Found in review: with a soft open-file limit of 1024 (common) the default cap of
+    1024 connections was never reached: accept() failed with EMFILE and no idle connection
+    was closed to make room. Now the node raises its soft limit as far as the hard limit
+    allows and fits the cap under it, saying so; here the hard limit is 100."""
+    with Cluster(segment_size="16MiB", num_nodes=0) as cluster:
+        node = Child("node", ["--master", cluster.master_addr, "--port", "0", "--segment-size", "16MiB"],
+                     tmp_path, tmp_path, "node", prefix=("prlimit", "--nofile=100:100"))
+        idle: list[socket.socket] = []
+        try:
+            addr = node.wait_ready(30)["addr"]
+            with Client(cluster.master_addr, force_tcp=True, timeout_s=5.0) as c:
+                c.put("warm", b"w" * 4096)
+                idle = [socket.create_connection(parse_addr(addr), timeout=10) for _ in range(60)]
+                _wait_closed(idle, 60 - 36)  # the client's pooled connections went first
+                assert c.get("warm") == b"w" * 4096
+            assert "serving at most 36 data connections, not 1024" in node.log_path.read_text()
+        finally:
+            for sock in idle:
+                sock.close()
+            node.stop()
 
 
 def test_a_full_data_port_closes_a_new_connection_when_every_one_is_inside_a_request():

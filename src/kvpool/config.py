@@ -349,3 +349,20 @@ def _yaml_problem(exc) -> str:
 def _at(mark) -> str:
     """`` (line L, column C)`` of a PyYAML mark (1-based), or nothing."""
     return "" if mark is None else f" (line {mark.line + 1}, column {mark.column + 1})"
+
+
+def raise_open_files(n: int) -> int:
+    """Raise this process's soft open-file limit (``RLIMIT_NOFILE``, inherited by its
+    children) to ``n`` descriptors, or as near as the hard limit allows; returns the soft
+    limit in force afterwards (below ``n`` when the hard limit is lower)."""
+    import resource
+
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft >= n:
+        return soft
+    target = n if hard == resource.RLIM_INFINITY else min(n, hard)
+    try:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (target, hard))
+    except (ValueError, OSError):
+        return soft
+    return target

@@ -32,7 +32,7 @@ import time
 
 from kvpool.bench.master_sim import MasterProcess, MetaClient, SimNodes
 from kvpool.bench.verdict import Verdict
-from kvpool.config import make_output_folder, parse_size
+from kvpool.config import make_output_folder, parse_size, raise_open_files
 from kvpool.errors import UserError
 
 HELP = "benchmark the master: bytes per object and ops/s from 1e4 to 1e7 objects; a simulated pool"
@@ -179,14 +179,9 @@ def _enough_files(n: int) -> None:
     """Raise this process's open-file limit (inherited by the master it starts) to ``n``
     when the hard limit allows: each simulated node keeps a socket open on both sides.
     Raises UserError when it cannot."""
-    import resource
-
-    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
-    if soft >= n:
-        return
-    if hard != resource.RLIM_INFINITY and hard < n:
-        raise UserError(f"--segments needs {n} open files; the limit is {hard} (ulimit -n)")
-    resource.setrlimit(resource.RLIMIT_NOFILE, (n, hard))
+    limit = raise_open_files(n)
+    if limit < n:
+        raise UserError(f"--segments needs {n} open files; the limit is {limit} (ulimit -n)")
 
 
 def _pool_row(args, log_dir: str, count: int) -> dict:

@@ -95,7 +95,7 @@ def smollm2_gguf_path() -> Path:
 
 
 def file_fingerprint(paths: list[Path]) -> str:
-    """Hex SHA-256 over each file's name, size and content digest (:func:`content_digest`),
+    """Hex SHA-256 over each file's name, size and content digest (:func:`_digest`),
     in name order. Raises OSError when a file cannot be read."""
     memos = [_memo_path(p) for p in paths]
     pending = sum(p.stat().st_size for p, memo in zip(paths, memos) if memo is None or not memo.is_file())
@@ -109,16 +109,12 @@ def file_fingerprint(paths: list[Path]) -> str:
     return h.hexdigest()
 
 
-def content_digest(path: Path) -> bytes:
-    """SHA-256 (32 bytes) of every byte of ``path``, remembered per file version: a
-    memo named by the file's real path, size, device, inode and modification time (ns)
-    in :func:`_memo_dir`, so a file changed, replaced or copied elsewhere is read again.
-    Raises OSError when the file cannot be read; a memo that cannot be written is skipped."""
-    return _digest(path, _memo_path(path))
-
-
 def _digest(path: Path, memo: Path | None) -> bytes:
-    """:func:`content_digest` of ``path`` with its memo file ``memo`` (None: none)."""
+    """SHA-256 (32 bytes) of every byte of ``path``, remembered in ``memo`` (None: not
+    remembered), a file named by the file's real path, size, device, inode and
+    modification time (ns) in :func:`_memo_dir` (:func:`_memo_path`), so a file changed,
+    replaced or copied elsewhere is read again. Raises OSError when the file cannot be
+    read; a memo that cannot be written is skipped."""
     if memo is not None:
         try:
             digest = memo.read_bytes()

@@ -10,7 +10,10 @@ Metrics: ``kvpool_node_segment_capacity_bytes``, ``kvpool_node_segment_used_byte
 ``kvpool_node_serving``, the data plane's counters (read from the data server, no
 master call): ``kvpool_node_data_requests_total{op}`` and
 ``kvpool_node_data_bytes_total{op}`` (op read / write),
-``kvpool_node_data_errors_total{kind}`` (refused, bad_frame, broken, accept),
+``kvpool_node_data_errors_total{kind}`` (the kinds of
+:class:`~kvpool.node.data_server.DataCounters`: refused, stale, no_memory, bad_frame, auth,
+broken, stalled, accept, full, and idle_closed, which is no fault: an idle connection
+closed to make room under ``--max-connections``),
 ``kvpool_node_data_connections_total`` and ``kvpool_node_data_connections_open``;
 and the process collector's ``process_*``.
 """

@@ -42,6 +42,7 @@ import msgspec
 
 from kvpool import auth
 from kvpool import protocol as P
+from kvpool.config import raise_open_files
 from kvpool.errors import ErrorCode
 from kvpool.spin import spin_max_s
 from kvpool.transfer.epoch import MOUNT_WAIT_S, NO_EPOCH, EpochWord
@@ -52,11 +53,25 @@ from kvpool.transfer.tcp import tune_data_socket
 log = logging.getLogger("kvpool.data")
 MAX_CONNECTIONS = 1024  # data connections (one thread each, ~100 KiB resident) served at once
 FULL_LOG_S = 60.0  # seconds between two log lines about a full data port
+FILES_RESERVED = 64  # descriptors a node keeps besides data connections (segment, master channels, logs, HTTP)
 ACCEPT_BACKOFF_S = 0.05  # pause after a failed accept (e.g. out of file descriptors)
 STALL_S = 30.0  # seconds a peer may pause mid-frame before its connection is closed
 BODY_CHUNK = 64 << 10  # bytes of a request body allocated ahead of their arrival
 _AGAIN = (errno.EAGAIN, errno.EWOULDBLOCK)
 _DRAIN_PIECE = 1 << 20  # scratch bytes for the payload of a write that is refused
+
+
+def _within_open_files(max_connections: int) -> int:
+    """``max_connections``, or fewer when the open-file limit cannot be raised to hold them
+    (a soft limit of 1024 is common): past the limit accept() fails with EMFILE and no
+    idle connection is ever closed to make room (said once, at start)."""
+    limit = raise_open_files(max_connections + FILES_RESERVED)
+    if limit >= max_connections + FILES_RESERVED:
+        return max_connections
+    fitted = max(1, limit - FILES_RESERVED)
+    log.warning("the open-file limit is %d (ulimit -n): serving at most %d data connections, "
+                "not %d (--max-connections)", limit, fitted, max_connections)
+    return fitted
 
 
 class DataCounters:
@@ -138,7 +153,7 @@ class DataServer:
         self.stopped = threading.Event()
         self._gate = threading.Condition()
         self._busy: set[socket.socket] = set()  # connections inside an admitted request
-        self.max_connections = max_connections
+        self.max_connections = _within_open_files(max_connections)
         self._idle_since: dict[socket.socket, float | None] = {}  # open -> idle since (None: in a request)
         self._conns_lock = threading.Lock()
         self._full_logged = -FULL_LOG_S  # when "full" was last logged (time.monotonic)
