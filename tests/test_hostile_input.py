@@ -184,6 +184,33 @@ def test_a_full_data_port_closes_a_new_connection_when_every_one_is_inside_a_req
                     sock.close()
 
 
+def test_a_full_data_port_closes_connections_owing_the_secret_before_authenticated_ones():
+    """Found in review: a connection still owing the --secret challenge's answer counted
+    like any other, so a flood of connections without the secret closed the idle pooled
+    connections of authenticated clients. Now those owing the answer go first, the
+    oldest first; an authenticated idle one only when none is left."""
+    with socket.socket() as listener:
+        server = DataServer(listener, memoryview(bytearray(4096)), secret=b"s", max_connections=2)
+        pairs = [socket.socketpair() for _ in range(4)]
+        try:
+            (a, pa), (b, pb), (c, pc), (d, pd) = pairs
+            assert server._make_room(a)
+            server._mark(a, idle=True)  # a answered the challenge and waits, idle the longest
+            assert server._make_room(b)  # b owes its answer
+            assert server._make_room(c)  # full: b goes, not a
+            pb.settimeout(5)
+            assert pb.recv(1) == b""
+            server._mark(c, idle=True)  # c answered: both idle, a the longest
+            assert server._make_room(d)
+            pa.settimeout(5)
+            assert pa.recv(1) == b""
+            assert server.counters.snapshot()["errors"] == {"idle_closed": 2}
+        finally:
+            for pair in pairs:
+                for sock in pair:
+                    sock.close()
+
+
 @pytest.mark.cluster(segment_size="16MiB", extra_master_args=("--frame-timeout", "1"))
 def test_k22_master_closes_a_connection_stalled_mid_frame(cluster):
     """K22 on the control port: a frame whose body never comes is closed after the frame

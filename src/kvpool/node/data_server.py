@@ -13,8 +13,9 @@ what was really sent; a connection that stops sending mid-frame (header, body or
 payload) or stops reading a reply for ``stall_s`` seconds is closed (counted as
 "stalled"). Between frames a connection may stay idle for as long as it likes, but at most
 ``max_connections`` (:data:`MAX_CONNECTIONS`) are served at once: a connection past them
-closes the longest idle one (its client's next request on it fails and is retried on a new
-connection, as for any pooled connection the peer dropped), or is closed itself when every
+closes the longest idle one, one still owing the ``secret`` challenge's answer first (its
+client's next request on it fails and is retried on a new connection, as for any pooled
+connection the peer dropped), or is closed itself when every
 one is inside a request (counted as "full"). One thread per connection, blocking sockets: payloads go straight between socket and segment, scattered
 with ``recvmsg_into`` and gathered (reply header included) with ``sendmsg``
 (:mod:`kvpool.transfer.iov`).
@@ -155,6 +156,7 @@ class DataServer:
         self._busy: set[socket.socket] = set()  # connections inside an admitted request
         self.max_connections = _within_open_files(max_connections)
         self._idle_since: dict[socket.socket, float | None] = {}  # open -> idle since (None: in a request)
+        self._unproven: set[socket.socket] = set()  # open, not yet past the --secret challenge
         self._conns_lock = threading.Lock()
         self._full_logged = -FULL_LOG_S  # when "full" was last logged (time.monotonic)
 
@@ -239,18 +241,25 @@ class DataServer:
 
     def _make_room(self, conn: socket.socket) -> bool:
         """Count ``conn`` as open (idle); with ``max_connections`` open already, first
-        close the one idle longest. False when none is idle: ``conn`` is not counted."""
+        close one that is idle: the oldest of those still owing the ``secret`` challenge's
+        answer, else the one idle longest (so a flood of connections that cannot
+        authenticate closes each other, not the pooled connections of clients). False
+        when none is idle: ``conn`` is not counted."""
         with self._conns_lock:
             if len(self._idle_since) >= self.max_connections:
-                idle = [(since, c) for c, since in self._idle_since.items() if since is not None]
+                idle = [(c not in self._unproven, since, c) for c, since in self._idle_since.items()
+                        if since is not None]
                 if not idle:
                     return False
-                victim = min(idle, key=lambda pair: pair[0])[1]
+                victim = min(idle, key=lambda row: row[:2])[2]
                 del self._idle_since[victim]
+                self._unproven.discard(victim)
                 with contextlib.suppress(OSError):
                     victim.shutdown(socket.SHUT_RDWR)  # its thread's recv returns EOF: it ends
                 self.counters.error("idle_closed")
             self._idle_since[conn] = time.monotonic()
+            if self.secret is not None:
+                self._unproven.add(conn)
             return True
 
     def _mark(self, conn: socket.socket, idle: bool) -> None:
@@ -259,10 +268,12 @@ class DataServer:
         with self._conns_lock:
             if conn in self._idle_since:
                 self._idle_since[conn] = time.monotonic() if idle else None
+                self._unproven.discard(conn)  # marked only once past the challenge
 
     def _forget(self, conn: socket.socket) -> None:
         with self._conns_lock:
             self._idle_since.pop(conn, None)
+            self._unproven.discard(conn)
 
     def stop(self) -> None:
         self.stopped.set()
