@@ -100,6 +100,18 @@ def _threads(pid: int) -> int:
         return next(int(line.split()[1]) for line in f if line.startswith("Threads:"))
 
 
+@contextlib.contextmanager
+def _socket_pairs(n: int):
+    """``n`` connected socket pairs, closed on exit."""
+    pairs = [socket.socketpair() for _ in range(n)]
+    try:
+        yield pairs
+    finally:
+        for pair in pairs:
+            for sock in pair:
+                sock.close()
+
+
 def _wait_closed(socks, count: int, timeout_s: float = 10.0) -> list[socket.socket]:
     """Poll until the server closed ``count`` of ``socks``; returns those still open."""
     deadline = time.monotonic() + timeout_s
@@ -160,28 +172,22 @@ def test_a_node_under_a_low_open_file_limit_fits_its_connection_cap_to_it(tmp_pa
 def test_a_full_data_port_closes_a_new_connection_when_every_one_is_inside_a_request():
     """The policy behind the cap, on one DataServer and real socket pairs: the longest
     idle connection makes room; none idle, the new one is refused (counted as full)."""
-    with socket.socket() as listener:
+    with socket.socket() as listener, _socket_pairs(4) as pairs:
         server = DataServer(listener, memoryview(bytearray(4096)), max_connections=2)
-        pairs = [socket.socketpair() for _ in range(4)]
-        try:
-            (a, pa), (b, pb), (c, pc), (d, pd) = pairs
-            assert server._make_room(a) and server._make_room(b)
-            server._mark(a, idle=False)
-            server._mark(b, idle=False)
-            assert not server._make_room(c)  # both inside a request
-            server._mark(b, idle=True)
-            assert server._make_room(c)  # b was idle: closed for c
-            pb.settimeout(5)
-            assert pb.recv(1) == b""
-            server._mark(b, idle=False)  # b's thread, late: stays forgotten
-            assert server._make_room(d)  # c is idle now: closed for d; a still in its request
-            pc.settimeout(5)
-            assert pc.recv(1) == b""
-            assert server.counters.snapshot()["errors"] == {"idle_closed": 2}
-        finally:
-            for pair in pairs:
-                for sock in pair:
-                    sock.close()
+        (a, pa), (b, pb), (c, pc), (d, pd) = pairs
+        assert server._make_room(a) and server._make_room(b)
+        server._mark(a, idle=False)
+        server._mark(b, idle=False)
+        assert not server._make_room(c)  # both inside a request
+        server._mark(b, idle=True)
+        assert server._make_room(c)  # b was idle: closed for c
+        pb.settimeout(5)
+        assert pb.recv(1) == b""
+        server._mark(b, idle=False)  # b's thread, late: stays forgotten
+        assert server._make_room(d)  # c is idle now: closed for d; a still in its request
+        pc.settimeout(5)
+        assert pc.recv(1) == b""
+        assert server.counters.snapshot()["errors"] == {"idle_closed": 2}
 
 
 def test_a_full_data_port_closes_connections_owing_the_secret_before_authenticated_ones():
@@ -189,26 +195,20 @@ def test_a_full_data_port_closes_connections_owing_the_secret_before_authenticat
     like any other, so a flood of connections without the secret closed the idle pooled
     connections of authenticated clients. Now those owing the answer go first, the
     oldest first; an authenticated idle one only when none is left."""
-    with socket.socket() as listener:
+    with socket.socket() as listener, _socket_pairs(4) as pairs:
         server = DataServer(listener, memoryview(bytearray(4096)), secret=b"s", max_connections=2)
-        pairs = [socket.socketpair() for _ in range(4)]
-        try:
-            (a, pa), (b, pb), (c, pc), (d, pd) = pairs
-            assert server._make_room(a)
-            server._mark(a, idle=True)  # a answered the challenge and waits, idle the longest
-            assert server._make_room(b)  # b owes its answer
-            assert server._make_room(c)  # full: b goes, not a
-            pb.settimeout(5)
-            assert pb.recv(1) == b""
-            server._mark(c, idle=True)  # c answered: both idle, a the longest
-            assert server._make_room(d)
-            pa.settimeout(5)
-            assert pa.recv(1) == b""
-            assert server.counters.snapshot()["errors"] == {"idle_closed": 2}
-        finally:
-            for pair in pairs:
-                for sock in pair:
-                    sock.close()
+        (a, pa), (b, pb), (c, pc), (d, pd) = pairs
+        assert server._make_room(a)
+        server._mark(a, idle=True)  # a answered the challenge and waits, idle the longest
+        assert server._make_room(b)  # b owes its answer
+        assert server._make_room(c)  # full: b goes, not a
+        pb.settimeout(5)
+        assert pb.recv(1) == b""
+        server._mark(c, idle=True)  # c answered: both idle, a the longest
+        assert server._make_room(d)
+        pa.settimeout(5)
+        assert pa.recv(1) == b""
+        assert server.counters.snapshot()["errors"] == {"idle_closed": 2}
 
 
 @pytest.mark.cluster(segment_size="16MiB", extra_master_args=("--frame-timeout", "1"))
