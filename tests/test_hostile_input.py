@@ -211,6 +211,21 @@ def test_a_full_data_port_closes_connections_owing_the_secret_before_authenticat
         assert server.counters.snapshot()["errors"] == {"idle_closed": 2}
 
 
+def test_a_full_data_port_never_closes_a_connection_whose_request_waits_unread():
+    """Found in review: a connection was marked busy only once its thread had read a
+    request header, so one whose request had just arrived could be closed as idle and
+    its client's retry could meet the same fate. Now one with bytes waiting is skipped."""
+    with socket.socket() as listener, _socket_pairs(3) as pairs:
+        server = DataServer(listener, memoryview(bytearray(4096)), max_connections=2)
+        (a, pa), (b, pb), (c, pc) = pairs
+        assert server._make_room(a) and server._make_room(b)  # both idle, a the longest
+        pa.sendall(b"x")  # a's next request has arrived, unread
+        assert server._make_room(c)  # b goes instead
+        pb.settimeout(5)
+        assert pb.recv(1) == b""
+        assert a.recv(1, socket.MSG_PEEK) == b"x"  # a is open, its byte unread
+
+
 @pytest.mark.cluster(segment_size="16MiB", extra_master_args=("--frame-timeout", "1"))
 def test_k22_master_closes_a_connection_stalled_mid_frame(cluster):
     """K22 on the control port: a frame whose body never comes is closed after the frame

@@ -62,6 +62,14 @@ _AGAIN = (errno.EAGAIN, errno.EWOULDBLOCK)
 _DRAIN_PIECE = 1 << 20  # scratch bytes for the payload of a write that is refused
 
 
+def _has_input(conn: socket.socket) -> bool:
+    """True when bytes from the peer wait in ``conn`` (peeked, never consumed or waited for)."""
+    try:
+        return bool(conn.recv(1, socket.MSG_PEEK | socket.MSG_DONTWAIT))
+    except OSError:  # BlockingIOError: nothing waits; others: a broken connection
+        return False
+
+
 def _within_open_files(max_connections: int) -> int:
     """``max_connections``, or fewer when the open-file limit cannot be raised to hold them
     (a soft limit of 1024 is common): past the limit accept() fails with EMFILE and no
@@ -243,15 +251,17 @@ class DataServer:
         """Count ``conn`` as open (idle); with ``max_connections`` open already, first
         close one that is idle: the oldest of those still owing the ``secret`` challenge's
         answer, else the one idle longest (so a flood of connections that cannot
-        authenticate closes each other, not the pooled connections of clients). False
-        when none is idle: ``conn`` is not counted."""
+        authenticate closes each other, not the pooled connections of clients), and never
+        one whose next request waits unread. False when none is idle: ``conn`` is not
+        counted."""
         with self._conns_lock:
             if len(self._idle_since) >= self.max_connections:
-                idle = [(c not in self._unproven, since, c) for c, since in self._idle_since.items()
-                        if since is not None]
-                if not idle:
+                idle = sorted((c not in self._unproven, since, id(c), c)
+                              for c, since in self._idle_since.items() if since is not None)
+                # one whose request has just arrived is not idle (its thread has not read it yet)
+                victim = next((row[3] for row in idle if not _has_input(row[3])), None)
+                if victim is None:
                     return False
-                victim = min(idle, key=lambda row: row[:2])[2]
                 del self._idle_since[victim]
                 self._unproven.discard(victim)
                 with contextlib.suppress(OSError):
