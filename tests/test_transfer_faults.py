@@ -95,6 +95,21 @@ def test_a_node_mounted_again_on_the_address_of_a_silent_one_is_asked_at_once():
         peers.check("n:1", epoch=7)
 
 
+def test_the_silent_peers_table_holds_only_peers_that_can_still_be_skipped():
+    """Found in review: an entry per (address, mount epoch) was never dropped, so a client
+    that outlives many restarts of silent nodes kept them all. A time-out forgets older
+    mounts of its address and peers whose last skip ended over SILENT_MAX_S ago."""
+    clock = Clock()
+    peers = SilentPeers(clock)
+    peers.timed_out("n:1", epoch=7)
+    peers.timed_out("n:2", epoch=1)
+    peers.timed_out("n:1", epoch=8)  # n:1 mounted again, then silent again: epoch 7 is gone
+    assert sorted(peers._skips) == [("n:1", 8), ("n:2", 1)]
+    clock.now += SILENT_FIRST_S + SILENT_MAX_S + 1
+    peers.timed_out("n:3", epoch=1)
+    assert sorted(peers._skips) == [("n:3", 1)]
+
+
 @pytest.mark.cluster(segment_size="64MiB")
 def test_a_hung_node_costs_one_timeout_then_reads_fail_at_once_until_it_answers(cluster):
     """Found by a trial: with a node stopped (SIGSTOP; the master still lists it for its

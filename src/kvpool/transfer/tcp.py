@@ -155,9 +155,15 @@ class SilentPeers:
         """A request to ``addr`` under mount ``epoch`` reached its deadline unanswered:
         skip that peer (longer if it was skipped before)."""
         with self._lock:
+            now = self.clock()
             last = self._skips.get((addr, epoch), (0.0, SILENT_FIRST_S / 2))[1]
             length = min(SILENT_MAX_S, 2 * last)
-            self._skips[(addr, epoch)] = (self.clock() + length, length)
+            # forget the peers that cannot come back (an older mount on this address) and
+            # those not skipped for a while: the table stays as small as the silent peers
+            for peer, (until, _) in list(self._skips.items()):
+                if (peer[0] == addr and peer[1] != epoch) or until < now - SILENT_MAX_S:
+                    del self._skips[peer]
+            self._skips[(addr, epoch)] = (now + length, length)
 
     def answered(self, addr: str, epoch: int = 0) -> None:
         if (addr, epoch) in self._skips:  # the common case: no lock
