@@ -52,11 +52,11 @@ def number(extra: dict, key: str, default: float, *, zero_ok: bool = False) -> f
     if value is None:
         return default
     try:
-        out = None if isinstance(value, bool) else float(value)  # float(True) is 1.0: a flag
+        if isinstance(value, bool):
+            raise TypeError  # float(True) is 1.0: a flag, not a number
+        out = float(value)
     except (TypeError, ValueError):
-        out = None
-    if out is None:
-        raise UserError(f"{key} must be a number, got {value!r}")
+        raise UserError(f"{key} must be a number, got {value!r}") from None
     try:
         return positive(float, zero_ok)(out)  # the master's and node's option check
     except ValueError as exc:
