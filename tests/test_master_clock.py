@@ -91,6 +91,29 @@ def test_k04_dead_writer_is_not_found_then_taken_over_and_its_space_freed():
     assert svc.counters["put_discarded"] == 1
 
 
+def test_a_resent_put_end_is_answered_ok_while_remembered_and_never_for_another_put():
+    """A PutEnd resent after its reply was lost (the channel resends an idempotent
+    request on a new connection) found the put ended and answered "no such put": the
+    client then put the value again, and a put raised ObjectAlreadyExists for its own
+    stored value (a batch item read INVALID_WRITE)."""
+    from kvpool.master.service import ENDED_PUTS_KEPT
+    svc, _ = service(segment_size=64 * MIB)
+    first = svc.put_start(P.PutItem("k", 1000))
+    assert svc.put_end(P.PutToken("k", first.put_id)).code == OK
+    assert svc.put_end(P.PutToken("k", first.put_id)).code == OK  # the resend
+    assert svc.put_end(P.PutToken("other", first.put_id)).code == NOT_FOUND  # not another key's
+    assert svc.put_end(P.PutToken("k", first.put_id + 1)).code == ErrorCode.INVALID_WRITE
+    assert svc.remove("k").code == OK
+    assert svc.put_end(P.PutToken("k", first.put_id)).code == OK  # it was stored: later changes aside
+    revoked = svc.put_start(P.PutItem("r", 1000))
+    assert svc.put_revoke(P.PutToken("r", revoked.put_id)).code == OK
+    assert svc.put_end(P.PutToken("r", revoked.put_id)).code == NOT_FOUND  # a revoked put never ends
+    for i in range(ENDED_PUTS_KEPT):
+        assert put(svc, f"f{i % 64}", upsert=True) == OK
+    assert svc.put_end(P.PutToken("k", first.put_id)).code == NOT_FOUND  # forgotten: bounded memory
+    assert len(svc._ended) == ENDED_PUTS_KEPT
+
+
 def test_k04_abandoned_put_is_released_without_takeover():
     svc, clock = service(put_start_release_timeout_s=0.5)
     assert svc.put_start(P.PutItem("victim", MIB)).code == OK

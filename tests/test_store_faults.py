@@ -243,6 +243,37 @@ def test_a_master_that_stops_after_the_write_costs_a_put_one_timeout(cluster, ba
         assert c.get("after") == b"a" * 4096
 
 
+@pytest.mark.parametrize("batch", [False, True], ids=["put", "batch_put"])
+def test_a_put_end_whose_reply_was_lost_is_resent_and_the_put_succeeds(cluster, batch):
+    """The PutStart way with the connection broken after the master applied PutEnd and
+    before its reply was read (injected at the channel's exchange: the reply is dropped
+    and the socket closed). The channel resends PutEnd on a new connection; the master
+    answers OK for the put it committed. Before, the resend found no put in flight: a
+    put wrote its value again and raised ObjectAlreadyExists, a batch item read
+    INVALID_WRITE, though each was stored."""
+    keys = ["lost1", "lost2"] if batch else ["lost1"]
+    values = [bytes([65 + i]) * 4096 for i in range(len(keys))]
+    with Client(cluster.master_addr, alloc_leases=False) as c:
+        chan = c._channel()
+        exchange, dropped = chan._exchange, []
+
+        def drop_the_first_commit_reply(frame, kind, during=None):
+            reply = exchange(frame, kind, during)
+            if kind in (P.PutEnd, P.BatchPutEnd) and not dropped:
+                dropped.append(reply)
+                raise ConnectionResetError("the reply was lost (injected)")
+            return reply
+
+        chan._exchange = drop_the_first_commit_reply
+        if batch:
+            assert c.batch_put(keys, values) == [ErrorCode.OK] * 2
+        else:
+            assert c.put(keys[0], values[0]) == 1
+        assert len(dropped) == 1, "the fault was not injected"
+        assert [c.get(k) for k in keys] == values
+        assert c.stats().in_flight_puts == 0
+
+
 def test_a_stopped_master_costs_a_read_one_timeout_and_then_serves_again(cluster):
     """Idempotent requests (a get's grant, exist, remove) to a master that took the
     connection and answers nothing (SIGSTOP) fail with RpcFailed after one

@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections import Counter
+from collections import Counter, OrderedDict
 from typing import Callable
 
 from kvpool.errors import ErrorCode
@@ -46,6 +46,10 @@ from kvpool.protocol import (
     PutToken, ReplicaDesc, Resp, SegmentInfo, SegmentStats, StatsResp,
 )
 
+# PutEnds remembered (put id -> key), so that one resent after its reply was lost (a
+# broken connection; the client's channel resends an idempotent request) is answered OK,
+# not "no such put": about 1 MB; a resend comes within a reconnect, far fewer puts later
+ENDED_PUTS_KEPT = 1 << 13
 MIN_SEGMENT_SIZE = 1 << 10  # bytes; Mooncake's MIN_SEGMENT_SIZE: smaller mounts are refused
 log = logging.getLogger("kvpool.master")
 OK = ErrorCode.OK
@@ -81,6 +85,7 @@ class MasterService(Eviction, Restore, LeaseHandlers):
         self.incarnation = new_epoch()
         self._next_put_id = new_epoch()
         self.in_flight: set[str] = set()  # keys with a pending put (tick scans only these)
+        self._ended: OrderedDict[int, str] = OrderedDict()  # the last ENDED_PUTS_KEPT PutEnds
         self.wants_eviction = False
         self._eviction_debt = 0
         self.index_log = IndexLog()  # changes for the nodes' indexes (master/restore.py)
@@ -251,12 +256,21 @@ class MasterService(Eviction, Restore, LeaseHandlers):
         return OK
 
     def put_end(self, token: PutToken) -> Resp:
+        """Commit the put ``token`` names: OK, also for a PutEnd of this incarnation
+        committed among the last ENDED_PUTS_KEPT (a resend whose reply was lost: the
+        value is stored, whatever came after); else OBJECT_NOT_FOUND or INVALID_WRITE
+        (no such put in flight: discarded, revoked, or an earlier incarnation's)."""
+        if self._ended.get(token.put_id) == token.key:
+            return Resp(OK)
         obj = self.objects.get(token.key)
         if obj is None:
             return Resp(ErrorCode.OBJECT_NOT_FOUND)
         pending = obj.pending
         if pending is None or pending.put_id != token.put_id:
             return Resp(ErrorCode.INVALID_WRITE, "no such put in flight (discarded or ended)")
+        self._ended[token.put_id] = token.key
+        if len(self._ended) > ENDED_PUTS_KEPT:
+            self._ended.popitem(last=False)
         self._clear_pending(obj)
         self._commit(obj, pending.replicas, pending.size, pending.soft_pin, pending.soft_pin_ttl_ms,
                      pending.hard_pin, self.clock())
