@@ -23,7 +23,7 @@ import pytest
 from kvpool import protocol as P
 from kvpool.child import pause_process
 from kvpool.client import Client
-from kvpool.errors import KVPoolError, ObjectNotFound
+from kvpool.errors import ErrorCode, KVPoolError, ObjectNotFound
 from kvpool.launch import Cluster
 from kvpool.master.restore import SETTLED_MAX, SettledKeys
 from kvpool.master.service import MasterService
@@ -250,13 +250,17 @@ def test_k18_a_put_end_of_the_old_master_never_commits_a_put_of_the_new_one():
         chan.close()
 
 
+@pytest.mark.parametrize("batch", (False, True), ids=("put", "batch_put"))
 @pytest.mark.parametrize("when", ("before_the_write", "before_put_end"))
 @pytest.mark.parametrize("kind", ("tcp", "shm"))
-def test_a_put_the_master_forgot_in_a_restart_is_put_again_once_and_stored(kind, when):
+def test_a_put_the_master_forgot_in_a_restart_is_put_again_once_and_stored(kind, when, batch):
     """Found by a trial: a put whose master restarted (or failed over) between PutStart and
     PutEnd raised ObjectNotFound ("PutEnd refused"), or TransferFailed when its write came
     under the old mount epoch, though nothing of it was stored. The new master's answer
-    (PutEnd or PutRevoke: no such put) says so; the bytes are still the caller's."""
+    (PutEnd or PutRevoke: no such put) says so; the bytes are still the caller's. A
+    batch_put's items read OBJECT_NOT_FOUND, INVALID_WRITE or TRANSFER_FAIL before
+    (found in review); now they are put again once, as a put is."""
+    keys = ["spans", "spans2"] if batch else ["spans"]
     with setup(kind) as (cluster, client), \
             Client(cluster.master_addr, force_tcp=kind == "tcp", alloc_leases=False) as writer:
         write_all, restarts = writer._write_all, []
@@ -270,11 +274,15 @@ def test_a_put_the_master_forgot_in_a_restart_is_put_again_once_and_stored(kind,
             return out
 
         writer._write_all = restart_once_around_the_write
-        assert writer.put("spans", value("spans")) == 1
+        if batch:
+            assert writer.batch_put(keys, [value(k) for k in keys]) == [ErrorCode.OK] * 2
+        else:
+            assert writer.put("spans", value("spans")) == 1
         assert len(restarts) == 1
-        assert client.get("spans") == value("spans")
+        assert [client.get(k) for k in keys] == [value(k) for k in keys]
         stats = client.stats()
-        assert stats.object_count == 1 and stats.used_bytes == SIZE + stats.leased_bytes  # K07
+        assert stats.object_count == len(keys)
+        assert stats.used_bytes == len(keys) * SIZE + stats.leased_bytes  # K07
 
 
 @pytest.mark.parametrize("kind", ("shm", "local"))

@@ -166,7 +166,8 @@ class PutPath:
         a duplicated key, K02), NO_AVAILABLE_HANDLE, INVALID_PARAMS, TRANSFER_FAIL...
         An item placed with fewer than ``replica_num`` replicas is OK (as in Mooncake),
         counted and logged as in :meth:`put`; ``query(key).replicas`` lists them.
-        Raises InvalidParams for options that are wrong for every item.
+        Items the master forgot in a restart or failover are put again once, as in
+        :meth:`put`. Raises InvalidParams for options that are wrong for every item.
         """
         keys, values = key_list(keys), list(values)
         if len(keys) != len(values):
@@ -219,21 +220,29 @@ class PutPath:
                 break
             leased = leased[len(done):]
         rest = [k for k in rest if k not in settled]
-        if rest:  # in the time left: the PutStart way may place them on another node
-            started = self._put_started([items[k] for k in rest], [srcs[k] for k in rest], deadline)
+        for _ in range(2):  # in the time left: the PutStart way may place them on another node
+            if not rest:
+                break
+            started, forgotten = self._put_started([items[k] for k in rest], [srcs[k] for k in rest], deadline)
             for k, code in zip(rest, started):
                 codes[sent[k]] = code
+            # as in put(): items the master forgot in a restart or failover, once more
+            rest = [rest[j] for j in forgotten]
         return codes
 
     def _put_started(self, items: list[P.PutItem], srcs: list[list[memoryview]],
-                     deadline: float) -> list[ErrorCode]:
+                     deadline: float) -> tuple[list[ErrorCode], list[int]]:
         """Put ``items`` (values: the concatenation of ``srcs[i]``) with one PutStart,
         one PutEnd and one PutRevoke RPC, writes given up at ``deadline``
-        (time.monotonic); one code per item. Past ``deadline`` already: every item is
-        TRANSFER_FAIL (as a timed-out write is), nothing sent."""
+        (time.monotonic). Returns one code per item, and the indexes of the items the
+        master did not know at their end (as in :meth:`_put_started_one`: nothing of
+        them committed; their codes say why they failed if not tried again). Past
+        ``deadline`` already: every item is TRANSFER_FAIL (as a timed-out write is),
+        nothing sent."""
         if not pipeline.left(deadline):
-            return [ErrorCode.TRANSFER_FAIL] * len(items)
+            return [ErrorCode.TRANSFER_FAIL] * len(items), []
         codes = [ErrorCode.OK] * len(items)
+        forgotten: list[int] = []
         results = self._call(P.BatchPutStart(items, self.host_id), idempotent=False, deadline=deadline).results
         jobs, tokens = [], {}
         for i, (item, views, res) in enumerate(zip(items, srcs, results)):
@@ -245,13 +254,16 @@ class PutPath:
         good = [i for i in tokens if written[i]]
         bad = [i for i in tokens if not written[i]]
         if bad:
-            self._revoke(P.BatchPutRevoke([tokens[i] for i in bad]), deadline)
+            revoked = self._revoke(P.BatchPutRevoke([tokens[i] for i in bad]), deadline)
             for i in bad:
                 codes[i] = ErrorCode.TRANSFER_FAIL
+            if revoked is not None:  # e.g. writes under the old master's mount epoch, fenced
+                forgotten += [i for i, code in zip(bad, revoked.codes) if code in _FORGOTTEN]
         if good:
             ends = self._call(P.BatchPutEnd([tokens[i] for i in good]), deadline=deadline).codes
             for i, code in zip(good, ends):
                 codes[i] = code_of(code)
+            forgotten += [i for i in good if codes[i] in _FORGOTTEN]
             short = [i for i in good if codes[i] == ErrorCode.OK
                      and len(results[i].replicas) < items[i].replica_num]
             if short:
@@ -259,7 +271,7 @@ class PutPath:
                     f"batch put: {len(short)} of {len(items)} items placed short (item "
                     f"{items[short[0]].key!r}: {len(results[short[0]].replicas)} of "
                     f"{items[short[0]].replica_num} replicas)", len(short))
-        return codes
+        return codes, sorted(forgotten)
 
     def _revoke(self, request: P.PutRevoke | P.BatchPutRevoke, deadline: float):
         """Withdraw puts whose writes failed, best effort: a revoke the master does not
