@@ -8,9 +8,10 @@ when none fits). A client says so, without a line per put.
 from __future__ import annotations
 
 import logging
-import threading
 import time
 from typing import Callable
+
+from kvpool.throttle import Throttle
 
 log = logging.getLogger("kvpool.client")
 SHORTFALL_LOG_S = 60.0  # a put placing fewer replicas than asked is logged at most this often per client
@@ -23,22 +24,19 @@ class ReplicaShortfall:
     since the last one. Thread safe."""
 
     def __init__(self, every_s: float = SHORTFALL_LOG_S, clock: Callable[[], float] = time.monotonic):
-        self.every_s, self.clock = every_s, clock
-        self.count = 0  # puts (batch items) placed short, since the client started
-        self._lock = threading.Lock()
-        self._told: float | None = None  # clock() of the last warning
-        self._untold = 0  # short puts since the last warning
+        self.every_s = every_s
+        self._log = Throttle(every_s, clock)
+
+    @property
+    def count(self) -> int:
+        """Puts (batch items) placed short, since the client started."""
+        return self._log.total
 
     def note(self, what: str, puts: int = 1) -> None:
         """Count ``puts`` short puts; log ``what`` (e.g. "put 'k': 1 of 3 replicas
         placed") unless a warning went out less than ``every_s`` ago."""
-        with self._lock:
-            self.count += puts
-            self._untold += puts
-            now = self.clock()
-            if self._told is not None and now - self._told < self.every_s:
-                return
-            self._told, untold, self._untold = now, self._untold, 0
-        log.warning("%s: fewer segments with room than replica_num (best effort, as in Mooncake); "
-                    "%d put(s) placed short since the last such warning (said at most every %.0f s)",
-                    what, untold, self.every_s)
+        untold = self._log.due(puts)
+        if untold:
+            log.warning("%s: fewer segments with room than replica_num (best effort, as in Mooncake); "
+                        "%d put(s) placed short since the last such warning (said at most every %.0f s)",
+                        what, untold, self.every_s)

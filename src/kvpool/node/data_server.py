@@ -46,6 +46,7 @@ from kvpool import protocol as P
 from kvpool.config import raise_open_files
 from kvpool.errors import ErrorCode
 from kvpool.spin import spin_max_s
+from kvpool.throttle import Throttle
 from kvpool.transfer.epoch import MOUNT_WAIT_S, NO_EPOCH, EpochWord
 from kvpool.transfer.iov import recv_views, send_views
 from kvpool.transfer.shm import populate_ranges
@@ -166,7 +167,7 @@ class DataServer:
         self._idle_since: dict[socket.socket, float | None] = {}  # open -> idle since (None: in a request)
         self._unproven: set[socket.socket] = set()  # open, not yet past the --secret challenge
         self._conns_lock = threading.Lock()
-        self._full_logged = -FULL_LOG_S  # when "full" was last logged (time.monotonic)
+        self._full_log = Throttle(FULL_LOG_S)  # under a flood of connections: a line a minute
 
     def _admit(self, conn: socket.socket, epoch: int) -> bool:
         """Let a request of ``epoch`` move bytes (False: stale). A request of a new epoch
@@ -230,9 +231,7 @@ class DataServer:
     def _start_conn(self, conn: socket.socket) -> None:
         if not self._make_room(conn):
             self.counters.error("full")
-            now = time.monotonic()
-            if now >= self._full_logged + FULL_LOG_S:  # under a flood of connections: a line a minute
-                self._full_logged = now
+            if self._full_log.due():
                 log.warning("data port: %d connections open, each inside a request: closing new "
                             "ones (--max-connections)", self.max_connections)
             conn.close()

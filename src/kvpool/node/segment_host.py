@@ -39,6 +39,7 @@ from kvpool.config import format_addr
 from kvpool.errors import ErrorCode, InvalidParams, KVPoolError, RpcFailed, UserError
 from kvpool.node.data_server import MAX_CONNECTIONS, STALL_S, DataServer
 from kvpool.rpc import MasterUnreachable, RpcChannel
+from kvpool.throttle import Throttle
 from kvpool.transfer import local_host_id
 from kvpool.transfer.epoch import SHM_DIR, EpochWord, shm_bytes
 from kvpool.transfer.segment_files import OwnerLock, sweep_stale
@@ -234,7 +235,7 @@ class SegmentHost:
         or the host stops."""
         log.warning("lost the master's index stream for segment %s; mounting again (%d objects indexed)",
                     self.info.name, len(self.index))
-        tries, told = 0, -REMOUNT_LOG_S  # the first failure is said at once
+        tries, say = 0, Throttle(REMOUNT_LOG_S)  # the first failure is said at once
         while not self._stop.is_set():
             try:
                 self._stream.close()
@@ -248,8 +249,7 @@ class SegmentHost:
             except KVPoolError as exc:  # master down or restarting: keep trying, saying so now and then
                 why = f"mount of {self.info.name} failed: {exc}"
             tries += 1
-            if time.monotonic() - told >= REMOUNT_LOG_S:
-                told = time.monotonic()
+            if say.due():
                 log.warning("%s (%d tries so far; retrying every %.1f s, this said every %.0f s)",
                             why, tries, REMOUNT_RETRY_S, REMOUNT_LOG_S)
             self._stop.wait(REMOUNT_RETRY_S)
