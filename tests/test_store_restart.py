@@ -285,6 +285,39 @@ def test_a_put_the_master_forgot_in_a_restart_is_put_again_once_and_stored(kind,
         assert stats.used_bytes == len(keys) * SIZE + stats.leased_bytes  # K07
 
 
+# (kind, race): over TCP a send to a closed peer succeeds, so only the check catches it
+@pytest.mark.parametrize("kind,race", [("tcp", False), ("shm", False), ("shm", True)],
+                         ids=("tcp", "shm", "shm-closing_while_sent"))
+@pytest.mark.parametrize("leases", (True, False), ids=("lease_commit", "put_start"))
+def test_the_first_put_after_a_master_restart_goes_to_the_new_master(kind, race, leases):
+    """Found in a trial: after a master restart (kill -9, same address), each client's
+    first put raised RpcFailed "the master closed the connection (Broken pipe)": the
+    request went out on the connection the old master had closed, and a commit or
+    PutStart is never asked again once sent. The channel now sees the close before
+    sending (the socket is readable between calls) and uses a new connection; a send
+    that fails outright (``race``: the close came between that check and the send, over
+    the Unix socket a same-host client uses) is sent again, since no master had it whole."""
+    with setup(kind) as (cluster, client), \
+            Client(cluster.master_addr, force_tcp=kind == "tcp", alloc_leases=leases) as writer:
+        assert writer.put("before", value("before")) == 1
+        restart(cluster, client)
+        if race:
+            chan = writer._channel()
+            proc_helpers.wait_for(lambda: chan._hangup.poll(0), what="the old connection's close")
+            chan._hangup = _NeverReadable()
+        assert writer.put("after", value("after")) == 1
+        assert writer.batch_put(["b1", "b2"], [value("b1"), value("b2")]) == [ErrorCode.OK] * 2
+        assert [client.get(k) for k in ("before", "after", "b1", "b2")] == \
+            [value(k) for k in ("before", "after", "b1", "b2")]
+
+
+class _NeverReadable:
+    """A poll that never sees the close: as if it came just after the check."""
+
+    def poll(self, timeout_ms: int = 0) -> list:
+        return []
+
+
 @pytest.mark.parametrize("kind", ("shm", "local"))
 def test_k18_committed_objects_survive_a_master_restart(kind):
     with setup(kind) as (cluster, client):

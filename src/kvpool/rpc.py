@@ -6,6 +6,9 @@ heartbeat) and by the node's admin app (a stats scrape), so it sits at the proto
 level, below all of them. A broken
 connection is reopened once per call; calls are not retried after the request was sent
 except for idempotent requests (the caller says which), so a PutStart is never doubled.
+Two cases are not "after it was sent": a connection the master closed between calls (it
+restarted, or failed over) is seen before sending and replaced, and a request whose send
+failed outright is sent again on a new connection; no master had either whole.
 
 Several masters (a list, or etcd naming the leader: :mod:`kvpool.masters`): the channel
 connects to the first candidate that answers, and a request a standby refused
@@ -29,6 +32,7 @@ Mooncake facade's -600, still leave the reason where a user looks.
 from __future__ import annotations
 
 import logging
+import select
 import socket
 import threading
 import time
@@ -89,6 +93,7 @@ class RpcChannel:
         self.failover_s = timeout_s if failover_s is None else failover_s
         self.secret = auth.secret_or_env(secret)
         self._sock: socket.socket | None = None
+        self._hangup: select.poll | None = None  # polls self._sock for a close between calls
         self._inbox: bytearray | None = None  # bytes of unasked frames not yet whole (:meth:`receive_pending`)
         self._answered = False  # the master has answered on this connection
         self._ever_answered = False  # some master has answered on this channel
@@ -121,6 +126,8 @@ class RpcChannel:
                 raise kind(f"cannot reach master at {addr}: {exc.strerror or exc}") from None
             self._sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         self.addr = addr
+        self._hangup = select.poll()
+        self._hangup.register(self._sock, select.POLLIN)
         if self.secret is not None:
             try:
                 auth.client_handshake(self._sock, self.secret, self.timeout_s, f"master {self.addr}")
@@ -172,7 +179,8 @@ class RpcChannel:
             except _Broken as exc:
                 broke = True
                 spent = deadline is not None and time.monotonic() >= deadline
-                if not idempotent or exc.final or spent or (time.monotonic() >= failover and exc.second):
+                if (not idempotent and not exc.unsent) or exc.final or spent or \
+                        (time.monotonic() >= failover and exc.second):
                     raise exc.error from None
                 during = None  # it may have run: a retry only asks again
                 continue
@@ -194,6 +202,12 @@ class RpcChannel:
         type, for the reply wait), each system call given up after ``timeout_s`` or at
         ``deadline`` (see :meth:`call`); raises _Undelivered (no master took the
         request) or _Broken (the connection failed after the request may have been sent)."""
+        if self._sock is not None and self._hangup.poll(0):
+            # readable between calls: the master closed the connection (it restarted or
+            # failed over since the last call; it never speaks unasked here). A request
+            # sent now would be lost unanswered, and one not idempotent (a commit) could
+            # not be asked again: a new connection carries it instead (0.6 us a call)
+            self.close()
         if self._sock is None:
             try:
                 self.connect()
@@ -214,6 +228,11 @@ class RpcChannel:
             self.close()
             raise _Broken(RpcFailed(f"master {self.addr}: no answer within {wait_s:g} s{hint}"),
                           broke, final=not self.masters.ha) from None
+        except _Unsent as exc:  # the frame did not go out whole: no master applied it
+            self.masters.failed(self.addr)
+            self.close()
+            raise _Broken(RpcFailed(f"master {self.addr}: the master closed the connection ({exc.error})"),
+                          broke, unsent=True) from None
         except P.VersionMismatch as exc:
             self.close()
             raise RpcFailed(f"master {self.addr}: protocol version {P.PROTOCOL_VERSION}, "
@@ -257,7 +276,12 @@ class RpcChannel:
     def _exchange(self, frame: bytes, kind: type, during=None):
         """Send ``frame``, run ``during()`` if given, and receive and decode the reply."""
         sent_at = time.perf_counter()
-        self._sock.sendall(frame)
+        try:
+            self._sock.sendall(frame)
+        except BlockingIOError:  # the kernel's timeout: a master that stopped reading
+            raise
+        except OSError as exc:
+            raise _Unsent(exc) from None
         if during is not None:
             kind = (kind, "during")  # a reply time of its own: what is left after the work
             self._overlap(during)
@@ -369,6 +393,7 @@ class RpcChannel:
 
     def close(self) -> None:
         self._inbox = None
+        self._hangup = None
         if self._sock is not None:
             self._sock.close()
             self._sock = None
@@ -388,12 +413,21 @@ class _Undelivered(Exception):
         self.error = error
 
 
+class _Unsent(Exception):
+    """Sending the request failed (the connection was closed or reset): the master
+    never had the whole frame, so it applied nothing of it."""
+
+    def __init__(self, error: OSError):
+        self.error = error
+
+
 class _Broken(Exception):
     """The connection failed after the request was sent; ``second``: not the first time;
-    ``final``: asking again cannot help: a lone master let the request time out. A
+    ``final``: asking again cannot help: a lone master let the request time out;
+    ``unsent``: the request never went out whole (asked again, idempotent or not). A
     master that restarted breaks the connection (EOF, a reset) rather than keep it
     silent, so asking a silent one again (stopped, swapping, cut off) only made the
     caller wait a second timeout, and resent the work to a master that may still do it."""
 
-    def __init__(self, error: RpcFailed, second: bool, final: bool = False):
-        self.error, self.second, self.final = error, second, final
+    def __init__(self, error: RpcFailed, second: bool, final: bool = False, unsent: bool = False):
+        self.error, self.second, self.final, self.unsent = error, second, final, unsent
