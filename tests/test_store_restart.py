@@ -701,3 +701,62 @@ def test_a_mount_takes_its_own_stream_while_another_stream_is_behind():
             s.close()
         on(server.close())
         loop.call_soon_threadsafe(loop.stop)
+
+
+@pytest.mark.parametrize("loop_kind", ("uvloop", "asyncio"))
+def test_a_killed_nodes_index_stream_never_costs_another_request_or_stream(loop_kind):
+    """Found in a trial: a node killed (-9) while clients committed to its segment made
+    the master's next write to its index stream raise (uvloop: RuntimeError "the handler
+    is closed"), which ended the serving of the client's request that wrote it (RpcFailed
+    "connection closed mid-frame") and left the other segments' updates of that request
+    unsent. Here the node's stream is reset and two commits follow, one loop step apart
+    (as two requests are): every request is answered and the live node's stream gets its
+    updates."""
+    import asyncio
+    import socket
+    import struct
+
+    from kvpool.master.server import MasterServer
+
+    if loop_kind == "uvloop":
+        uvloop = pytest.importorskip("uvloop")
+        loop = uvloop.new_event_loop()
+    else:
+        loop = asyncio.new_event_loop()
+    svc = MasterService()
+    threading.Thread(target=loop.run_forever, daemon=True).start()
+    server = MasterServer(svc, "127.0.0.1", 0)
+    on = lambda coro: asyncio.run_coroutine_threadsafe(coro, loop).result(30)  # noqa: E731
+    host, port = on(server.start()).rsplit(":", 1)
+    socks = [socket.create_connection((host, int(port))) for _ in range(3)]
+    dead, live, client = socks
+    for s in socks:
+        s.settimeout(20)
+    try:
+        assert _frame_call(dead, P.MountSegment("o1", _seg("S1"), True)).code == 0
+        assert _frame_call(live, P.MountSegment("o2", _seg("S2"), True)).code == 0
+        dead.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+
+        async def two_commits_on_each() -> None:
+            dead.close()  # a reset, as the kernel sends for a killed process with unread bytes
+            for i in range(2):
+                for seg in ("S1", "S2"):
+                    key = f"{seg}-{i}"
+                    r = svc.put_start(P.PutItem(key, 100, preferred_segment=seg))
+                    assert r.code == 0 and r.replicas[0].segment.name == seg
+                    svc.put_end(P.PutToken(key, r.put_id))
+                server._send_index()  # the first write meets the reset: the transport closes
+                await asyncio.sleep(0)  # ...before the stream's handler drops the stream
+
+        on(two_commits_on_each())
+        assert isinstance(_frame_call(client, P.Ping()), P.Resp)  # the master serves on
+        got = set()
+        while len(got) < 2:
+            update = P.reply_decoder.decode(P.recv_frame(live))
+            got.update(e.key for e in update.adds)
+        assert got == {"S2-0", "S2-1"}
+    finally:
+        for s in (live, client):
+            s.close()
+        on(server.close())
+        loop.call_soon_threadsafe(loop.stop)

@@ -54,6 +54,22 @@ from kvpool.master.busy_poll import BUSY_POLL_US, BusyPoll
 from kvpool.master.service import MasterService
 
 log = logging.getLogger("kvpool.master")
+
+
+def _write(writer: asyncio.StreamWriter, frame: bytes) -> bool:
+    """Queue ``frame`` on ``writer``; False when its connection is closed or closing
+    (the peer is gone: killed, reset). uvloop raises RuntimeError ("the handler is
+    closed") for a write to a closed transport, where asyncio's own loop only logs;
+    uncaught, it ended the serving of the request that wrote (a client's put on another
+    connection, when the closed one was a node's index stream)."""
+    if writer.is_closing():
+        return False
+    try:
+        writer.write(frame)
+    except (RuntimeError, OSError):
+        writer.transport.abort()
+        return False
+    return True
 TICK_S = 0.05
 STALL_EXCUSED_S = 1.0  # a tick this late means the master did not run: node silences meanwhile do not count
 STALL_S = 30.0  # seconds a frame may take to arrive after its header
@@ -147,7 +163,11 @@ class MasterServer:
                 self._write_index(stream[1], update)
 
     def _write_index(self, writer: asyncio.StreamWriter, update: P.IndexUpdate) -> None:
-        writer.write(P.encode_frame(update))
+        """Write ``update`` to an index stream, unless the stream is gone (its node was
+        killed: the stream's handler drops it, and a node still alive mounts again and is
+        resynchronised); the other streams are written all the same."""
+        if not _write(writer, P.encode_frame(update)):
+            return
         self._writes += 1
         if writer.transport.get_write_buffer_size():
             self._behind[writer] = self._writes  # the kernel's buffer is full: the rest waits in ours
@@ -272,7 +292,8 @@ class MasterServer:
         if self.secret is None:
             return True
         hello, nonce = auth.challenge()
-        writer.write(hello)
+        if not _write(writer, hello):
+            return False
         try:
             reply = await asyncio.wait_for(reader.readexactly(auth.ANSWER_BYTES), self.stall_s)
         except asyncio.TimeoutError:
@@ -300,8 +321,8 @@ class MasterServer:
                 self._send_index()  # before the reply: the commit is with the node first
                 if self._behind and claim is None:  # a mount's reply tells of no commit
                     await self._index_flushed(since)
-                if reply is not None:
-                    writer.write(P.encode_frame(reply))
+                if reply is not None and not _write(writer, P.encode_frame(reply)):
+                    return  # the client is gone
                 if claim is not None:
                     self._adopt_stream(writer, *claim)
                 self.busy.answered(loop)
@@ -312,8 +333,8 @@ class MasterServer:
                         exc.version, P.PROTOCOL_VERSION)
             with contextlib.suppress(ConnectionError, asyncio.IncompleteReadError):
                 await reader.readexactly(exc.length)
-                writer.write(P.version_refusal(exc.version, "master"))
-                await writer.drain()
+                if _write(writer, P.version_refusal(exc.version, "master")):
+                    await writer.drain()
         except (asyncio.IncompleteReadError, ConnectionError, P.FrameError):
             pass  # peer left or sent garbage framing: drop this connection only
         except asyncio.CancelledError:
