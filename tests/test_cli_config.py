@@ -80,3 +80,17 @@ def test_unknown_key_in_json_without_a_close_match(tmp_path):
         resolve(parser.parse_args(["--config", str(cfg)]), opts)
     cfg.write_text(json.dumps({"client-ttl": 3}))
     assert resolve(parser.parse_args(["--config", str(cfg)]), opts) == {"client_ttl": 3.0}
+
+
+def test_a_config_file_not_utf8_or_setting_a_key_twice_is_a_one_line_error(tmp_path):
+    """Found in a trial: a binary file given as --config printed a UnicodeDecodeError
+    traceback; "segment-size" and "segment_size" in one file silently took the later."""
+    binary = tmp_path / "c.yaml"
+    binary.write_bytes(b"\x00\xff\xfe")
+    r = _kvpool("master", "--config", str(binary))
+    assert r.returncode == 2 and "Traceback" not in r.stderr and r.stderr.count("\n") == 1
+    assert "is not UTF-8 text" in r.stderr
+    twice = tmp_path / "n.yaml"
+    twice.write_text("segment-size: 64MiB\nsegment_size: 128MiB\n")
+    r = _kvpool("node", "--config", str(twice))
+    assert r.returncode == 2 and "sets 'segment-size' twice" in r.stderr

@@ -171,3 +171,36 @@ def test_serve_runs_master_and_node_until_ctrl_c(tmp_path):
         proc.kill()
         proc.wait()
         proc.stdout.close()
+
+
+def test_a_master_killed_mid_request_is_not_said_to_run_another_release():
+    """Found in a trial: a master killed while a request was on a new connection (the
+    channel had reconnected) drew the hint "it may run another kvpool release", though
+    the same master had answered this channel before. A fake master on a real socket
+    answers one Ping, closes, and then closes the next request's connection mid-reply."""
+    import socket
+    import threading
+
+    server = socket.create_server(("127.0.0.1", 0))
+    port = server.getsockname()[1]
+
+    def serve() -> None:
+        for answer in (True, False):
+            conn, _ = server.accept()
+            with conn:
+                P.recv_frame(conn)
+                if answer:
+                    conn.sendall(P.encode_frame(P.Resp(ErrorCode.OK)))
+                else:
+                    conn.sendall(P.encode_frame(P.Resp(ErrorCode.OK))[:5])  # killed mid-reply
+
+    threading.Thread(target=serve, daemon=True).start()
+    chan = RpcChannel(f"127.0.0.1:{port}", timeout_s=10, local=False)
+    try:
+        assert chan.call(P.Ping()).code == ErrorCode.OK
+        with pytest.raises(KVPoolError) as cut:
+            chan.call(P.PutStart(P.PutItem("k", 10)), idempotent=False)
+        assert "mid-frame" in str(cut.value) and "another kvpool release" not in str(cut.value)
+    finally:
+        chan.close()
+        server.close()

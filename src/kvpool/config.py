@@ -216,18 +216,21 @@ def load_config_file(path: str | None) -> dict:
     JSON (by :mod:`json`): YAML's flow syntax would accept some broken JSON, e.g. an
     unquoted key, and read it as something else.
 
-    Raises: UserError when the file is missing, unreadable, invalid JSON or YAML, or
-    not a mapping.
+    Raises: UserError when the file is missing, unreadable, not UTF-8, invalid JSON or
+    YAML, not a mapping, or sets a key twice (``segment-size`` and ``segment_size``).
     """
     if not path:
         return {}
     import yaml
 
     try:
-        with open(path) as f:
+        with open(path, encoding="utf-8") as f:
             text = f.read()
     except OSError as exc:
         raise UserError(f"cannot read config file {path!r}: {exc}") from None
+    except UnicodeDecodeError as exc:
+        raise UserError(f"config file {path!r} is not UTF-8 text (byte {exc.start}: "
+                        f"{exc.object[exc.start:exc.start + 1]!r}): is it the right file?") from None
     if path.lower().endswith(".json") or text.lstrip().startswith("{"):
         try:
             data = json.loads(text) if text.strip() else {}
@@ -240,7 +243,14 @@ def load_config_file(path: str | None) -> dict:
             raise UserError(f"config file {path!r} is not valid YAML: {_yaml_problem(exc)}") from None
     if not isinstance(data, dict):
         raise UserError(f"config file {path!r} must hold a mapping of settings")
-    return {str(k).replace("-", "_"): v for k, v in data.items()}
+    out: dict = {}
+    for key, value in data.items():
+        dest = str(key).replace("-", "_")
+        if dest in out:  # "segment-size" and "segment_size": which one was meant?
+            raise UserError(f"config file {path!r} sets {dest.replace('_', '-')!r} twice "
+                            "(spelled with '-' and with '_'); keep one")
+        out[dest] = value
+    return out
 
 
 def resolve(args, options: list[Option]) -> dict:

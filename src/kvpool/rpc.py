@@ -238,7 +238,8 @@ class RpcChannel:
             raise RpcFailed(f"master {self.addr}: protocol version {P.PROTOCOL_VERSION}, "
                             f"master speaks {exc.version}", ErrorCode.INVALID_VERSION) from None
         except (OSError, P.FrameError, msgspec.MsgspecError) as exc:
-            first = not self._answered
+            # a master this channel spoke with before was killed, not replaced by another release
+            first = not self._answered and not self._ever_answered
             self.masters.failed(self.addr)
             self.close()
             hint = (" (the master closed the connection at the first request: it may run "
