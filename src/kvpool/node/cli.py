@@ -89,7 +89,7 @@ OPTIONS = [
     Option("master-wait", 30.0, positive(float, zero_ok=True), "seconds to keep trying a master that does not "
            "accept connections yet at start (0 = fail at once)"),
     Option("frame-timeout", STALL_S, positive(float), "seconds a data-port peer may pause mid-frame "
-           "before its connection is closed"),
+           "before its connection is closed (up to twice that when it stopped just after sending part)"),
     Option("max-connections", MAX_CONNECTIONS, positive(int), "data-port connections served at once "
            "(a thread each); past it the longest idle one is closed (its client reconnects)"),
 ]
