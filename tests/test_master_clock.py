@@ -325,3 +325,20 @@ def test_a_read_never_shortens_a_lease():
     assert svc.objects["k"].lease_deadline == long
     clock.advance(2.0)  # past the short TTL, inside the long one: still held
     assert svc.remove("k").code == HAS_LEASE
+
+
+def test_no_space_says_first_when_no_node_is_mounted_yet_or_every_node_was_seen_dead():
+    """Found in a trial: a put just after a master restart read "no segment is mounted"
+    (nodes mount again within moments), and one whose only node was killed led with the
+    free extents of a pool it could not use, its cause last."""
+    fresh = MasterService(MasterConfig(), clock=FakeClock())
+    fresh.tick()  # the restore window opens at the first tick
+    reply = fresh.put_start(P.PutItem("k", 1000))
+    assert reply.code == ErrorCode.NO_AVAILABLE_HANDLE
+    assert reply.message.endswith("no segment is mounted yet (this master started moments ago: "
+                                  "its nodes mount within seconds)")
+    svc, _ = service()
+    svc.stream_lost("seg", svc.segments.segments["seg"].info.epoch)  # its node died
+    reply = svc.put_start(P.PutItem("k", 1000))
+    assert reply.code == ErrorCode.NO_AVAILABLE_HANDLE
+    assert reply.message.startswith("no space for 1000 bytes: every segment's node was seen dead")

@@ -76,7 +76,8 @@ def test_put_to_a_stopped_node_raises_transfer_failed_with_the_cause(cluster):
             c.put("after-kill", np.ones(4096, np.uint8))
     message = str(info.value)
     if isinstance(info.value, NoSpace):
-        assert "1 segments take no new buffers, their nodes seen dead" in message, message
+        assert message.startswith("put 'after-kill': NO_AVAILABLE_HANDLE: no space for 4096 bytes: every "
+                                  "segment's node was seen dead (1 segments"), message  # the cause first
     else:
         assert "writing a replica failed (FAILED: tcp 127.0.0.1:" in message, message
         assert "ECONNREFUSED" in message or "ConnectionError" in message or "ECONNRESET" in message, message

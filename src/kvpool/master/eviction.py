@@ -261,10 +261,17 @@ class Eviction:
         and withheld segments (K10)."""
         segs = self.segments.segments.values()
         if not segs:
-            return f"no space for {size} bytes: no segment is mounted"
+            starting = self._settled is not None  # the restore window is open: a new master
+            return (f"no space for {size} bytes: no segment is mounted" +
+                    (" yet (this master started moments ago: its nodes mount within seconds)"
+                     if starting else ""))
         largest = max(s.allocator.capacity for s in segs)
         if self.segments.rounded(size) > largest:
             return f"a value of {size} bytes is larger than the largest segment ({largest} bytes)"
+        withheld = self.segments.withheld
+        if all(s.info.name in withheld for s in segs):
+            return (f"no space for {size} bytes: every segment's node was seen dead ({len(withheld)} "
+                    "segments take no new buffers until they mount again or their owners time out)")
         extent = max((s.allocator.largest_free for s in segs if s.info.name not in self.segments.withheld), default=0)
         text = (f"no free extent of {size} bytes (largest free extent {extent} bytes; "
                 f"{self.segments.used_bytes} of {self.segments.total_bytes} bytes allocated; "
