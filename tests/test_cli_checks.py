@@ -123,3 +123,13 @@ def test_yaml_config_still_reads(tmp_path):
     assert "\n" not in str(bad.value)  # one line, with where the [ opened and where it ended
     assert "while parsing a flow sequence (line 1, column 13): expected ',' or ']'" in str(bad.value)
     assert str(bad.value).endswith("(line 2, column 1)")
+
+
+def test_generate_reads_master_as_kvpool_node_does():
+    """Found in a trial: `kvpool node --master host` meant host:50051 while `kvpool
+    generate --master host` refused it ("needs a port"), and generate took no HA spec."""
+    r = run_kvpool("generate", "--master", "nosuchhost.invalid", "--prompt", "x")
+    assert r.returncode == 2 and "Traceback" not in r.stderr
+    assert "nosuchhost.invalid:50051" in r.stderr, r.stderr
+    r = run_kvpool("generate", "--master", "127.0.0.1:1,:x", "--prompt", "x")
+    assert r.returncode == 2 and "Traceback" not in r.stderr and "bad port in address ':x'" in r.stderr, r.stderr

@@ -94,3 +94,12 @@ def test_a_config_file_not_utf8_or_setting_a_key_twice_is_a_one_line_error(tmp_p
     twice.write_text("segment-size: 64MiB\nsegment_size: 128MiB\n")
     r = _kvpool("node", "--config", str(twice))
     assert r.returncode == 2 and "sets 'segment-size' twice" in r.stderr
+
+
+@pytest.mark.parametrize("size", ["1000000000000000000000000000GiB", "9" * 400 + "GiB"])
+def test_an_absurd_segment_size_is_a_short_one_line_error(size):
+    """Found in a trial: a typo'd size printed forty digits of float noise, and one past
+    a float's range (400 digits) raised OverflowError."""
+    r = _kvpool("node", "--segment-size", size)
+    assert r.returncode == 2 and "Traceback" not in r.stderr and r.stderr.count("\n") == 1
+    assert "does not fit" in r.stderr and len(r.stderr) < 300, r.stderr

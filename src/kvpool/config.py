@@ -9,6 +9,7 @@ import json
 import math
 import os
 import re
+from fractions import Fraction
 
 from kvpool.errors import UserError
 
@@ -68,7 +69,7 @@ def parse_size(value: str | int) -> int:
     if not m or unit not in _UNITS:
         raise UserError(f"not a size: {value!r} (units B, KB, MB, GB, TB, KiB, MiB, GiB, TiB; "
                         "examples: 4096, 64MiB, 1GiB, 16MB)")
-    return int(float(m.group(1)) * _UNITS[unit])
+    return int(Fraction(m.group(1)) * _UNITS[unit])  # exact: a float turned 400 digits into inf
 
 
 def parse_size_mooncake(value: str | int) -> int:
@@ -85,7 +86,7 @@ def parse_size_mooncake(value: str | int) -> int:
     mult = {"": 1, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40}.get(unit)
     if mult is None:
         raise UserError(f"not a size: {value!r}")
-    return int(float(m.group(1)) * mult)
+    return int(Fraction(m.group(1)) * mult)
 
 
 def env(name: str, default: str | None = None) -> str | None:

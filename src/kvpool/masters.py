@@ -22,6 +22,9 @@ DEFAULT_KEY = "kvpool/master/leader"
 ETCD_SCHEME = "etcd://"
 
 
+DEFAULT_MASTER_PORT = 50051  # Mooncake master's default rpc_port
+
+
 def check_spec(text: str, default_port: int | None = None) -> str:
     """The canonical form of master spec ``text``. Raises UserError naming the bad part."""
     text = str(text).strip()

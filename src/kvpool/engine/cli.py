@@ -12,7 +12,8 @@ import json
 import os
 import sys
 
-from kvpool.config import check_at_least, parse_addr, parse_size
+from kvpool.config import check_at_least, parse_size
+from kvpool.masters import DEFAULT_MASTER_PORT, check_spec
 from kvpool.errors import UserError
 
 HELP = "generate greedily with the reference engine, reusing prefix KV from a kvpool store"
@@ -47,7 +48,8 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--dtype", default="float32", choices=("float32", "bfloat16", "float16"),
                         help="weights and KV dtype (default float32, the correctness reference)")
     parser.add_argument("--master", default=None, metavar="HOST:PORT",
-                        help="kvpool master; its store becomes the cache's L3 tier")
+                        help="kvpool master (host[:port], port 50051 by default; HA: h1:p1,h2:p2 or "
+                             "etcd://host:2379); its store becomes the cache's L3 tier")
     add_cache_arguments(parser)
 
 
@@ -73,8 +75,8 @@ def check_cache_arguments(args) -> None:
     check_at_least(args, 0, "reserve_tokens")
     if parse_size(args.l1_size) == 0:
         raise UserError(f"--l1-size {args.l1_size}: the L1 pool must hold at least one page")
-    if getattr(args, "master", None):
-        parse_addr(args.master)
+    if getattr(args, "master", None):  # as kvpool node reads it: a spec, port 50051 by default
+        args.master = check_spec(args.master, default_port=DEFAULT_MASTER_PORT)
     resolve_source(args.model)  # an unknown model fails before torch is imported
 
 

@@ -268,6 +268,10 @@ def _why_no_store_reuse(args, rows: list[dict]) -> str:
     return f" (A's pages: {written} written to the store, {nbytes / (1 << 20):,.1f} MiB, {refused} refused{why})"
 
 
+# PASS checks answers and cross-engine reuse; the speed-up is measured and reported beside it
+_NOT_MET = "NOT met; a speed figure, not part of PASS: a small model's prefill costs little to redo"
+
+
 def build_report(args, rows: list[dict], info: dict, wall_s: float) -> dict:
     """Everything the demo measured, the checks and the one-line verdict."""
     matched = [r for r in rows if r["tokens_match"] and r["logits_match"]]
@@ -291,7 +295,7 @@ def build_report(args, rows: list[dict], info: dict, wall_s: float) -> dict:
     if speedups:
         parts.append(f"cold/warm TTFT {min(speedups):.1f}x to {max(speedups):.1f}x on the "
                      f"{len(speedups)} request(s) reusing >=90% of >=1000 tokens (target "
-                     f">={TARGET_SPEEDUP:g}x: {'met' if target['met'] else 'NOT met'})")
+                     f">={TARGET_SPEEDUP:g}x: {'met' if target['met'] else _NOT_MET})")
     verdict = f"{'PASS' if ok else 'FAIL'}: " + "; ".join(parts) + f"; {wall_s:.0f} s in all"
     return {"ok": ok, "verdict": verdict, "wall_s": wall_s, "model": info["model"],
             "transport": info["transport"], "attention": args.attention,

@@ -19,7 +19,7 @@ from kvpool.errors import UserError
 from kvpool.master.busy_poll import BUSY_POLL_US
 from kvpool.master.config import MasterConfig
 from kvpool.master.segments import STRATEGIES
-from kvpool.masters import DEFAULT_KEY
+from kvpool.masters import DEFAULT_KEY, DEFAULT_MASTER_PORT
 
 HELP = "run the kvpool master (metadata, leases, allocation, eviction)"
 
@@ -39,7 +39,7 @@ def _strategy(text) -> str:
 
 OPTIONS = [
     Option("host", "127.0.0.1", parse_host, "address to listen on: a name, IPv4 or IPv6 (::1)", env="MASTER_HOST"),
-    Option("port", 50051, int, "TCP port of the control plane (0 = any free port)", env="MASTER_PORT"),
+    Option("port", DEFAULT_MASTER_PORT, int, "TCP port of the control plane (0 = any free port)", env="MASTER_PORT"),
     Option("default-kv-lease-ttl", 10_000, positive(int), "read lease granted by get/exist, ms"),
     Option("eviction-high-watermark-ratio", 0.90, _ratio, "evict when used/total exceeds this"),
     Option("eviction-ratio", 0.05, _ratio, "share of objects one eviction pass frees"),

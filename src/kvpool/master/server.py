@@ -52,6 +52,7 @@ from kvpool.errors import ErrorCode, UserError
 from kvpool.master import scans
 from kvpool.master.busy_poll import BUSY_POLL_US, BusyPoll
 from kvpool.master.service import MasterService
+from kvpool.masters import DEFAULT_MASTER_PORT
 
 log = logging.getLogger("kvpool.master")
 
@@ -122,7 +123,7 @@ class MasterServer:
     ``busy_poll_s``: the longest busy poll after an answer (:mod:`kvpool.master.busy_poll`;
     0: never)."""
 
-    def __init__(self, service: MasterService, host: str = "127.0.0.1", port: int = 50051,
+    def __init__(self, service: MasterService, host: str = "127.0.0.1", port: int = DEFAULT_MASTER_PORT,
                  stall_s: float = STALL_S, secret: bytes | None = None,
                  gate: Callable[[], str | None] = lambda: None, busy_poll_s: float = BUSY_POLL_US / 1e6):
         self.service = service

@@ -6,18 +6,19 @@ import errno
 import logging
 import os
 import signal
+from decimal import Decimal
 
 from kvpool.config import Option, add_options, check_output_path, parse_bool, positive, parse_host, parse_size, resolve, write_ready_file
 from kvpool.local_socket import WILDCARDS
 from kvpool.errors import UserError
-from kvpool.masters import check_spec
+from kvpool.masters import DEFAULT_MASTER_PORT, check_spec
 from kvpool.node.data_server import MAX_CONNECTIONS, STALL_S
 
 HELP = "run a kvpool storage node: a shared-memory segment mounted with the master"
 
 
 def _addr(text) -> str:
-    return check_spec(str(text), default_port=50051)
+    return check_spec(str(text), default_port=DEFAULT_MASTER_PORT)
 
 
 # Mooncake refuses segments under its MIN_SEGMENT_SIZE (1 KiB); a node asks for 1 MiB:
@@ -71,6 +72,8 @@ def check_fits(size: int, prefault: bool) -> None:
 
 
 def _gib(n: int) -> str:
+    if n >= 1 << 60:  # a typo's size: no forty digits of float noise
+        return f"{Decimal(n >> 30):.3g} GiB"  # Decimal: beyond a float's range too
     return f"{n / (1 << 30):,.2f} GiB" if n >= 1 << 30 else f"{n / (1 << 20):,.1f} MiB"
 
 

@@ -13,6 +13,7 @@ import threading
 
 from kvpool.child import in_this_process
 from kvpool.config import Option, add_options, parse_host, resolve
+from kvpool.masters import DEFAULT_MASTER_PORT
 from kvpool.node.cli import check_fits, segment_size
 
 HELP = "run a master and one storage node together (Ctrl-C stops both)"
@@ -21,7 +22,7 @@ LOG_LINES = 10  # last lines of a dead child's log that serve prints
 OPTIONS = [
     Option("host", "127.0.0.1", parse_host, "address master and node listen on: a name, IPv4 or IPv6 (::1)",
            env="MASTER_HOST"),
-    Option("port", 50051, int, "master control port (0 = any free port)", env="MASTER_PORT"),
+    Option("port", DEFAULT_MASTER_PORT, int, "master control port (0 = any free port)", env="MASTER_PORT"),
     Option("segment-size", "1GiB", segment_size, "the node's shared-memory segment size (at least 1MiB)"),
     Option("default-kv-lease-ttl", 10_000, int, "read lease granted by get/exist, ms"),
     Option("http-port", None, int, "master admin HTTP port, /health /metrics ... (0 = a free port; unset = none)",
