@@ -96,10 +96,21 @@ def test_a_config_file_not_utf8_or_setting_a_key_twice_is_a_one_line_error(tmp_p
     assert r.returncode == 2 and "sets 'segment-size' twice" in r.stderr
 
 
-@pytest.mark.parametrize("size", ["1000000000000000000000000000GiB", "9" * 400 + "GiB"])
+@pytest.mark.parametrize("size", ["1000000000000000000000000000GiB", "9" * 400 + "GiB", "9" * 5000 + "GiB"],
+                         ids=("28_digits", "400_digits", "5000_digits"))
 def test_an_absurd_segment_size_is_a_short_one_line_error(size):
     """Found in a trial: a typo'd size printed forty digits of float noise, and one past
-    a float's range (400 digits) raised OverflowError."""
+    a float's range (400 digits) raised OverflowError; past Python's 4,300-digit limit on
+    reading integers (review), ValueError."""
     r = _kvpool("node", "--segment-size", size)
     assert r.returncode == 2 and "Traceback" not in r.stderr and r.stderr.count("\n") == 1
-    assert "does not fit" in r.stderr and len(r.stderr) < 300, r.stderr
+    assert ("does not fit" in r.stderr or "not a size" in r.stderr) and len(r.stderr) < 300, r.stderr
+
+
+def test_a_json_config_with_a_byte_order_mark_reads(tmp_path):
+    opts = [Option("client-ttl", 10.0, float, "ttl")]
+    parser = argparse.ArgumentParser()
+    add_options(parser, opts)
+    cfg = tmp_path / "m.json"
+    cfg.write_bytes(b"\xef\xbb\xbf" + json.dumps({"client-ttl": 3}).encode())
+    assert resolve(parser.parse_args(["--config", str(cfg)]), opts) == {"client_ttl": 3.0}

@@ -204,3 +204,53 @@ def test_a_master_killed_mid_request_is_not_said_to_run_another_release():
     finally:
         chan.close()
         server.close()
+
+
+def test_a_call_interrupted_after_its_send_never_hands_its_reply_to_the_next_call():
+    """Found in review: an exception other than an OSError (KeyboardInterrupt, one raised
+    by a signal handler) leaving a call between its send and its reply left the reply
+    on the connection, and the next call read it as its own (the next Ping got "reply 1";
+    a GetReplicaList would get another key's replicas). A fake master on a real socket
+    numbers its replies; the connection is now closed and the next call asks anew."""
+    import socket
+    import threading
+
+    server = socket.create_server(("127.0.0.1", 0))
+    port, count = server.getsockname()[1], [0]
+
+    def serve_one(conn) -> None:
+        with conn:
+            while True:
+                try:
+                    P.recv_frame(conn)
+                except (OSError, P.FrameError):
+                    return
+                count[0] += 1
+                conn.sendall(P.encode_frame(P.Resp(ErrorCode.OK, f"reply {count[0]}")))
+
+    def serve() -> None:
+        while True:
+            try:
+                conn, _ = server.accept()
+            except OSError:
+                return
+            threading.Thread(target=serve_one, args=(conn,), daemon=True).start()
+
+    threading.Thread(target=serve, daemon=True).start()
+    chan = RpcChannel(f"127.0.0.1:{port}", timeout_s=10, local=False)
+
+    class Interrupted(BaseException):
+        pass
+
+    def interrupt(*args) -> None:
+        raise Interrupted()
+
+    try:
+        chan._replies.wait = interrupt  # after the send, before the reply is read
+        with pytest.raises(Interrupted):
+            chan.call(P.Ping())
+        del chan._replies.wait
+        assert chan.call(P.Ping()).message == "reply 2"
+    finally:
+        chan.close()
+        server.close()

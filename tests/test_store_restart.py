@@ -11,10 +11,13 @@ writes into a range the new master gave to another key.
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import mmap
 import os
 import signal
+import socket
+import struct
 import threading
 
 import proc_helpers
@@ -641,22 +644,37 @@ def _frame_call(sock, msg):
     return P.reply_decoder.decode(P.recv_frame(sock))
 
 
+@contextlib.contextmanager
+def _served(loop_kind: str = "asyncio"):
+    """A MasterServer on a fresh MasterService, its event loop ("asyncio", or "uvloop" as
+    the master process runs) in a thread; yields (service, server, on, (host, port)),
+    ``on(coro)`` running ``coro`` on that loop and returning its result."""
+    from kvpool.master.server import MasterServer
+
+    loop = pytest.importorskip("uvloop").new_event_loop() if loop_kind == "uvloop" else asyncio.new_event_loop()
+    svc = MasterService()
+    threading.Thread(target=loop.run_forever, daemon=True).start()
+    server = MasterServer(svc, "127.0.0.1", 0)
+    on = lambda coro: asyncio.run_coroutine_threadsafe(coro, loop).result(30)  # noqa: E731
+    host, port = on(server.start()).rsplit(":", 1)
+    try:
+        yield svc, server, on, (host, int(port))
+    finally:
+        on(server.close())
+        loop.call_soon_threadsafe(loop.stop)
+
+
 def test_a_mount_takes_its_own_stream_while_another_stream_is_behind():
     """An index mount's connection becomes its segment's stream even when another
     node's stream is behind (the mount's restore writes to it) and other requests come
     in meanwhile: before, the mount waited for that stream between its handler and its
     adoption, and a Ping's connection took the stream in its place."""
-    import asyncio
-    import socket
+    with _served() as (svc, server, on, addr):
+        _stream_taken_while_another_is_behind(svc, server, on, addr)
 
-    from kvpool.master.server import MasterServer
 
-    svc = MasterService()
-    loop = asyncio.new_event_loop()
-    threading.Thread(target=loop.run_forever, daemon=True).start()
-    server = MasterServer(svc, "127.0.0.1", 0)
-    on = lambda coro: asyncio.run_coroutine_threadsafe(coro, loop).result(30)  # noqa: E731
-    host, port = on(server.start()).rsplit(":", 1)
+def _stream_taken_while_another_is_behind(svc, server, on, addr) -> None:
+    host, port = addr
     conns = []
 
     def conn(rcvbuf: int = 0):
@@ -699,8 +717,6 @@ def test_a_mount_takes_its_own_stream_while_another_stream_is_behind():
     finally:
         for s in conns:
             s.close()
-        on(server.close())
-        loop.call_soon_threadsafe(loop.stop)
 
 
 @pytest.mark.parametrize("loop_kind", ("uvloop", "asyncio"))
@@ -712,51 +728,80 @@ def test_a_killed_nodes_index_stream_never_costs_another_request_or_stream(loop_
     unsent. Here the node's stream is reset and two commits follow, one loop step apart
     (as two requests are): every request is answered and the live node's stream gets its
     updates."""
-    import asyncio
-    import socket
-    import struct
+    with _served(loop_kind) as (svc, server, on, addr):
+        socks = [socket.create_connection(addr, timeout=20) for _ in range(3)]
+        try:
+            _a_stream_reset_between_two_commits(svc, server, on, socks)
+        finally:
+            for s in socks:
+                s.close()
 
-    from kvpool.master.server import MasterServer
 
-    if loop_kind == "uvloop":
-        uvloop = pytest.importorskip("uvloop")
-        loop = uvloop.new_event_loop()
-    else:
-        loop = asyncio.new_event_loop()
-    svc = MasterService()
-    threading.Thread(target=loop.run_forever, daemon=True).start()
-    server = MasterServer(svc, "127.0.0.1", 0)
-    on = lambda coro: asyncio.run_coroutine_threadsafe(coro, loop).result(30)  # noqa: E731
-    host, port = on(server.start()).rsplit(":", 1)
-    socks = [socket.create_connection((host, int(port))) for _ in range(3)]
+def _a_stream_reset_between_two_commits(svc, server, on, socks) -> None:
     dead, live, client = socks
-    for s in socks:
-        s.settimeout(20)
-    try:
-        assert _frame_call(dead, P.MountSegment("o1", _seg("S1"), True)).code == 0
-        assert _frame_call(live, P.MountSegment("o2", _seg("S2"), True)).code == 0
-        dead.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+    assert _frame_call(dead, P.MountSegment("o1", _seg("S1"), True)).code == 0
+    assert _frame_call(live, P.MountSegment("o2", _seg("S2"), True)).code == 0
+    dead.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
 
-        async def two_commits_on_each() -> None:
-            dead.close()  # a reset, as the kernel sends for a killed process with unread bytes
-            for i in range(2):
-                for seg in ("S1", "S2"):
-                    key = f"{seg}-{i}"
-                    r = svc.put_start(P.PutItem(key, 100, preferred_segment=seg))
-                    assert r.code == 0 and r.replicas[0].segment.name == seg
-                    svc.put_end(P.PutToken(key, r.put_id))
-                server._send_index()  # the first write meets the reset: the transport closes
-                await asyncio.sleep(0)  # ...before the stream's handler drops the stream
+    async def two_commits_on_each() -> None:
+        dead.close()  # a reset, as the kernel sends for a killed process with unread bytes
+        for i in range(2):
+            for seg in ("S1", "S2"):
+                key = f"{seg}-{i}"
+                r = svc.put_start(P.PutItem(key, 100, preferred_segment=seg))
+                assert r.code == 0 and r.replicas[0].segment.name == seg
+                svc.put_end(P.PutToken(key, r.put_id))
+            server._send_index()  # the first write meets the reset: the transport closes
+            await asyncio.sleep(0)  # ...before the stream's handler drops the stream
 
-        on(two_commits_on_each())
-        assert isinstance(_frame_call(client, P.Ping()), P.Resp)  # the master serves on
-        got = set()
-        while len(got) < 2:
-            update = P.reply_decoder.decode(P.recv_frame(live))
-            got.update(e.key for e in update.adds)
-        assert got == {"S2-0", "S2-1"}
-    finally:
-        for s in (live, client):
-            s.close()
-        on(server.close())
-        loop.call_soon_threadsafe(loop.stop)
+    on(two_commits_on_each())
+    assert isinstance(_frame_call(client, P.Ping()), P.Resp)  # the master serves on
+    got = set()
+    while len(got) < 2:
+        update = P.reply_decoder.decode(P.recv_frame(live))
+        got.update(e.key for e in update.adds)
+    assert got == {"S2-0", "S2-1"}
+
+
+def test_a_batch_put_whose_retry_finds_no_master_keeps_its_first_codes():
+    """Found in review: when the retry of the items a master forgot raised (no master
+    answered it: still restarting, no leader yet), batch_put raised and every item's code,
+    the committed ones' too, was lost. The retry's failure now leaves the first codes."""
+    from kvpool.errors import RpcFailed
+
+    with setup("shm") as (cluster, client), \
+            Client(cluster.master_addr, alloc_leases=False) as writer:
+        put_started, calls = writer._put_started, []
+
+        def forget_then_fail(items, srcs, deadline):
+            calls.append(len(items))
+            if len(calls) == 2:
+                raise RpcFailed("no master answered the retry (injected)")
+            codes, _ = put_started(items, srcs, deadline)
+            return codes, [0]  # as if the master had forgotten the first item
+
+        writer._put_started = forget_then_fail
+        assert writer.batch_put(["r1", "r2"], [value("r1"), value("r2")]) == [ErrorCode.OK] * 2
+        assert calls == [2, 1]
+        assert [client.get(k) for k in ("r1", "r2")] == [value("r1"), value("r2")]
+
+
+def test_a_mount_whose_reply_cannot_be_written_still_has_its_node_checked(monkeypatch):
+    """Found in review: a node that died between its MountSegment and the reply left its
+    mount applied but no index stream adopted, so no check of the node ran and puts kept
+    being placed on a dead segment until its owner's TTL. Its stream is now adopted (and
+    dropped at once), and the check withholds the segment (its data port is closed)."""
+    from kvpool.master import server as server_module
+
+    write = server_module._write
+
+    def refuse_mount_replies(writer, frame):
+        if isinstance(P.reply_decoder.decode(frame[P.HEADER.size:]), P.MountResp):
+            return False  # as for a transport its peer closed
+        return write(writer, frame)
+
+    monkeypatch.setattr(server_module, "_write", refuse_mount_replies)
+    with _served() as (svc, _, _, addr), socket.create_connection(addr) as node:
+        node.sendall(P.encode_frame(P.MountSegment("o1", _seg("S1"), True)))
+        proc_helpers.wait_for(lambda: "S1" in svc.segments.withheld, 20, "the dead node's segment withheld")
+        assert svc.put_start(P.PutItem("k", 100)).code == ErrorCode.NO_AVAILABLE_HANDLE

@@ -11,6 +11,7 @@ from kvpool.throttle import Throttle
 def test_first_is_due_then_one_line_per_interval_with_the_count_between():
     now = [100.0]
     say = Throttle(60.0, clock=lambda: now[0])
+    assert say.due(0) == 0  # nothing to say: the first line is still due
     assert say.due() == 1
     assert [say.due() for _ in range(5)] == [0] * 5
     now[0] += 59.9

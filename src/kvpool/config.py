@@ -69,7 +69,7 @@ def parse_size(value: str | int) -> int:
     if not m or unit not in _UNITS:
         raise UserError(f"not a size: {value!r} (units B, KB, MB, GB, TB, KiB, MiB, GiB, TiB; "
                         "examples: 4096, 64MiB, 1GiB, 16MB)")
-    return int(Fraction(m.group(1)) * _UNITS[unit])  # exact: a float turned 400 digits into inf
+    return int(_number(value, m.group(1)) * _UNITS[unit])
 
 
 def parse_size_mooncake(value: str | int) -> int:
@@ -86,7 +86,16 @@ def parse_size_mooncake(value: str | int) -> int:
     mult = {"": 1, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40}.get(unit)
     if mult is None:
         raise UserError(f"not a size: {value!r}")
-    return int(Fraction(m.group(1)) * mult)
+    return int(_number(value, m.group(1)) * mult)
+
+
+def _number(value, digits: str) -> Fraction:
+    """``digits`` ("12", "1.5") exactly: a float turned 400 digits into inf (OverflowError).
+    Raises UserError past Python's 4,300-digit limit on reading integers."""
+    try:
+        return Fraction(digits)
+    except ValueError:
+        raise UserError(f"not a size: {len(digits)} digits") from None
 
 
 def env(name: str, default: str | None = None) -> str | None:
@@ -225,7 +234,7 @@ def load_config_file(path: str | None) -> dict:
     import yaml
 
     try:
-        with open(path, encoding="utf-8") as f:
+        with open(path, encoding="utf-8-sig") as f:  # -sig: a byte order mark is no setting
             text = f.read()
     except OSError as exc:
         raise UserError(f"cannot read config file {path!r}: {exc}") from None
@@ -272,7 +281,8 @@ def resolve(args, options: list[Option]) -> dict:
                 try:
                     out[opt.dest] = opt.parse(raw)
                 except (ValueError, TypeError, UserError) as exc:
-                    raise UserError(f"bad value {raw!r} for {opt.name} (from {source}): {exc}") from None
+                    shown = repr(raw) if len(repr(raw)) <= 80 else repr(raw)[:60] + f"... ({len(str(raw))} chars)"
+                    raise UserError(f"bad value {shown} for {opt.name} (from {source}): {exc}") from None
                 break
         else:
             out[opt.dest] = opt.default

@@ -117,17 +117,17 @@ class RpcChannel:
 
     def _open(self, addr: str) -> None:
         host, port = parse_addr(addr)
-        self._sock = local_socket.connect(host, port, self.timeout_s) if self.local else None
-        if self._sock is None:
+        sock = local_socket.connect(host, port, self.timeout_s) if self.local else None
+        if sock is None:
             try:
-                self._sock = tcp_connect.connect((host, port), self.timeout_s)
+                sock = tcp_connect.connect((host, port), self.timeout_s)
             except OSError as exc:  # an unknown host name is a mistake, not a wait
                 kind = RpcFailed if isinstance(exc, socket.gaierror) else MasterUnreachable
                 raise kind(f"cannot reach master at {addr}: {exc.strerror or exc}") from None
-            self._sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        self.addr = addr
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        self._sock, self.addr = sock, addr
         self._hangup = select.poll()
-        self._hangup.register(self._sock, select.POLLIN)
+        self._hangup.register(sock, select.POLLIN)
         if self.secret is not None:
             try:
                 auth.client_handshake(self._sock, self.secret, self.timeout_s, f"master {self.addr}")
@@ -182,7 +182,7 @@ class RpcChannel:
                 if (not idempotent and not exc.unsent) or exc.final or spent or \
                         (time.monotonic() >= failover and exc.second):
                     raise exc.error from None
-                during = None  # it may have run: a retry only asks again
+                during = None  # it may have run (unless unsent): a retry only asks again
                 continue
             during = None
             if isinstance(reply, P.ErrorResp):
@@ -229,40 +229,46 @@ class RpcChannel:
             raise _Broken(RpcFailed(f"master {self.addr}: no answer within {wait_s:g} s{hint}"),
                           broke, final=not self.masters.ha) from None
         except _Unsent as exc:  # the frame did not go out whole: no master applied it
-            self.masters.failed(self.addr)
-            self.close()
-            raise _Broken(RpcFailed(f"master {self.addr}: the master closed the connection ({exc.error})"),
-                          broke, unsent=True) from None
+            raise self._broken(exc.error, broke, idempotent, unsent=True) from None
         except P.VersionMismatch as exc:
             self.close()
             raise RpcFailed(f"master {self.addr}: protocol version {P.PROTOCOL_VERSION}, "
                             f"master speaks {exc.version}", ErrorCode.INVALID_VERSION) from None
         except (OSError, P.FrameError, msgspec.MsgspecError) as exc:
-            # a master this channel spoke with before was killed, not replaced by another release
-            first = not self._answered and not self._ever_answered
-            self.masters.failed(self.addr)
-            self.close()
-            hint = (" (the master closed the connection at the first request: it may run "
-                    f"another kvpool release than protocol version {P.PROTOCOL_VERSION})"
-                    if first and isinstance(exc, P.FrameError) and not self.masters.ha else "")
-            if auth.asks_for_secret(exc):
-                hint = " (the master asks for a shared secret: set KVPOOL_SECRET)"
-            elif "b'HTTP" in str(exc):
-                hint = " (an HTTP server answered: the master's admin --http-port, not its --port?)"
-            elif first and self.secret is not None and not self._ever_answered and not self.masters.ha:
-                # a server closes a connection whose answer to its challenge is wrong
-                hint = (" (it closed the connection after this client answered its secret "
-                        "challenge: is KVPOOL_SECRET the master's --secret?)")
-            if not idempotent and self.masters.ha:
-                hint += " (the master may have applied it whole, or not at all: check, then retry)"
-            what = f"the master closed the connection ({exc})" if isinstance(exc, ConnectionError) else exc
-            raise _Broken(RpcFailed(f"master {self.addr}: {what}{hint}"), broke) from None
+            raise self._broken(exc, broke, idempotent) from None
+        except BaseException:  # e.g. KeyboardInterrupt after the send: its reply, still on
+            self.close()  # the way, must not be read as the next call's
+            raise
         finally:
             if wait_s != self.timeout_s and self._sock is not None:
                 try:
                     P.set_kernel_timeouts(self._sock, self.timeout_s)
                 except OSError:
                     self.close()  # the next call reconnects
+
+    def _broken(self, exc: Exception, broke: bool, idempotent: bool, unsent: bool = False) -> _Broken:
+        """Close the connection that failed with ``exc``; returns the _Broken to raise,
+        its message with a hint at the likely cause (``unsent``: the request never went
+        out whole, see :class:`_Unsent`)."""
+        # a master this channel spoke with before was killed, not replaced by another release
+        first = not self._answered and not self._ever_answered
+        self.masters.failed(self.addr)
+        self.close()
+        hint = (" (the master closed the connection at the first request: it may run "
+                f"another kvpool release than protocol version {P.PROTOCOL_VERSION})"
+                if first and isinstance(exc, P.FrameError) and not self.masters.ha else "")
+        if auth.asks_for_secret(exc):
+            hint = " (the master asks for a shared secret: set KVPOOL_SECRET)"
+        elif "b'HTTP" in str(exc):
+            hint = " (an HTTP server answered: the master's admin --http-port, not its --port?)"
+        elif first and self.secret is not None and not self.masters.ha:
+            # a server closes a connection whose answer to its challenge is wrong
+            hint = (" (it closed the connection after this client answered its secret "
+                    "challenge: is KVPOOL_SECRET the master's --secret?)")
+        if not idempotent and self.masters.ha and not unsent:
+            hint += " (the master may have applied it whole, or not at all: check, then retry)"
+        what = f"the master closed the connection ({exc})" if isinstance(exc, ConnectionError) else exc
+        return _Broken(RpcFailed(f"master {self.addr}: {what}{hint}"), broke, unsent=unsent)
 
     def _wait_s(self, deadline: float | None) -> float:
         """Seconds each system call of a round trip may wait: ``timeout_s``, or what is
@@ -416,14 +422,17 @@ class _Undelivered(Exception):
 
 class _Unsent(Exception):
     """Sending the request failed (the connection was closed or reset): the master
-    never had the whole frame, so it applied nothing of it."""
+    never had the whole frame, so it applied nothing of it. Notices that went first in
+    the same write (ReadDone) may have arrived and are sent again: a master ignores a
+    grant id it no longer holds."""
 
     def __init__(self, error: OSError):
         self.error = error
 
 
 class _Broken(Exception):
-    """The connection failed after the request was sent; ``second``: not the first time;
+    """The connection failed after the request was sent (or, ``unsent``, while it was
+    being sent); ``second``: not the first time;
     ``final``: asking again cannot help: a lone master let the request time out;
     ``unsent``: the request never went out whole (asked again, idempotent or not). A
     master that restarted breaks the connection (EOF, a reset) rather than keep it

@@ -15,7 +15,8 @@ class Throttle:
 
     :meth:`due` counts occurrences (``total``: all of them) and says whether a line is
     due: the occurrences since the last line (this call's included) when it is, else 0.
-    The first call is due."""
+    The first occurrence is due; a call that counts none when none is untold says nothing
+    and leaves the interval as it was."""
 
     def __init__(self, every_s: float, clock: Callable[[], float] = time.monotonic):
         self.every_s, self.clock = every_s, clock
@@ -31,7 +32,7 @@ class Throttle:
             self._unsaid += occurrences
             self.total += occurrences
             now = self.clock()
-            if self._said is not None and now - self._said < self.every_s:
+            if not self._unsaid or (self._said is not None and now - self._said < self.every_s):
                 return 0
             self._said, unsaid, self._unsaid = now, self._unsaid, 0
             return unsaid

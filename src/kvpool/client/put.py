@@ -220,10 +220,16 @@ class PutPath:
                 break
             leased = leased[len(done):]
         rest = [k for k in rest if k not in settled]
-        for _ in range(2):  # in the time left: the PutStart way may place them on another node
+        for attempt in range(2):  # in the time left: the PutStart way may place them on another node
             if not rest:
                 break
-            started, forgotten = self._put_started([items[k] for k in rest], [srcs[k] for k in rest], deadline)
+            try:
+                started, forgotten = self._put_started([items[k] for k in rest], [srcs[k] for k in rest],
+                                                       deadline)
+            except RpcFailed:
+                if not attempt:
+                    raise
+                break  # no master took the retry: the forgotten items keep their first codes
             for k, code in zip(rest, started):
                 codes[sent[k]] = code
             # as in put(): items the master forgot in a restart or failover, once more

@@ -47,7 +47,7 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
                         "a local Hugging Face model folder or a .gguf file")
     parser.add_argument("--dtype", default="float32", choices=("float32", "bfloat16", "float16"),
                         help="weights and KV dtype (default float32, the correctness reference)")
-    parser.add_argument("--master", default=None, metavar="HOST:PORT",
+    parser.add_argument("--master", default=None, metavar="MASTER",
                         help="kvpool master (host[:port], port 50051 by default; HA: h1:p1,h2:p2 or "
                              "etcd://host:2379); its store becomes the cache's L3 tier")
     add_cache_arguments(parser)

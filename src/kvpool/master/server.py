@@ -322,10 +322,11 @@ class MasterServer:
                 self._send_index()  # before the reply: the commit is with the node first
                 if self._behind and claim is None:  # a mount's reply tells of no commit
                     await self._index_flushed(since)
-                if reply is not None and not _write(writer, P.encode_frame(reply)):
-                    return  # the client is gone
-                if claim is not None:
+                written = reply is None or _write(writer, P.encode_frame(reply))
+                if claim is not None:  # adopted even when its node is gone: the finally checks it
                     self._adopt_stream(writer, *claim)
+                if not written:
+                    return  # the client is gone
                 self.busy.answered(loop)
                 if reply is not None:
                     await writer.drain()

@@ -231,9 +231,11 @@ class DataServer:
     def _start_conn(self, conn: socket.socket) -> None:
         if not self._make_room(conn):
             self.counters.error("full")
-            if self._full_log.due():
+            refused = self._full_log.due()
+            if refused:
                 log.warning("data port: %d connections open, each inside a request: closing new "
-                            "ones (--max-connections)", self.max_connections)
+                            "ones (--max-connections); %d closed since the last such line",
+                            self.max_connections, refused)
             conn.close()
             return
         try:
