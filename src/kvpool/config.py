@@ -69,7 +69,7 @@ def parse_size(value: str | int) -> int:
     if not m or unit not in _UNITS:
         raise UserError(f"not a size: {value!r} (units B, KB, MB, GB, TB, KiB, MiB, GiB, TiB; "
                         "examples: 4096, 64MiB, 1GiB, 16MB)")
-    return int(_number(value, m.group(1)) * _UNITS[unit])
+    return int(_number(m.group(1)) * _UNITS[unit])
 
 
 def parse_size_mooncake(value: str | int) -> int:
@@ -86,10 +86,10 @@ def parse_size_mooncake(value: str | int) -> int:
     mult = {"": 1, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40}.get(unit)
     if mult is None:
         raise UserError(f"not a size: {value!r}")
-    return int(_number(value, m.group(1)) * mult)
+    return int(_number(m.group(1)) * mult)
 
 
-def _number(value, digits: str) -> Fraction:
+def _number(digits: str) -> Fraction:
     """``digits`` ("12", "1.5") exactly: a float turned 400 digits into inf (OverflowError).
     Raises UserError past Python's 4,300-digit limit on reading integers."""
     try:

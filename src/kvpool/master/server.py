@@ -56,6 +56,15 @@ from kvpool.masters import DEFAULT_MASTER_PORT
 
 log = logging.getLogger("kvpool.master")
 
+TICK_S = 0.05
+STALL_EXCUSED_S = 1.0  # a tick this late means the master did not run: node silences meanwhile do not count
+STALL_S = 30.0  # seconds a frame may take to arrive after its header
+INDEX_DRAIN_S = 2.0  # seconds past the client TTL a reply waits for a node to take its index update
+STREAM_SNDBUF = 4 << 20  # bytes of index updates the kernel holds for a same-host node (Unix socket)
+RESYNC_FRAME = 20_000  # index entries per frame of a resync (~1.6 MB)
+PROBE_S = 2.0  # seconds a node's data port has to accept a connection once its stream ended
+PROBES, PROBE_EVERY_S = 25, 0.02  # tries of the data port (0.5 s), and the pause between them
+
 
 def _write(writer: asyncio.StreamWriter, frame: bytes) -> bool:
     """Queue ``frame`` on ``writer``; False when its connection is closed or closing
@@ -71,14 +80,6 @@ def _write(writer: asyncio.StreamWriter, frame: bytes) -> bool:
         writer.transport.abort()
         return False
     return True
-TICK_S = 0.05
-STALL_EXCUSED_S = 1.0  # a tick this late means the master did not run: node silences meanwhile do not count
-STALL_S = 30.0  # seconds a frame may take to arrive after its header
-INDEX_DRAIN_S = 2.0  # seconds past the client TTL a reply waits for a node to take its index update
-STREAM_SNDBUF = 4 << 20  # bytes of index updates the kernel holds for a same-host node (Unix socket)
-RESYNC_FRAME = 20_000  # index entries per frame of a resync (~1.6 MB)
-PROBE_S = 2.0  # seconds a node's data port has to accept a connection once its stream ended
-PROBES, PROBE_EVERY_S = 25, 0.02  # tries of the data port (0.5 s), and the pause between them
 
 
 def _handlers(svc: MasterService) -> dict[type, Callable[[msgspec.Struct], msgspec.Struct | None]]:

@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from kvpool.client import Client
 from kvpool.config import format_addr, parse_addr, parse_size_mooncake
 from kvpool.errors import InvalidParams, UserError
+from kvpool.masters import DEFAULT_MASTER_PORT
 from kvpool.node.segment_host import bind_listener
 
 log = logging.getLogger("kvpool.mooncake")
@@ -26,7 +27,7 @@ MIN_SEGMENT_SIZE = 1 << 10  # Mooncake's MIN_SEGMENT_SIZE
 MAX_SEGMENT_SIZE = 1 << 40  # Mooncake's MAX_SEGMENT_SIZE
 DEFAULT_SEGMENT_SIZE = 16 << 20  # Mooncake's DEFAULT_GLOBAL_SEGMENT_SIZE
 DEFAULT_LOCAL_BUFFER_SIZE = 16 << 20
-DEFAULT_MASTER = "127.0.0.1:50051"
+DEFAULT_MASTER = f"127.0.0.1:{DEFAULT_MASTER_PORT}"
 PROTOCOLS = ("tcp", "rdma")  # both map to kvpool's transports (shm same host, else TCP)
 _TRUE = ("1", "true", "yes", "on")
 

@@ -78,7 +78,7 @@ def _gib(n: int) -> str:
 
 
 OPTIONS = [
-    Option("master", "127.0.0.1:50051", _addr, "master address host:port or [v6]:port; HA masters: "
+    Option("master", f"127.0.0.1:{DEFAULT_MASTER_PORT}", _addr, "master address host:port or [v6]:port; HA masters: "
            "host:port,host:port or etcd://host:2379[/key] (the leader named in etcd)", env="MASTER"),
     Option("host", "127.0.0.1", parse_host, "address of the TCP data server: a name, IPv4 or IPv6 (::1)",
            env="NODE_HOST"),

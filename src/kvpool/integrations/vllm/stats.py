@@ -24,7 +24,7 @@ from prometheus_client import Counter
 from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (KVConnectorPromMetrics,
                                                                     KVConnectorStats)
 
-from kvpool.integrations.vllm.store import LABELS, PREFIX, REGISTRY
+from kvpool.integrations.vllm.store import LABELS, PREFIX, REGISTRY, samples
 
 _reported: dict[str, int] = {}  # key -> the count last reported by this process
 _lock = threading.Lock()  # vLLM's scheduler and worker may ask from two threads
@@ -46,14 +46,11 @@ def take() -> dict[str, int] | None:
     """
     with _lock:
         grown = {}
-        for family in REGISTRY.collect():
-            for sample in family.samples:
-                if not sample.name.endswith("_total"):
-                    continue  # the _created timestamps
-                key, now = _key(sample), int(sample.value)
-                if now > _reported.get(key, 0):
-                    grown[key] = now - _reported.get(key, 0)
-                    _reported[key] = now
+        for sample in samples():
+            key, now = _key(sample), int(sample.value)
+            if now > _reported.get(key, 0):
+                grown[key] = now - _reported.get(key, 0)
+                _reported[key] = now
         return grown or None
 
 

@@ -67,16 +67,21 @@ def serve_metrics(port: int) -> None:
         _served_ports.add(port)
 
 
-def snapshot(registry: CollectorRegistry = REGISTRY, prefix: str = "") -> dict[str, float]:
-    """Every sample of ``registry`` (default :data:`REGISTRY`) whose name starts with
-    ``prefix``, as ``{"name{label=value}": value}`` (for tests)."""
-    out = {}
+def samples(registry: CollectorRegistry = REGISTRY, prefix: str = ""):
+    """The samples of ``registry`` (default :data:`REGISTRY`) whose name starts with
+    ``prefix``, counters' ``_created`` timestamps left out: each counter's value."""
     for family in registry.collect():
         for s in family.samples:
-            if s.name.endswith("_created") or not s.name.startswith(prefix):
-                continue
-            labels = ",".join(f"{k}={v}" for k, v in sorted(s.labels.items()))
-            out[f"{s.name}{{{labels}}}" if labels else s.name] = s.value
+            if not s.name.endswith("_created") and s.name.startswith(prefix):
+                yield s
+
+
+def snapshot(registry: CollectorRegistry = REGISTRY, prefix: str = "") -> dict[str, float]:
+    """:func:`samples` as ``{"name{label=value}": value}`` (for tests)."""
+    out = {}
+    for s in samples(registry, prefix):
+        labels = ",".join(f"{k}={v}" for k, v in sorted(s.labels.items()))
+        out[f"{s.name}{{{labels}}}" if labels else s.name] = s.value
     return out
 
 
