@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
+import itertools
 import json
 import random
 import subprocess
@@ -16,7 +18,7 @@ from kvpool.config import Option, add_options, resolve
 from kvpool.errors import ErrorCode, KVPoolError, UserError
 from kvpool.master.allocator import OffsetAllocator
 from kvpool.rpc import RpcChannel
-from proc_helpers import wait_ready_file
+from proc_helpers import wait_for, wait_ready_file
 
 BIG = [2**31 - 1, 2**31, 2**32 - 1, 2**32, 2**32 + 1, 2**40 + 7, P.MAX_SEGMENT_BYTES]  # sizes past 32 bits, up to the limit
 
@@ -198,6 +200,9 @@ def test_a_master_killed_mid_request_is_not_said_to_run_another_release():
     chan = RpcChannel(f"127.0.0.1:{port}", timeout_s=10, local=False)
     try:
         assert chan.call(P.Ping()).code == ErrorCode.OK
+        # the first connection's close has arrived (over TCP a request sent before it
+        # does would meet a reset): the next call takes a second connection
+        wait_for(lambda: chan._hangup.poll(0), 10, "the first connection's close")
         with pytest.raises(KVPoolError) as cut:
             chan.call(P.PutStart(P.PutItem("k", 10)), idempotent=False)
         assert "mid-frame" in str(cut.value) and "another kvpool release" not in str(cut.value)
@@ -209,32 +214,33 @@ def test_a_master_killed_mid_request_is_not_said_to_run_another_release():
 def test_a_call_interrupted_after_its_send_never_hands_its_reply_to_the_next_call():
     """Found in review: an exception other than an OSError (KeyboardInterrupt, one raised
     by a signal handler) leaving a call between its send and its reply left the reply
-    on the connection, and the next call read it as its own (the next Ping got "reply 1";
+    on the connection, and the next call read it as its own (the next Ping got the first's;
     a GetReplicaList would get another key's replicas). A fake master on a real socket
-    numbers its replies; the connection is now closed and the next call asks anew."""
+    names its replies by connection; the connection is now closed and the next call asks
+    anew on a second one."""
     import socket
     import threading
 
     server = socket.create_server(("127.0.0.1", 0))
-    port, count = server.getsockname()[1], [0]
+    port = server.getsockname()[1]
 
-    def serve_one(conn) -> None:
+    def serve_one(conn, number: int) -> None:
         with conn:
             while True:
                 try:
                     P.recv_frame(conn)
                 except (OSError, P.FrameError):
                     return
-                count[0] += 1
-                conn.sendall(P.encode_frame(P.Resp(ErrorCode.OK, f"reply {count[0]}")))
+                with contextlib.suppress(OSError):  # the first one's client has gone
+                    conn.sendall(P.encode_frame(P.Resp(ErrorCode.OK, f"connection {number}")))
 
     def serve() -> None:
-        while True:
+        for number in itertools.count(1):  # accepted in order, by this one thread
             try:
                 conn, _ = server.accept()
             except OSError:
                 return
-            threading.Thread(target=serve_one, args=(conn,), daemon=True).start()
+            threading.Thread(target=serve_one, args=(conn, number), daemon=True).start()
 
     threading.Thread(target=serve, daemon=True).start()
     chan = RpcChannel(f"127.0.0.1:{port}", timeout_s=10, local=False)
@@ -250,7 +256,7 @@ def test_a_call_interrupted_after_its_send_never_hands_its_reply_to_the_next_cal
         with pytest.raises(Interrupted):
             chan.call(P.Ping())
         del chan._replies.wait
-        assert chan.call(P.Ping()).message == "reply 2"
+        assert chan.call(P.Ping()).message == "connection 2"  # not the first one's reply
     finally:
         chan.close()
         server.close()
