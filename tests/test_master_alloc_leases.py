@@ -137,6 +137,34 @@ def test_a_range_committed_and_freed_since_is_never_committed_again():
     assert not visible(svc, "again") and not visible(svc, "inside")
 
 
+def test_a_commit_sent_again_answers_ok_for_what_it_applied_and_changes_nothing():
+    """A client resends a commit whose reply was lost: each item applied the first time
+    is OK again while its key is still at its range; nothing is applied twice. A key
+    removed or moved since, another key on that range, or the key's range named through
+    another lease (a hostile client) is refused as before."""
+    svc, _ = service()
+    grant, other = lease(svc), lease(svc, "c2")
+    items = [P.CommitItem("a", grant.region.offset, 1000), P.CommitItem("b", grant.region.offset + 1024, 64)]
+    assert svc.put_commit("c1", grant.lease_id, items).codes == [OK, OK]
+    before = svc.stats()
+    version = svc.lookup("a").version
+    assert svc.put_commit("c1", grant.lease_id, items).codes == [OK, OK]
+    after = svc.stats()
+    assert (after.used_bytes, after.leased_bytes, after.object_count) == (
+        before.used_bytes, before.leased_bytes, before.object_count)
+    assert svc.lookup("a").version == version  # not committed twice
+    assert (svc.counters["put_commit"], svc.counters["put_commits_repeated"]) == (2, 2)
+    assert commit(svc, grant, "c", 0, 1000) == ErrorCode.INVALID_PARAMS  # another key on a's range
+    assert commit(svc, grant, "a", 0, 960) == ErrorCode.INVALID_PARAMS  # not the range it holds
+    assert commit(svc, other, "a", grant.region.offset - other.region.offset, 1000,
+                  owner="c2") == ErrorCode.INVALID_PARAMS  # a's range, through a lease it is not in
+    assert commit(svc, other, "a", 0, 1000, owner="c2", upsert=True) == OK  # a moved on
+    assert commit(svc, grant, "a", 0, 1000) == ErrorCode.INVALID_PARAMS
+    assert svc.remove("b").code == OK
+    assert commit(svc, grant, "b", 1024, 64) == ErrorCode.INVALID_PARAMS
+    assert not visible(svc, "b") and not visible(svc, "c")
+
+
 def test_a_commit_checks_the_key_as_put_start_does():
     svc, _ = service()
     grant = lease(svc)

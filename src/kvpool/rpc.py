@@ -205,7 +205,7 @@ class RpcChannel:
         if self._sock is not None and self._hangup.poll(0):
             # readable between calls: the master closed the connection (it restarted or
             # failed over since the last call; it never speaks unasked here). A request
-            # sent now would be lost unanswered, and one not idempotent (a commit) could
+            # sent now would be lost unanswered, and one not idempotent (a PutStart) could
             # not be asked again: a new connection carries it instead (0.6 us a call)
             self.close()
         if self._sock is None:

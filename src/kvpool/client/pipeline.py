@@ -6,11 +6,12 @@ A batch get asks for the replica lists of chunk k+1 while it copies chunk k
 while it writes chunk k+1. Every invariant of the unpipelined batch holds chunk by
 chunk: a commit is sent only after its chunk's bytes are written (invisible until
 complete), each copy is checked against its own grant, and every code is known
-before the call returns. One thing differs: when the master connection breaks during
-a batch put, the chunks committed before stay committed (the call raises; a retry
+before the call returns. One thing differs: when no master answers a batch put's
+commit any more, the chunks committed before stay committed (the call raises; a retry
 finds them as OBJECT_ALREADY_EXISTS), where one commit was applied whole or not at
-all. A get's query is asked again after a broken connection (it is idempotent) and
-the chunk whose copy was to overlap it is copied all the same. The master and the client run on different cores, so
+all. A get's query and a put's commit are asked again after a broken connection (both
+are idempotent: the master answers OK for an item it committed before) and the chunk
+whose copy was to overlap it is copied all the same. The master and the client run on different cores, so
 the master's share of a batch (per key: a lookup or a commit, and its reply) leaves
 the critical path, except for the first query of a get and the last commit of a put.
 Which side's share is worth hiding depends on the value size: a get's query costs the

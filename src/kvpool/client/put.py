@@ -330,7 +330,8 @@ class PutPath:
                 if ready:
                     commit = P.PutCommit(self.owner_id, lease.lease_id,
                                          [_commit_item(items[i], offsets[i]) for i in ready])
-                    for i, code in zip(ready, self._call(commit, idempotent=False, during=nxt, deadline=deadline).codes):
+                    # sent again when its reply is lost: the master answers OK for what it applied
+                    for i, code in zip(ready, self._call(commit, during=nxt, deadline=deadline).codes):
                         codes[i] = None if code == ErrorCode.LEASE_EXPIRED else code_of(code)
                 if nxt is not None:
                     nxt.finish()  # written now if no commit carried it; what it raised, raised

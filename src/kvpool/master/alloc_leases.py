@@ -76,6 +76,13 @@ class AllocLeases:
         i = bisect.bisect_right(ranges, (offset, math.inf))
         return not (i > 0 and ranges[i - 1][1] > offset) and not (i < len(ranges) and ranges[i][0] < offset + length)
 
+    def committed_at(self, lease: AllocLease, offset: int, length: int) -> bool:
+        """True if ``[offset, offset + length)`` lies inside one range committed from
+        ``lease`` (a commit applied before: see :meth:`LeaseHandlers._repeated`)."""
+        ranges = lease.committed
+        i = bisect.bisect_right(ranges, (offset, math.inf))
+        return i > 0 and ranges[i - 1][0] <= offset and offset + length <= ranges[i - 1][1]
+
     def claim(self, lease: AllocLease, offset: int, length: int) -> None:
         """Record ``[offset, offset + length)`` (checked by :meth:`fits`) as committed."""
         ranges = lease.committed
@@ -170,7 +177,10 @@ class LeaseHandlers:
         expired, or on a withheld segment (its node seen dead); ILLEGAL_CLIENT when
         another owner's; per item INVALID_PARAMS (a bad key, size, pin, or a range
         outside, misaligned or overlapping a committed one)
-        and PutStart's OBJECT_ALREADY_EXISTS / REPLICA_IS_NOT_READY."""
+        and PutStart's OBJECT_ALREADY_EXISTS / REPLICA_IS_NOT_READY. A commit sent again
+        (its reply was lost: the client resends it on a new connection) answers OK for
+        each item applied the first time whose key is still where it put it
+        (:meth:`_repeated`), and changes nothing."""
         now = self.clock()
         lease = self.alloc_leases.open.get(lease_id)
         # a withheld segment's node is dead: the client puts elsewhere (PutStart)
@@ -179,15 +189,22 @@ class LeaseHandlers:
             return CodesResp([ErrorCode.LEASE_EXPIRED] * len(items))
         if lease.owner != owner_id:
             return CodesResp([ErrorCode.ILLEGAL_CLIENT] * len(items))
+        repeated = self.counters["put_commits_repeated"]
         codes = [self._commit_item(lease, item, now) for item in items]
         self._check_watermark()
-        self.counters["put_commit"] += codes.count(ErrorCode.OK)
+        repeated = self.counters["put_commits_repeated"] - repeated
+        self.counters["put_commit"] += codes.count(ErrorCode.OK) - repeated
         return CodesResp(codes)
 
     def _commit_item(self, lease: AllocLease, item: CommitItem, now: float) -> int:
         length = self.segments.rounded(item.size)
         soft_pin_ttl = self._soft_pin_ttl(item)
-        if item.size <= 0 or soft_pin_ttl is None or not self.alloc_leases.fits(lease, item.offset, length):
+        if item.size <= 0 or soft_pin_ttl is None:
+            return ErrorCode.INVALID_PARAMS
+        if not self.alloc_leases.fits(lease, item.offset, length):
+            if self._repeated(lease, item, length):
+                self.counters["put_commits_repeated"] += 1
+                return ErrorCode.OK
             return ErrorCode.INVALID_PARAMS
         known = item.key in self.objects  # a record: visible, or with a put in flight
         code = self._admit(item.key, item.upsert, now) if known else self._key_code(item.key)
@@ -201,6 +218,21 @@ class LeaseHandlers:
         else:
             self._commit(obj, [replica], item.size, item.soft_pin, soft_pin_ttl, item.hard_pin, now)
         return ErrorCode.OK
+
+    def _repeated(self, lease: AllocLease, item: CommitItem, length: int) -> bool:
+        """Whether ``item`` was committed from ``lease`` before: its range is one the
+        lease committed, and its key's one replica is that very range. Only this
+        commit can have put it there: a lease's writer places each value at an offset
+        of its own, and a range is committed from a lease once (:meth:`AllocLeases.fits`).
+        A key changed since (removed, upserted) is not: INVALID_PARAMS, as before."""
+        if not self.alloc_leases.committed_at(lease, item.offset, length):
+            return False
+        obj = self.objects.get(item.key)
+        if obj is None or not obj.visible or obj.size != item.size:
+            return False
+        replicas = obj.replicas
+        return (len(replicas) == 1 and replicas[0].segment == lease.segment
+                and replicas[0].offset == item.offset)
 
     def return_lease(self, owner_id: str, lease_ids: list[int]) -> CountResp:
         """End ``owner_id``'s leases of ``lease_ids`` and free their gaps now; ids
