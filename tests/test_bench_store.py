@@ -37,7 +37,7 @@ def test_tiny_run_fills_every_cell_of_every_present_column(tiny_run):
     rc, doc, _ = tiny_run
     assert rc == 0
     assert doc["schema"] == "kvpool.bench.store/1"
-    always = {"kvpool in-proc", "kvpool shm", "kvpool tcp", "memcpy", "tcp-stream"}
+    always = {"kvpool in-proc", "kvpool shm", "kvpool tcp", "memcpy", "tcp-stream", "tcp-rr"}
     present = {name for name, col in doc["columns"].items() if col["absent"] is None}
     assert always <= present
     cells = [c for c in doc["cells"] if c["column"] in present]

@@ -110,4 +110,5 @@ def plan_columns(args, log_dir: str) -> list[Column]:
                            {"binary": args.redis_server}))
     cols.append(Column("memcpy", "kvpool.bench.systems.limits:MemcpyTarget", kind="limit"))
     cols.append(Column("tcp-stream", "kvpool.bench.systems.limits:TcpStreamTarget", kind="limit"))
+    cols.append(Column("tcp-rr", "kvpool.bench.systems.limits:TcpRoundTripTarget", kind="limit"))
     return [c for c in cols if not args.only or c.name in args.only]

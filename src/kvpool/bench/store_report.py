@@ -42,6 +42,7 @@ RATIOS = (  # (label, kvpool column, anchor column)
     ("shm/memcpy", "kvpool shm", "memcpy"),
     ("tcp/mc-x", "kvpool tcp", "mooncake x-proc"),
     ("tcp/stream", "kvpool tcp", "tcp-stream"),
+    ("tcp/rr", "kvpool tcp", "tcp-rr"),
     ("tcp/redis", "kvpool tcp", "redis"),
 )
 

@@ -6,6 +6,9 @@
 - ``TcpStreamTarget``: one TCP loopback stream, ``sendall`` in a sender process and
   ``recv_into`` preallocated buffers here (cycling over the working set): the ceiling of
   a one-connection TCP path.
+- ``TcpRoundTripTarget``: the same connection, one value per request: this process
+  asks (one byte), the sender answers with the value. A single get at its barest
+  (blocking sockets, no lookup), where a stream keeps the wire busy across values.
 """
 
 from __future__ import annotations
@@ -24,7 +27,7 @@ from kvpool.bench.harness import (
 )
 from kvpool.child import wait_or_kill
 
-_HEADER = struct.Struct("<QQQ")  # (messages, bytes each, source buffers); 0 messages ends
+_HEADER = struct.Struct("<QQQQ")  # (messages, bytes each, source buffers, asked); 0 messages ends
 _ASSUMED_GBPS = 3.0  # only to size a stream so that it lasts about ``budget_s``
 
 
@@ -48,7 +51,8 @@ class MemcpyTarget(Target):
 
 def stream_sender(port: int) -> None:
     """Sender process: connect to 127.0.0.1:port and send what each header asks for,
-    cycling over as many source buffers as the receiver cycles destinations."""
+    cycling over as many source buffers as the receiver cycles destinations; when the
+    header says "asked", each message waits for a one-byte request."""
     sock = socket.create_connection(("127.0.0.1", port))
     sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
     payloads: dict[int, list[memoryview]] = {}
@@ -60,13 +64,15 @@ def stream_sender(port: int) -> None:
             if not got:
                 return
             view = view[got:]
-        count, size, pool = _HEADER.unpack(head)
+        count, size, pool, asked = _HEADER.unpack(head)
         if count == 0:
             return
         if len(payloads.get(size, ())) != pool:
             payloads[size] = [memoryview(bytes(size)) for _ in range(pool)]
         sources = payloads[size]
         for i in range(count):
+            if asked and not sock.recv(1):
+                return
             sock.sendall(sources[i % pool])
 
 
@@ -79,6 +85,7 @@ class TcpStreamTarget(Target):
 
     name = "tcp-stream"
     apis = ("copy",)
+    asked = False  # each message waits for a request (TcpRoundTripTarget)
 
     def open(self, cfg: dict) -> dict:
         listener = socket.create_server(("127.0.0.1", 0))
@@ -91,6 +98,7 @@ class TcpStreamTarget(Target):
             self.sock, _ = listener.accept()
         finally:
             listener.close()
+        self.sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)  # a request goes at once
         self.sock.settimeout(120)
         return {"port": port}
 
@@ -99,11 +107,13 @@ class TcpStreamTarget(Target):
         count = max(spec.min_ops, min(spec.max_ops, count))
         pool = pool_count(spec.size, 1, spec.working_set)
         bufs = [memoryview(bytearray(spec.size)) for _ in range(pool)]  # zero-filled: resident
-        self.sock.sendall(_HEADER.pack(count, spec.size, pool))
+        self.sock.sendall(_HEADER.pack(count, spec.size, pool, self.asked))
         lat: list[int] = []
         clock = time.perf_counter_ns
         start = last = clock()
         for i in range(count):
+            if self.asked:
+                self.sock.sendall(b"?")
             view = bufs[i % pool]
             while view:
                 got = self.sock.recv_into(view)
@@ -117,9 +127,21 @@ class TcpStreamTarget(Target):
 
     def close(self) -> None:
         try:
-            self.sock.sendall(_HEADER.pack(0, 0, 0))
+            self.sock.sendall(_HEADER.pack(0, 0, 0, 0))
             self.sock.close()
         except (OSError, AttributeError):
             pass
         if getattr(self, "proc", None):
             wait_or_kill(self.proc, 10)  # the sender exits after the empty header
+
+
+class TcpRoundTripTarget(TcpStreamTarget):
+    """One value per request over one loopback TCP connection: a one-byte request from
+    this process, the value back from the sender process (received as by
+    :class:`TcpStreamTarget`). A message's "latency" is its round trip. The shape of a
+    single get over one connection with nothing else in it: the sender starts only when
+    asked, so the copies of one value do not overlap those of the next as in a stream.
+    Not a ceiling: both sides block in recv (a wake-up each way), where kvpool polls."""
+
+    name = "tcp-rr"
+    asked = True
