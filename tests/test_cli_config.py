@@ -11,7 +11,7 @@ import sys
 
 import pytest
 
-from kvpool.config import Option, add_options, parse_port, resolve
+from kvpool.config import Option, add_options, load_config_file, parse_port, resolve
 from kvpool.errors import UserError
 
 
@@ -94,6 +94,28 @@ def test_a_config_file_not_utf8_or_setting_a_key_twice_is_a_one_line_error(tmp_p
     twice.write_text("segment-size: 64MiB\nsegment_size: 128MiB\n")
     r = _kvpool("node", "--config", str(twice))
     assert r.returncode == 2 and "sets 'segment-size' twice" in r.stderr
+
+
+@pytest.mark.parametrize("name,text", [
+    ("n.yaml", "segment-size: 64MiB\nport: 5\nsegment-size: 128MiB\n"),
+    ("n.json", '{"segment-size": "64MiB", "segment-size": "128MiB"}'),
+])
+def test_a_key_written_twice_verbatim_is_refused(tmp_path, name, text):
+    """Both parsers keep the last of two equal keys silently: which size was meant?"""
+    cfg = tmp_path / name
+    cfg.write_text(text)
+    r = _kvpool("node", "--config", str(cfg))
+    assert r.returncode == 2 and "Traceback" not in r.stderr and r.stderr.count("\n") == 1
+    assert "'segment-size' is set twice" in r.stderr
+    if name.endswith(".yaml"):
+        assert "line 3" in r.stderr  # where the second one is
+
+
+def test_a_yaml_merge_key_may_be_overridden(tmp_path):
+    """``<<:`` brings another mapping's keys in; setting one of them again is no mistake."""
+    cfg = tmp_path / "m.yaml"
+    cfg.write_text("base: &b {client-ttl: 3}\nover:\n  <<: *b\n  client-ttl: 4\n")
+    assert load_config_file(str(cfg))["over"] == {"client-ttl": 4}
 
 
 @pytest.mark.parametrize("size", ["1000000000000000000000000000GiB", "9" * 400 + "GiB", "9" * 5000 + "GiB"],

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import difflib
+import functools
 import ipaddress
 import json
 import math
@@ -227,7 +228,8 @@ def load_config_file(path: str | None) -> dict:
     unquoted key, and read it as something else.
 
     Raises: UserError when the file is missing, unreadable, not UTF-8, invalid JSON or
-    YAML, not a mapping, or sets a key twice (``segment-size`` and ``segment_size``).
+    YAML, not a mapping, or sets a key twice (verbatim, which both parsers would read
+    as the last value, or as ``segment-size`` and ``segment_size``).
     """
     if not path:
         return {}
@@ -243,12 +245,12 @@ def load_config_file(path: str | None) -> dict:
                         f"{exc.object[exc.start:exc.start + 1]!r}): is it the right file?") from None
     if path.lower().endswith(".json") or text.lstrip().startswith("{"):
         try:
-            data = json.loads(text) if text.strip() else {}
+            data = json.loads(text, object_pairs_hook=_unique_pairs) if text.strip() else {}
         except ValueError as exc:
             raise UserError(f"config file {path!r} is not valid JSON: {exc}") from None
     else:
         try:
-            data = yaml.safe_load(text) or {}
+            data = yaml.load(text, Loader=_unique_keys_loader()) or {}
         except yaml.YAMLError as exc:
             raise UserError(f"config file {path!r} is not valid YAML: {_yaml_problem(exc)}") from None
     if not isinstance(data, dict):
@@ -353,6 +355,41 @@ def make_output_folder(flag: str, path: str) -> str:
     if not os.access(path, os.W_OK | os.X_OK):
         raise UserError(f"{flag} {path}: folder is not writable")
     return path
+
+
+def _unique_pairs(pairs: list[tuple[str, object]]) -> dict:
+    """A JSON object as a dict; raises ValueError for a key it holds twice."""
+    out: dict = {}
+    for key, value in pairs:
+        if key in out:
+            raise ValueError(f"key {key!r} is set twice; keep one")
+        out[key] = value
+    return out
+
+
+@functools.cache
+def _unique_keys_loader():
+    """PyYAML's SafeLoader, refusing a mapping that holds a key twice (it keeps the
+    last one silently; YAML 1.2 says keys are unique)."""
+    import yaml
+
+    class UniqueKeyLoader(yaml.SafeLoader):
+        def construct_mapping(self, node, deep=False):
+            seen = set()
+            for key_node, _ in node.value:
+                if key_node.tag == "tag:yaml.org,2002:merge":
+                    continue  # "<<:" merges another mapping: its keys may be overridden here
+                key = self.construct_object(key_node, deep=True)
+                if not isinstance(key, (str, int, float, bool)):
+                    continue  # unhashable or odd: the parser itself says what is wrong
+                if key in seen:
+                    raise yaml.constructor.ConstructorError(
+                        "while reading a mapping", node.start_mark,
+                        f"key {key!r} is set twice; keep one", key_node.start_mark)
+                seen.add(key)
+            return super().construct_mapping(node, deep)
+
+    return UniqueKeyLoader
 
 
 def _yaml_problem(exc) -> str:
