@@ -111,6 +111,13 @@ def test_a_key_written_twice_verbatim_is_refused(tmp_path, name, text):
         assert "line 3" in r.stderr  # where the second one is
 
 
+def test_a_negative_size_after_its_flag_is_judged_as_a_value():
+    """argparse took "-5MiB" for an option: "--segment-size: expected one argument"."""
+    r = _kvpool("node", "--segment-size", "-5MiB")
+    assert r.returncode == 2 and "Traceback" not in r.stderr and r.stderr.count("\n") == 1
+    assert "bad value '-5MiB' for segment-size" in r.stderr
+
+
 def test_a_yaml_merge_key_may_be_overridden(tmp_path):
     """``<<:`` brings another mapping's keys in; setting one of them again is no mistake."""
     cfg = tmp_path / "m.yaml"

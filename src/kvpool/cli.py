@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 import importlib
 import os
+import re
 import signal
 import sys
 
@@ -86,8 +87,26 @@ def main(argv: list[str] | None = None) -> int:
         return EXIT_BROKEN_PIPE
 
 
+_NEGATIVE_WITH_UNIT = re.compile(r"-\d.*[^\d.]")  # "-5MiB": argparse takes it for an option
+
+
+def _negative_values_joined(argv: list[str]) -> list[str]:
+    """``argv`` with ``--flag -5MiB`` written as ``--flag=-5MiB``. argparse reads a
+    token that starts with '-' as an option unless it is a plain number, so the user
+    was told "--segment-size: expected one argument" rather than what is wrong with
+    the value. No option of kvpool looks like "-5MiB", so joining misreads nothing."""
+    out: list[str] = []
+    for token in argv:
+        if (out and out[-1].startswith("--") and "=" not in out[-1]
+                and _NEGATIVE_WITH_UNIT.fullmatch(token)):
+            out[-1] = f"{out[-1]}={token}"
+        else:
+            out.append(token)
+    return out
+
+
 def _main(argv: list[str] | None) -> int:
-    argv = sys.argv[1:] if argv is None else argv
+    argv = _negative_values_joined(sys.argv[1:] if argv is None else argv)
     # Load only the named subcommand when there is one: `kvpool master` must not
     # import torch just to build the help of `kvpool demo`.
     chosen = [a for a in argv[:1] if a in COMMANDS]
