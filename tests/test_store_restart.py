@@ -26,7 +26,7 @@ import pytest
 from kvpool import protocol as P
 from kvpool.child import pause_process
 from kvpool.client import Client
-from kvpool.errors import ErrorCode, KVPoolError, ObjectNotFound
+from kvpool.errors import ErrorCode, KVPoolError, ObjectExists, ObjectNotFound
 from kvpool.launch import Cluster
 from kvpool.master.restore import SETTLED_MAX, SettledKeys
 from kvpool.master.service import MasterService
@@ -312,6 +312,36 @@ def test_the_first_put_after_a_master_restart_goes_to_the_new_master(kind, race,
         assert writer.batch_put(["b1", "b2"], [value("b1"), value("b2")]) == [ErrorCode.OK] * 2
         assert [client.get(k) for k in ("before", "after", "b1", "b2")] == \
             [value(k) for k in ("before", "after", "b1", "b2")]
+
+
+@pytest.mark.parametrize("batch", (False, True), ids=("put", "batch_put"))
+def test_a_commit_applied_just_before_a_master_restart_is_kept_and_found_existing(batch):
+    """kill -9 and restart of the master after it applied a commit, before its reply
+    was read. The commit is sent again; the new master knows no lease (LEASE_EXPIRED)
+    and the PutStart way finds the key, which the node's index brought back with the
+    client's bytes: the put says OBJECT_ALREADY_EXISTS, which is true, not success,
+    which the client cannot prove (after a restart the lease's free range may go to
+    another writer of the key). Before the commit was resent, RpcFailed."""
+    with setup("shm") as (cluster, client), Client(cluster.master_addr) as writer:
+        chan = writer._channel()
+        exchange, restarts = chan._exchange, []
+
+        def restart_after_the_commit(frame, kind, during=None):
+            reply = exchange(frame, kind, during)
+            if kind is P.PutCommit and not restarts:
+                restarts.append(reply)
+                restart(cluster, client)
+                raise ConnectionResetError("the reply was lost (injected)")
+            return reply
+
+        chan._exchange = restart_after_the_commit
+        if batch:
+            assert writer.batch_put(["mine"], [value("mine")]) == [ErrorCode.OBJECT_ALREADY_EXISTS]
+        else:
+            with pytest.raises(ObjectExists):
+                writer.put("mine", value("mine"))
+        assert len(restarts) == 1 and restarts[0].codes == [ErrorCode.OK]
+        assert client.get("mine") == value("mine")
 
 
 class _NeverReadable:
