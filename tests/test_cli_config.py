@@ -116,6 +116,9 @@ def test_a_negative_size_after_its_flag_is_judged_as_a_value():
     r = _kvpool("node", "--segment-size", "-5MiB")
     assert r.returncode == 2 and "Traceback" not in r.stderr and r.stderr.count("\n") == 1
     assert "bad value '-5MiB' for segment-size" in r.stderr
+    from kvpool.cli import _negative_values_joined
+    assert _negative_values_joined(["plan", "--", "-5x.json"]) == ["plan", "--", "-5x.json"]
+    assert _negative_values_joined(["a", "--", "--b", "-5MiB"]) == ["a", "--", "--b", "-5MiB"]
 
 
 def test_a_yaml_merge_key_may_be_overridden(tmp_path):
@@ -123,6 +126,9 @@ def test_a_yaml_merge_key_may_be_overridden(tmp_path):
     cfg = tmp_path / "m.yaml"
     cfg.write_text("base: &b {client-ttl: 3}\nover:\n  <<: *b\n  client-ttl: 4\n")
     assert load_config_file(str(cfg))["over"] == {"client-ttl": 4}
+    # a merged mapping merges another and is used again (found by the review)
+    cfg.write_text("base: &base {a: 1}\ntop:\n  <<: &mid\n    <<: *base\n    a: 2\nother: *mid\n")
+    assert load_config_file(str(cfg)) == {"base": {"a": 1}, "top": {"a": 2}, "other": {"a": 2}}
 
 
 @pytest.mark.parametrize("size", ["1000000000000000000000000000GiB", "9" * 400 + "GiB", "9" * 5000 + "GiB"],

@@ -138,31 +138,40 @@ def test_a_range_committed_and_freed_since_is_never_committed_again():
 
 
 def test_a_commit_sent_again_answers_ok_for_what_it_applied_and_changes_nothing():
-    """A client resends a commit whose reply was lost: each item applied the first time
-    is OK again while its key is still at its range; nothing is applied twice. A key
-    removed or moved since, another key on that range, or the key's range named through
-    another lease (a hostile client) is refused as before."""
+    """A client resends a commit whose reply was lost: each item this incarnation applied
+    the first time is OK again, whatever came after (the key upserted or removed, the
+    lease returned), and nothing is applied twice. An item refused the first time, another
+    key on a committed range, or a range through another lease is refused as before."""
+    from kvpool.master.service import ENDED_PUTS_KEPT
     svc, _ = service()
     grant, other = lease(svc), lease(svc, "c2")
-    items = [P.CommitItem("a", grant.region.offset, 1000), P.CommitItem("b", grant.region.offset + 1024, 64)]
-    assert svc.put_commit("c1", grant.lease_id, items).codes == [OK, OK]
+    at = grant.region.offset
+    items = [P.CommitItem("a", at, 1000), P.CommitItem("b", at + 1024, 64),
+             P.CommitItem("bad", at + 1000, 64)]  # misaligned: refused
+    assert svc.put_commit("c1", grant.lease_id, items).codes == [OK, OK, ErrorCode.INVALID_PARAMS]
     before = svc.stats()
     version = svc.lookup("a").version
-    assert svc.put_commit("c1", grant.lease_id, items).codes == [OK, OK]
+    assert svc.put_commit("c1", grant.lease_id, items).codes == [OK, OK, ErrorCode.INVALID_PARAMS]
     after = svc.stats()
     assert (after.used_bytes, after.leased_bytes, after.object_count) == (
         before.used_bytes, before.leased_bytes, before.object_count)
     assert svc.lookup("a").version == version  # not committed twice
-    assert (svc.counters["put_commit"], svc.counters["put_commits_repeated"]) == (2, 2)
+    assert (svc.counters["put_commit"], svc.counters["commits_repeated"]) == (2, 2)
     assert commit(svc, grant, "c", 0, 1000) == ErrorCode.INVALID_PARAMS  # another key on a's range
-    assert commit(svc, grant, "a", 0, 960) == ErrorCode.INVALID_PARAMS  # not the range it holds
-    assert commit(svc, other, "a", grant.region.offset - other.region.offset, 1000,
-                  owner="c2") == ErrorCode.INVALID_PARAMS  # a's range, through a lease it is not in
+    assert commit(svc, grant, "a", 0, 960) == ErrorCode.INVALID_PARAMS  # not the item committed
+    assert commit(svc, other, "a", at - other.region.offset, 1000, owner="c2") == ErrorCode.INVALID_PARAMS
     assert commit(svc, other, "a", 0, 1000, owner="c2", upsert=True) == OK  # a moved on
-    assert commit(svc, grant, "a", 0, 1000) == ErrorCode.INVALID_PARAMS
     assert svc.remove("b").code == OK
-    assert commit(svc, grant, "b", 1024, 64) == ErrorCode.INVALID_PARAMS
-    assert not visible(svc, "b") and not visible(svc, "c")
+    assert svc.put_commit("c1", grant.lease_id, items[:2]).codes == [OK, OK]  # applied, then changed
+    assert svc.lookup("a").version != version and not visible(svc, "b")
+    assert svc.return_lease("c1", [grant.lease_id]).count == 1
+    assert svc.put_commit("c1", grant.lease_id, items + [P.CommitItem("new", at + 2048, 64)]).codes == [
+        OK, OK, ErrorCode.LEASE_EXPIRED, ErrorCode.LEASE_EXPIRED]
+    assert not visible(svc, "bad") and not visible(svc, "c") and not visible(svc, "new")
+    third = lease(svc, "c3")
+    for i in range(ENDED_PUTS_KEPT):  # remembered: the last ENDED_PUTS_KEPT commits only
+        assert commit(svc, third, f"m{i}", 64 * i, 64, owner="c3") == OK
+    assert svc.put_commit("c1", grant.lease_id, items[:1]).codes == [ErrorCode.LEASE_EXPIRED]
 
 
 def test_a_commit_checks_the_key_as_put_start_does():

@@ -15,6 +15,7 @@ import asyncio
 import contextlib
 import mmap
 import os
+import select
 import signal
 import socket
 import struct
@@ -835,3 +836,51 @@ def test_a_mount_whose_reply_cannot_be_written_still_has_its_node_checked(monkey
         node.sendall(P.encode_frame(P.MountSegment("o1", _seg("S1"), True)))
         proc_helpers.wait_for(lambda: "S1" in svc.segments.withheld, 20, "the dead node's segment withheld")
         assert svc.put_start(P.PutItem("k", 100)).code == ErrorCode.NO_AVAILABLE_HANDLE
+
+
+@pytest.mark.parametrize("commit", ("put_end", "put_commit"))
+def test_a_resent_commit_is_answered_only_once_its_index_update_left_the_master(commit):
+    """Found by the review: a commit resent after its connection broke (its first reply
+    held while its segment's index stream was behind) was answered OK at once from the
+    master's memory of recent commits, while the first send's index update still sat in
+    the master's own buffer: a kill -9 then lost a key the client was told is stored.
+    The resend's reply now waits, as the first one did, until the stream drained."""
+    with _served() as (svc, server, on, (host, port)):
+        slow = socket.create_connection((host, port), timeout=20)  # S1's node: reads nothing yet
+        first, again = (socket.create_connection((host, port), timeout=20) for _ in range(2))
+        try:
+            assert _frame_call(slow, P.MountSegment("o1", _seg("S1", 64 << 20), True)).code == 0
+
+            async def fall_behind() -> None:
+                stream = server._streams["S1"][1]
+                big = P.IndexUpdate("S1", [], [P.IndexEntry(f"f{i}", 0, 1, 1) for i in range(20_000)])
+                while not stream.transport.get_write_buffer_size():
+                    server._write_index(stream, big)
+
+            on(fall_behind())
+            if commit == "put_end":
+                started = _frame_call(first, P.PutStart(P.PutItem("K", 100)))
+                request = P.PutEnd(P.PutToken("K", started.put_id))
+            else:
+                grant = _frame_call(first, P.AllocLease("c1", 1 << 20))
+                request = P.PutCommit("c1", grant.lease_id, [P.CommitItem("K", grant.region.offset, 100)])
+            first.sendall(P.encode_frame(request))  # applied; its reply waits for the stream
+            wait_for(lambda: svc.lookup("K") is not None and svc.lookup("K").visible, what="the commit")
+            first.close()  # the connection breaks: the client sends the commit again
+            again.sendall(P.encode_frame(request))
+            wait_for(lambda: svc.counters["commits_repeated"] == 1, what="the resend")
+            on(asyncio.sleep(0))  # the loop step that answered the resend has ended
+            assert not select.select([again], [], [], 0)[0], "answered before the update left"
+            def node_reads() -> bool:  # True once the resend's reply came
+                if select.select([again], [], [], 0)[0]:
+                    return True
+                while select.select([slow], [], [], 0.01)[0]:
+                    slow.recv(1 << 20)
+                return False
+
+            wait_for(node_reads, what="the reply, while the node reads its stream")
+            reply = P.reply_decoder.decode(P.recv_frame(again))
+            assert (reply.code if commit == "put_end" else reply.codes) in (0, [0])
+        finally:
+            for s in (slow, first, again):
+                s.close()

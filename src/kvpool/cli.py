@@ -96,8 +96,10 @@ def _negative_values_joined(argv: list[str]) -> list[str]:
     was told "--segment-size: expected one argument" rather than what is wrong with
     the value. No option of kvpool looks like "-5MiB", so joining misreads nothing."""
     out: list[str] = []
-    for token in argv:
-        if (out and out[-1].startswith("--") and "=" not in out[-1]
+    for i, token in enumerate(argv):
+        if token == "--":  # the rest are positional arguments, as written
+            return out + argv[i:]
+        if (out and out[-1].startswith("--") and out[-1] != "--" and "=" not in out[-1]
                 and _NEGATIVE_WITH_UNIT.fullmatch(token)):
             out[-1] = f"{out[-1]}={token}"
         else:

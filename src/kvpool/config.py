@@ -256,12 +256,14 @@ def load_config_file(path: str | None) -> dict:
     if not isinstance(data, dict):
         raise UserError(f"config file {path!r} must hold a mapping of settings")
     out: dict = {}
+    spelled: dict = {}  # dest -> the key as written
     for key, value in data.items():
         dest = str(key).replace("-", "_")
         if dest in out:  # "segment-size" and "segment_size": which one was meant?
             raise UserError(f"config file {path!r} sets {dest.replace('_', '-')!r} twice "
-                            "(spelled with '-' and with '_'); keep one")
+                            f"(as {spelled[dest]!r} and {key!r}); keep one")
         out[dest] = value
+        spelled[dest] = key
     return out
 
 
@@ -369,19 +371,20 @@ def _unique_pairs(pairs: list[tuple[str, object]]) -> dict:
 
 @functools.cache
 def _unique_keys_loader():
-    """PyYAML's SafeLoader, refusing a mapping that holds a key twice (it keeps the
-    last one silently; YAML 1.2 says keys are unique)."""
+    """PyYAML's SafeLoader, refusing a mapping that holds a string key written twice in
+    it (it keeps the last one silently; YAML 1.2 says keys are unique)."""
     import yaml
 
     class UniqueKeyLoader(yaml.SafeLoader):
         def construct_mapping(self, node, deep=False):
             seen = set()
+            span = range(node.start_mark.index, node.end_mark.index)
             for key_node, _ in node.value:
-                if key_node.tag == "tag:yaml.org,2002:merge":
-                    continue  # "<<:" merges another mapping: its keys may be overridden here
+                if key_node.tag == "tag:yaml.org,2002:merge" or key_node.start_mark.index not in span:
+                    continue  # a merge ("<<:"), or a key it brought in: keys written here override it
                 key = self.construct_object(key_node, deep=True)
-                if not isinstance(key, (str, int, float, bool)):
-                    continue  # unhashable or odd: the parser itself says what is wrong
+                if not isinstance(key, str):
+                    continue  # settings are named by strings; others are refused as unknown
                 if key in seen:
                     raise yaml.constructor.ConstructorError(
                         "while reading a mapping", node.start_mark,

@@ -266,8 +266,8 @@ class PutCommit(_Msg):
     """Make ``items``, written into lease ``lease_id`` of ``owner_id``, visible: one
     COMPLETE replica each. Reply: :class:`CodesResp`, one code per item (LEASE_EXPIRED
     for every item when the lease is unknown or expired: put them the PutStart way).
-    Idempotent: sent again, an item applied the first time answers OK while its key is
-    still at its range (a client resends a commit whose reply was lost)."""
+    Idempotent: sent again (its reply was lost), an item this master applied the first
+    time answers OK, among its last 8,192 commits."""
 
     owner_id: Name
     lease_id: Id

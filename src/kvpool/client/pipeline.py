@@ -10,7 +10,7 @@ before the call returns. One thing differs: when no master answers a batch put's
 commit any more, the chunks committed before stay committed (the call raises; a retry
 finds them as OBJECT_ALREADY_EXISTS), where one commit was applied whole or not at
 all. A get's query and a put's commit are asked again after a broken connection (both
-are idempotent: the master answers OK for an item it committed before) and the chunk
+are idempotent: the master answers OK for an item it committed just before) and the chunk
 whose copy was to overlap it is copied all the same. The master and the client run on different cores, so
 the master's share of a batch (per key: a lookup or a commit, and its reply) leaves
 the critical path, except for the first query of a get and the last commit of a put.

@@ -30,6 +30,7 @@ from kvpool.master.objects import Replica
 from kvpool.protocol import AllocLeaseResp, CodesResp, CommitItem, CountResp, ReplicaDesc
 
 LEASE_SHARE = 16  # a lease covers at most 1/16 of its segment
+OK = ErrorCode.OK
 
 
 @dataclass(slots=True, eq=False)
@@ -75,13 +76,6 @@ class AllocLeases:
         ranges = lease.committed
         i = bisect.bisect_right(ranges, (offset, math.inf))
         return not (i > 0 and ranges[i - 1][1] > offset) and not (i < len(ranges) and ranges[i][0] < offset + length)
-
-    def committed_at(self, lease: AllocLease, offset: int, length: int) -> bool:
-        """True if ``[offset, offset + length)`` lies inside one range committed from
-        ``lease`` (a commit applied before: see :meth:`LeaseHandlers._repeated`)."""
-        ranges = lease.committed
-        i = bisect.bisect_right(ranges, (offset, math.inf))
-        return i > 0 and ranges[i - 1][0] <= offset and offset + length <= ranges[i - 1][1]
 
     def claim(self, lease: AllocLease, offset: int, length: int) -> None:
         """Record ``[offset, offset + length)`` (checked by :meth:`fits`) as committed."""
@@ -134,7 +128,8 @@ class LeaseHandlers:
     """The allocation-lease handlers of :class:`~kvpool.master.service.MasterService` (a
     mixin: it uses the service's ``config``, ``clock``, ``segments``, ``objects``,
     ``grants``, ``counters``, ``alloc_leases``, ``_used_ratio``, ``_admit``,
-    ``_soft_pin_ttl`` and ``_commit``)."""
+    ``_soft_pin_ttl``, ``_commit``, ``_commit_new``, ``_remember_commit`` and
+    ``_committed_before``)."""
 
     def alloc_lease(self, owner_id: str, size: int, host_id: str = "", segment: str = "") -> AllocLeaseResp:
         """Grant ``owner_id`` an extent of at most ``size`` bytes (also at most
@@ -179,32 +174,35 @@ class LeaseHandlers:
         outside, misaligned or overlapping a committed one)
         and PutStart's OBJECT_ALREADY_EXISTS / REPLICA_IS_NOT_READY. A commit sent again
         (its reply was lost: the client resends it on a new connection) answers OK for
-        each item applied the first time whose key is still where it put it
-        (:meth:`_repeated`), and changes nothing."""
+        each item this incarnation applied the first time (among the last
+        ENDED_PUTS_KEPT commits, as a resent PutEnd), whatever came after (the lease
+        ended, the key upserted or removed), and changes nothing."""
         now = self.clock()
         lease = self.alloc_leases.open.get(lease_id)
         # a withheld segment's node is dead: the client puts elsewhere (PutStart)
         if lease is None or lease.deadline <= now or lease.segment in self.segments.withheld:
-            self.counters["commits_refused_lease"] += len(items)
-            return CodesResp([ErrorCode.LEASE_EXPIRED] * len(items))
+            codes = [OK if self._committed_before((lease_id, item.offset, item.size), item.key) else ErrorCode.LEASE_EXPIRED
+                     for item in items]
+            self.counters["commits_refused_lease"] += codes.count(ErrorCode.LEASE_EXPIRED)
+            return CodesResp(codes)
         if lease.owner != owner_id:
             return CodesResp([ErrorCode.ILLEGAL_CLIENT] * len(items))
-        repeated = self.counters["put_commits_repeated"]
+        repeated = self.counters["commits_repeated"]
         codes = [self._commit_item(lease, item, now) for item in items]
         self._check_watermark()
-        repeated = self.counters["put_commits_repeated"] - repeated
-        self.counters["put_commit"] += codes.count(ErrorCode.OK) - repeated
+        self.counters["put_commit"] += codes.count(OK) - (self.counters["commits_repeated"] - repeated)
         return CodesResp(codes)
 
     def _commit_item(self, lease: AllocLease, item: CommitItem, now: float) -> int:
+        """One item of :meth:`put_commit`: OK when committed, or applied before (a
+        resend), else the code that refused it."""
         length = self.segments.rounded(item.size)
         soft_pin_ttl = self._soft_pin_ttl(item)
         if item.size <= 0 or soft_pin_ttl is None:
             return ErrorCode.INVALID_PARAMS
         if not self.alloc_leases.fits(lease, item.offset, length):
-            if self._repeated(lease, item, length):
-                self.counters["put_commits_repeated"] += 1
-                return ErrorCode.OK
+            if self._committed_before((lease.lease_id, item.offset, item.size), item.key):
+                return OK
             return ErrorCode.INVALID_PARAMS
         known = item.key in self.objects  # a record: visible, or with a put in flight
         code = self._admit(item.key, item.upsert, now) if known else self._key_code(item.key)
@@ -215,24 +213,12 @@ class LeaseHandlers:
         obj = self.objects.get(item.key) if known else None  # _admit may have dropped it
         if obj is None:
             self._commit_new(item.key, replica, item.soft_pin, soft_pin_ttl, item.hard_pin, now)
+            key = item.key  # the table's string now
         else:
             self._commit(obj, [replica], item.size, item.soft_pin, soft_pin_ttl, item.hard_pin, now)
-        return ErrorCode.OK
-
-    def _repeated(self, lease: AllocLease, item: CommitItem, length: int) -> bool:
-        """Whether ``item`` was committed from ``lease`` before: its range is one the
-        lease committed, and its key's one replica is that very range. Only this
-        commit can have put it there: a lease's writer places each value at an offset
-        of its own, and a range is committed from a lease once (:meth:`AllocLeases.fits`).
-        A key changed since (removed, upserted) is not: INVALID_PARAMS, as before."""
-        if not self.alloc_leases.committed_at(lease, item.offset, length):
-            return False
-        obj = self.objects.get(item.key)
-        if obj is None or not obj.visible or obj.size != item.size:
-            return False
-        replicas = obj.replicas
-        return (len(replicas) == 1 and replicas[0].segment == lease.segment
-                and replicas[0].offset == item.offset)
+            key = obj.key
+        self._remember_commit((lease.lease_id, item.offset, item.size), key)
+        return OK
 
     def return_lease(self, owner_id: str, lease_ids: list[int]) -> CountResp:
         """End ``owner_id``'s leases of ``lease_ids`` and free their gaps now; ids

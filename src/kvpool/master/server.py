@@ -317,11 +317,14 @@ class MasterServer:
                 self._mid_frame[writer] = self.service.clock()
                 body = await reader.readexactly(length)
                 self._mid_frame.pop(writer, None)  # close_stalled may have dropped it
-                since = self._writes
+                since, repeats = self._writes, self.service.counters["commits_repeated"]
                 reply = await self.dispatch_sliced(body)
                 claim = self._take_claim(reply)
                 self._send_index()  # before the reply: the commit is with the node first
                 if self._behind and claim is None:  # a mount's reply tells of no commit
+                    if self.service.counters["commits_repeated"] != repeats:
+                        since = -1  # a resend answered OK wrote nothing: its first send's
+                        # update may still be in this process, so every stream drains first
                     await self._index_flushed(since)
                 written = reply is None or _write(writer, P.encode_frame(reply))
                 if claim is not None:  # adopted even when its node is gone: the finally checks it

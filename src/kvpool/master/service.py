@@ -46,10 +46,11 @@ from kvpool.protocol import (
     PutToken, ReplicaDesc, Resp, SegmentInfo, SegmentStats, StatsResp,
 )
 
-# PutEnds remembered (put id -> key), so that one resent after its reply was lost (a
-# broken connection; the client's channel resends an idempotent request) is answered OK,
-# not "no such put": about 1 MB, and the keys of objects since removed (2 MB measured with
-# 71-byte keys); a resend comes within a reconnect, far fewer PutEnds later
+# Commits remembered (a PutEnd's put id, or a PutCommit item's (lease id, offset, size) -> key),
+# so that one resent after its reply was lost (a broken connection; the client's channel
+# resends an idempotent request) is answered OK, not "no such put" or "bad range": about
+# 1-2 MB, and the keys of objects since removed (2 MB measured with 71-byte keys); a
+# resend comes within a reconnect, far fewer commits later
 ENDED_PUTS_KEPT = 1 << 13
 MIN_SEGMENT_SIZE = 1 << 10  # bytes; Mooncake's MIN_SEGMENT_SIZE: smaller mounts are refused
 log = logging.getLogger("kvpool.master")
@@ -86,7 +87,7 @@ class MasterService(Eviction, Restore, LeaseHandlers):
         self.incarnation = new_epoch()
         self._next_put_id = new_epoch()
         self.in_flight: set[str] = set()  # keys with a pending put (tick scans only these)
-        self._ended: OrderedDict[int, str] = OrderedDict()  # the last ENDED_PUTS_KEPT PutEnds
+        self._ended: OrderedDict[object, str] = OrderedDict()  # the last ENDED_PUTS_KEPT commits
         self.wants_eviction = False
         self._eviction_debt = 0
         self.index_log = IndexLog()  # changes for the nodes' indexes (master/restore.py)
@@ -261,7 +262,7 @@ class MasterService(Eviction, Restore, LeaseHandlers):
         committed among the last ENDED_PUTS_KEPT (a resend whose reply was lost: the
         value is stored, whatever came after); else OBJECT_NOT_FOUND or INVALID_WRITE
         (no such put in flight: discarded, revoked, or an earlier incarnation's)."""
-        if self._ended.get(token.put_id) == token.key:
+        if self._committed_before(token.put_id, token.key):
             return Resp(OK)
         obj = self.objects.get(token.key)
         if obj is None:
@@ -272,12 +273,28 @@ class MasterService(Eviction, Restore, LeaseHandlers):
         self._clear_pending(obj)
         self._commit(obj, pending.replicas, pending.size, pending.soft_pin, pending.soft_pin_ttl_ms,
                      pending.hard_pin, self.clock())
-        self._ended[token.put_id] = obj.key  # the table's string: no second copy while it lives
-        if len(self._ended) > ENDED_PUTS_KEPT:
-            self._ended.popitem(last=False)
+        self._remember_commit(token.put_id, obj.key)
         self._check_watermark()
         self.counters["put_end"] += 1
         return Resp(OK)
+
+    def _remember_commit(self, ref: object, key: str) -> None:
+        """Keep ``ref`` (a put id, a (lease id, offset, size) item) as committed for ``key``
+        (the table's own string: no second copy while its object lives), the last
+        ENDED_PUTS_KEPT of them."""
+        self._ended[ref] = key
+        if len(self._ended) > ENDED_PUTS_KEPT:
+            self._ended.popitem(last=False)
+
+    def _committed_before(self, ref: object, key: str) -> bool:
+        """Whether ``ref`` is a commit of ``key`` this incarnation applied (among the
+        last ENDED_PUTS_KEPT): a resend, to answer OK whatever came after. Counted as
+        ``commits_repeated``: the server then lets the reply wait for every index
+        update still in its memory, the first send's among them."""
+        if self._ended.get(ref) != key:
+            return False
+        self.counters["commits_repeated"] += 1
+        return True
 
     def _commit(self, obj: ObjectMeta, replicas: list[Replica], size: int, soft_pin: int, soft_pin_ttl_ms: int,
                 hard_pin: bool, now: float) -> None:
