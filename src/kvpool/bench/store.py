@@ -20,7 +20,7 @@ mooncake x-proc     Mooncake client without segment; another process holds it (T
 redis               redis-server on 127.0.0.1, redis-py
 memcpy              numpy copy into a preallocated buffer (limit of a same-host copy)
 tcp-stream          one loopback TCP stream, sendall -> recv_into (limit of one connection)
-tcp-rr              the same connection, one value per one-byte request (floor of a single get)
+tcp-rr              the same connection, one value per one-byte request (a bare single get)
 ==================  ========================================================================
 """
 

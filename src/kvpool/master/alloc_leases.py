@@ -128,7 +128,7 @@ class LeaseHandlers:
     """The allocation-lease handlers of :class:`~kvpool.master.service.MasterService` (a
     mixin: it uses the service's ``config``, ``clock``, ``segments``, ``objects``,
     ``grants``, ``counters``, ``alloc_leases``, ``_used_ratio``, ``_admit``,
-    ``_soft_pin_ttl``, ``_commit``, ``_commit_new``, ``_remember_commit`` and
+    ``_soft_pin_ttl``, ``_commit``, ``_commit_new``, ``_remember_commits`` and
     ``_committed_before``)."""
 
     def alloc_lease(self, owner_id: str, size: int, host_id: str = "", segment: str = "") -> AllocLeaseResp:
@@ -181,21 +181,24 @@ class LeaseHandlers:
         lease = self.alloc_leases.open.get(lease_id)
         # a withheld segment's node is dead: the client puts elsewhere (PutStart)
         if lease is None or lease.deadline <= now or lease.segment in self.segments.withheld:
-            codes = [OK if self._committed_before((lease_id, item.offset, item.size), item.key) else ErrorCode.LEASE_EXPIRED
-                     for item in items]
+            codes = [OK if self._committed_before((lease_id, item.offset, item.size), item.key)
+                     else ErrorCode.LEASE_EXPIRED for item in items]
             self.counters["commits_refused_lease"] += codes.count(ErrorCode.LEASE_EXPIRED)
             return CodesResp(codes)
         if lease.owner != owner_id:
             return CodesResp([ErrorCode.ILLEGAL_CLIENT] * len(items))
         repeated = self.counters["commits_repeated"]
-        codes = [self._commit_item(lease, item, now) for item in items]
+        done: list[tuple[tuple[int, int, int], str]] = []  # what a resend may find (_committed_before)
+        codes = [self._commit_item(lease, item, now, done) for item in items]
+        self._remember_commits(done)
         self._check_watermark()
         self.counters["put_commit"] += codes.count(OK) - (self.counters["commits_repeated"] - repeated)
         return CodesResp(codes)
 
-    def _commit_item(self, lease: AllocLease, item: CommitItem, now: float) -> int:
-        """One item of :meth:`put_commit`: OK when committed, or applied before (a
-        resend), else the code that refused it."""
+    def _commit_item(self, lease: AllocLease, item: CommitItem, now: float, done: list) -> int:
+        """One item of :meth:`put_commit`: OK when committed (then ``((lease id,
+        offset, size), key)`` is added to ``done``), or applied before (a resend), else
+        the code that refused it."""
         length = self.segments.rounded(item.size)
         soft_pin_ttl = self._soft_pin_ttl(item)
         if item.size <= 0 or soft_pin_ttl is None:
@@ -217,7 +220,7 @@ class LeaseHandlers:
         else:
             self._commit(obj, [replica], item.size, item.soft_pin, soft_pin_ttl, item.hard_pin, now)
             key = obj.key
-        self._remember_commit((lease.lease_id, item.offset, item.size), key)
+        done.append(((lease.lease_id, item.offset, item.size), key))
         return OK
 
     def return_lease(self, owner_id: str, lease_ids: list[int]) -> CountResp:

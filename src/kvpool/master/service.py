@@ -273,18 +273,20 @@ class MasterService(Eviction, Restore, LeaseHandlers):
         self._clear_pending(obj)
         self._commit(obj, pending.replicas, pending.size, pending.soft_pin, pending.soft_pin_ttl_ms,
                      pending.hard_pin, self.clock())
-        self._remember_commit(token.put_id, obj.key)
+        self._remember_commits([(token.put_id, obj.key)])
         self._check_watermark()
         self.counters["put_end"] += 1
         return Resp(OK)
 
-    def _remember_commit(self, ref: object, key: str) -> None:
-        """Keep ``ref`` (a put id, a (lease id, offset, size) item) as committed for ``key``
-        (the table's own string: no second copy while its object lives), the last
-        ENDED_PUTS_KEPT of them."""
-        self._ended[ref] = key
-        if len(self._ended) > ENDED_PUTS_KEPT:
-            self._ended.popitem(last=False)
+    def _remember_commits(self, done: list[tuple[object, str]]) -> None:
+        """Keep each ``(ref, key)`` of ``done`` (ref: a put id, or a PutCommit item's
+        (lease id, offset, size)) as committed for ``key`` (the table's own string: no
+        second copy while its object lives), the last ENDED_PUTS_KEPT of them."""
+        ended = self._ended
+        for ref, key in done:
+            ended[ref] = key
+        while len(ended) > ENDED_PUTS_KEPT:
+            ended.popitem(last=False)
 
     def _committed_before(self, ref: object, key: str) -> bool:
         """Whether ``ref`` is a commit of ``key`` this incarnation applied (among the
