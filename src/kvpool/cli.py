@@ -99,7 +99,7 @@ def _negative_values_joined(argv: list[str]) -> list[str]:
     for i, token in enumerate(argv):
         if token == "--":  # the rest are positional arguments, as written
             return out + argv[i:]
-        if (out and out[-1].startswith("--") and out[-1] != "--" and "=" not in out[-1]
+        if (out and out[-1].startswith("--") and "=" not in out[-1]
                 and _NEGATIVE_WITH_UNIT.fullmatch(token)):
             out[-1] = f"{out[-1]}={token}"
         else:

@@ -187,12 +187,11 @@ class LeaseHandlers:
             return CodesResp(codes)
         if lease.owner != owner_id:
             return CodesResp([ErrorCode.ILLEGAL_CLIENT] * len(items))
-        repeated = self.counters["commits_repeated"]
-        done: list[tuple[tuple[int, int, int], str]] = []  # what a resend may find (_committed_before)
+        done: list[tuple[tuple[int, int, int], str]] = []  # the items applied now (a resend's are not)
         codes = [self._commit_item(lease, item, now, done) for item in items]
         self._remember_commits(done)
         self._check_watermark()
-        self.counters["put_commit"] += codes.count(OK) - (self.counters["commits_repeated"] - repeated)
+        self.counters["put_commit"] += len(done)
         return CodesResp(codes)
 
     def _commit_item(self, lease: AllocLease, item: CommitItem, now: float, done: list) -> int:
