@@ -193,6 +193,17 @@ def test_admin_errors_are_clear(admin_cluster, path, status, code):
     assert (got, body["code"]) == (status, code) and body["error"]
 
 
+def test_unknown_paths_and_methods_get_json_errors_naming_the_paths(admin_cluster):
+    for addr, path in ((master_http(admin_cluster), "/query_key"), (node_http(admin_cluster), "/health")):
+        status, body = get_json(addr, "/nope")
+        assert status == 404 and "GET /nope" in body["error"] and path in body["error"]
+        req = urllib.request.Request(f"http://{addr}/health", data=b"{}", method="POST")
+        with pytest.raises(urllib.error.HTTPError) as err:
+            urllib.request.urlopen(req, timeout=10)
+        assert err.value.code == 405 and err.value.headers["Content-Type"].startswith("application/json")
+        assert "POST /health" in json.loads(err.value.read())["error"]
+
+
 def test_keys_endpoint(admin_cluster, kv):
     for key in ("p/a", "p/b", "p/c", "other"):
         kv.put(key, b"v")

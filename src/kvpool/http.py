@@ -26,6 +26,7 @@ async def start_site(app: web.Application, host: str, port: int,
     Returns (runner, "host:port" actually bound); ``await runner.cleanup()`` stops it.
     Raises UserError when the port is in use or the address cannot be bound.
     """
+    app.middlewares.append(_json_errors)
     if secret is not None:
         app.middlewares.append(_bearer(http_token(secret)))
     runner = web.AppRunner(app, access_log=None)
@@ -39,6 +40,21 @@ async def start_site(app: web.Application, host: str, port: int,
         raise UserError(f"cannot serve admin HTTP on {format_addr(host, port)}: {exc.strerror or exc}") from None
     bound_port = runner.addresses[0][1]
     return runner, format_addr(host, bound_port)
+
+
+@web.middleware
+async def _json_errors(request: web.Request, handler):
+    """aiohttp's own refusals (an unknown path: 404, a method other than GET: 405) as the
+    same JSON error body as every other error of these apps, naming the paths served
+    (aiohttp answers them in plain text, which a client parsing JSON fails on)."""
+    try:
+        return await handler(request)
+    except web.HTTPException as exc:
+        if exc.status < 400:
+            raise
+        paths = sorted({r.resource.canonical for r in request.app.router.routes() if r.resource is not None})
+        return error_response(exc.status, f"{exc.reason}: {request.method} {request.path} "
+                                          f"(this server answers GET {', '.join(paths)})")
 
 
 def _bearer(token: str):
