@@ -23,7 +23,7 @@ from kvpool.errors import ErrorCode, KVPoolError, ObjectExists
 from kvpool.etcd import Etcd
 from kvpool.launch_ha import EtcdServer, HAGroup, etcd_binary, is_leader
 from kvpool.master.election import Election
-from kvpool.rpc import RpcChannel
+from kvpool.rpc import MIN_WAIT, RpcChannel
 
 pytestmark = pytest.mark.skipif(etcd_binary() is None, reason="etcd not installed (apt-get install etcd-server)")
 TTL_S = 2  # etcd's smallest lease TTL with its default election timeout
@@ -142,6 +142,42 @@ def test_paused_leader_refuses_when_resumed():
             assert group.masters[old].proc.wait(20) == 3
             assert c.get("kept") == value_of("kept") and c.get("after") == value_of("after")
             assert not c.is_exist("stale")
+
+
+def test_a_stalled_leader_loses_the_nodes_once_another_master_leads():
+    """With the leader stopped (SIGSTOP: its connections stay open, nothing answers), a
+    node's heartbeat gives up after about one interval instead of the channel's whole
+    timeout (5 s), and ends its index stream once another master answers as leader, so
+    the new leader gets the segment and its objects. A segment host's check of that
+    (_leader_elsewhere) says no while the leader runs (the standby refuses)."""
+    with HAGroup(masters=2, num_nodes=1, lease_ttl_s=TTL_S, master_args=FAST) as group:
+        with Client(group.master_spec, timeout_s=5.0) as c, \
+                Client(group.master_spec, timeout_s=5.0, global_segment_size=1 << 20) as own:
+            c.put("kept", value_of("kept"))
+            old = group.wait_leader()
+            assert not own.segment._leader_elsewhere()
+            pid = group.masters[old].proc.pid
+            assert pause_process(pid)
+            try:
+                proc_helpers.wait_for(lambda: group.leader_index() not in (None, old), 30,
+                                      "the standby to take over")
+                led_at = time.monotonic()
+                new = RpcChannel(group.master_addrs[group.leader_index()], 5.0, b"")
+                proc_helpers.wait_for(lambda: new.call(P.GetReplicaList("kept")).code == ErrorCode.OK, 30,
+                                      "the node to mount with the new leader")
+                print(f"the node's object found on the new leader {time.monotonic() - led_at:.2f} s "
+                      "after it took over")
+                new.close()
+                # the heartbeat's check ended the stream, or the new leader's answer to the
+                # next heartbeat did; before, the heartbeat waited out its 5 s timeout
+                # ("no leader took the heartbeat")
+                said = group.nodes[0].log_tail(200)
+                assert "another master leads" in said or "master forgot segment" in said, said
+                # one heartbeat interval (1 s with --client-ttl 4), at least MIN_WAIT of 5 s
+                assert f"no answer within {max(1.0, MIN_WAIT * 5.0):g} s" in said, said
+            finally:
+                os.kill(pid, signal.SIGCONT)
+            group.masters[old].stopped = True  # it exits (status 3) on finding it lost the lead
 
 
 def test_master_on_a_wildcard_address_must_advertise():

@@ -188,9 +188,9 @@ class SegmentHost:
                 return
             populate(offset, min(step, self.segment_size - offset))
 
-    def _call(self, request):
+    def _call(self, request, deadline: float | None = None):
         with self._rpc_lock:
-            return self.master.call(request)
+            return self.master.call(request, deadline=deadline)
 
     def _fence(self) -> bool:
         """End the current mount epoch: no grant of it moves bytes any more, and the
@@ -255,15 +255,43 @@ class SegmentHost:
             self._stop.wait(REMOUNT_RETRY_S)
 
     def _heartbeat_loop(self) -> None:
+        """Heartbeat every ``interval_s``. With several masters (HA) a heartbeat waits
+        about one interval (at least :data:`~kvpool.rpc.MIN_WAIT` of the channel's
+        timeout), not the whole timeout: a stalled leader (SIGSTOP, a hung host) holds
+        its connections open, and this node's stream to it ends only when the heartbeat
+        gives up, so the new leader had no segments for 5 s. A heartbeat that fails then
+        ends the stream only when another master answers as leader (:meth:`_leader_elsewhere`):
+        a leader that is merely slow keeps its stream (a re-mount fences the transfers
+        in flight)."""
+        ha = self.master.masters.ha
         while not self._stop.wait(self.interval_s):
             mounts = self.mounts  # a mount that lands while the heartbeat is out answers it
+            deadline = time.monotonic() + self.interval_s if ha else None
             try:
-                if self._call(P.Heartbeat(self.owner_id)).code == ErrorCode.CLIENT_NOT_FOUND:
+                if self._call(P.Heartbeat(self.owner_id), deadline).code == ErrorCode.CLIENT_NOT_FOUND:
                     self._lost_master(mounts, "master forgot segment %s")
             except KVPoolError as exc:  # master down or restarting: keep trying
                 log.warning("heartbeat to %s failed: %s", self.master_addr, exc)
-                if self.master.masters.ha:  # the stream may hang on a stalled ex-leader:
-                    self._lost_master(mounts, "no leader took the heartbeat of segment %s")
+                if ha and self._leader_elsewhere():  # the stream may hang on a stalled ex-leader
+                    self._lost_master(mounts, "another master leads: segment %s mounts with it")
+
+    def _leader_elsewhere(self) -> bool:
+        """Whether a master other than the stream's answers a Ping (a standby refuses
+        every request, so the one that answers leads), each asked within one
+        heartbeat interval."""
+        for addr in self.master.masters.candidates():
+            if addr == self._stream.addr:
+                continue
+            probe = RpcChannel(addr, timeout_s=max(0.1, self.interval_s), secret=self.secret or b"",
+                               failover_s=0.0)
+            try:
+                probe.call(P.Ping())
+                return True
+            except KVPoolError:
+                continue
+            finally:
+                probe.close()
+        return False
 
     def _lost_master(self, mounts: int, why: str) -> None:
         """End the stream (its thread mounts again) unless a mount happened since
