@@ -201,6 +201,7 @@ def test_unknown_paths_and_methods_get_json_errors_naming_the_paths(admin_cluste
         with pytest.raises(urllib.error.HTTPError) as err:
             urllib.request.urlopen(req, timeout=10)
         assert err.value.code == 405 and err.value.headers["Content-Type"].startswith("application/json")
+        assert "GET" in err.value.headers["Allow"]
         assert "POST /health" in json.loads(err.value.read())["error"]
 
 

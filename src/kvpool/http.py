@@ -53,8 +53,11 @@ async def _json_errors(request: web.Request, handler):
         if exc.status < 400:
             raise
         paths = sorted({r.resource.canonical for r in request.app.router.routes() if r.resource is not None})
-        return error_response(exc.status, f"{exc.reason}: {request.method} {request.path} "
-                                          f"(this server answers GET {', '.join(paths)})")
+        reply = error_response(exc.status, f"{exc.reason}: {request.method} {request.path} "
+                                           f"(this server answers GET {', '.join(paths)})")
+        if "Allow" in exc.headers:  # a 405 names the methods allowed (RFC 9110)
+            reply.headers["Allow"] = exc.headers["Allow"]
+        return reply
 
 
 def _bearer(token: str):

@@ -17,8 +17,9 @@ segment) or a heartbeat says the master forgot us, the host fences the old mount
 (:mod:`kvpool.transfer.epoch`: no grant of it moves bytes any more) and mounts again,
 reporting its index, until a master takes it: a new master incarnation rebuilds the
 objects from it (master/restore.py). With HA masters (a list or etcd as ``master_addr``)
-the channels follow the leader (:mod:`kvpool.rpc`), and a heartbeat that finds no
-leader also ends the stream, which may hang on a leader that stalled and was replaced.
+the channels follow the leader (:mod:`kvpool.rpc`), and a heartbeat that fails ends
+the stream when another master answers as leader: it may hang on a leader that stalled
+and was replaced.
 """
 
 from __future__ import annotations
@@ -256,8 +257,8 @@ class SegmentHost:
 
     def _heartbeat_loop(self) -> None:
         """Heartbeat every ``interval_s``. With several masters (HA) a heartbeat waits
-        about one interval (at least :data:`~kvpool.rpc.MIN_WAIT` of the channel's
-        timeout), not the whole timeout: a stalled leader (SIGSTOP, a hung host) holds
+        one interval, at least :data:`~kvpool.rpc.MIN_WAIT` and at most all of the
+        channel's 5 s timeout, not always the whole timeout: a stalled leader (SIGSTOP, a hung host) holds
         its connections open, and this node's stream to it ends only when the heartbeat
         gives up, so the new leader had no segments for 5 s. A heartbeat that fails then
         ends the stream only when another master answers as leader (:meth:`_leader_elsewhere`):
