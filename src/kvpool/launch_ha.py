@@ -17,14 +17,12 @@ import tempfile
 import time
 from pathlib import Path
 
-from kvpool import protocol as P
 from kvpool.child import spawn
-from kvpool.errors import ErrorCode, KVPoolError
 from kvpool.etcd import Etcd, EtcdError
 from kvpool.launch import Child, LaunchError
 from kvpool.master.cli import LOST_LEAD
 from kvpool.masters import DEFAULT_KEY
-from kvpool.rpc import RpcChannel
+from kvpool.rpc import is_leader
 
 
 def free_port(host: str = "127.0.0.1") -> int:
@@ -84,21 +82,6 @@ class EtcdServer:
                 self.proc.kill()
                 self.proc.wait()
         shutil.rmtree(self.dir, ignore_errors=True)
-
-
-def is_leader(addr: str, timeout_s: float = 1.0) -> bool:
-    """True when the master at ``addr`` serves (answers a Ping); False when it refuses
-    (a standby) or cannot be reached."""
-    chan = RpcChannel(addr, timeout_s, b"")
-    try:
-        chan.call(P.Ping())
-        return True
-    except KVPoolError as exc:
-        if exc.code not in (ErrorCode.UNAVAILABLE_IN_CURRENT_STATUS, ErrorCode.RPC_FAIL):
-            raise
-        return False
-    finally:
-        chan.close()
 
 
 Place = tuple[tuple[str, ...], str]  # (command prefix, e.g. ip netns exec NS; address to listen on)

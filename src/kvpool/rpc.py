@@ -43,7 +43,7 @@ import msgspec
 from kvpool import auth, local_socket, tcp_connect
 from kvpool import protocol as P
 from kvpool.config import parse_addr
-from kvpool.errors import ErrorCode, RpcFailed, code_of
+from kvpool.errors import ErrorCode, KVPoolError, RpcFailed, code_of
 from kvpool.masters import MasterAddrs
 from kvpool.spin import ReplyWait
 
@@ -441,3 +441,19 @@ class _Broken(Exception):
 
     def __init__(self, error: RpcFailed, second: bool, final: bool = False, unsent: bool = False):
         self.error, self.second, self.final, self.unsent = error, second, final, unsent
+
+
+def is_leader(addr: str, timeout_s: float = 1.0, secret: bytes = b"") -> bool:
+    """True when the master at ``addr`` serves (answers a Ping within ``timeout_s``
+    seconds); False when it refuses (a standby) or cannot be reached. Raises
+    KVPoolError for another failure (e.g. INVALID_VERSION: another kvpool release)."""
+    chan = RpcChannel(addr, timeout_s, secret)
+    try:
+        chan.call(P.Ping())
+        return True
+    except KVPoolError as exc:
+        if exc.code not in (ErrorCode.UNAVAILABLE_IN_CURRENT_STATUS, ErrorCode.RPC_FAIL):
+            raise
+        return False
+    finally:
+        chan.close()

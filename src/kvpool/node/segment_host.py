@@ -39,7 +39,7 @@ from kvpool import protocol as P
 from kvpool.config import format_addr
 from kvpool.errors import ErrorCode, InvalidParams, KVPoolError, RpcFailed, UserError
 from kvpool.node.data_server import MAX_CONNECTIONS, STALL_S, DataServer
-from kvpool.rpc import MasterUnreachable, RpcChannel
+from kvpool.rpc import MasterUnreachable, RpcChannel, is_leader
 from kvpool.throttle import Throttle
 from kvpool.transfer import local_host_id
 from kvpool.transfer.epoch import SHM_DIR, EpochWord, shm_bytes
@@ -257,13 +257,13 @@ class SegmentHost:
 
     def _heartbeat_loop(self) -> None:
         """Heartbeat every ``interval_s``. With several masters (HA) a heartbeat waits
-        one interval, at least :data:`~kvpool.rpc.MIN_WAIT` and at most all of the
-        channel's 5 s timeout, not always the whole timeout: a stalled leader (SIGSTOP, a hung host) holds
-        its connections open, and this node's stream to it ends only when the heartbeat
-        gives up, so the new leader had no segments for 5 s. A heartbeat that fails then
-        ends the stream only when another master answers as leader (:meth:`_leader_elsewhere`):
-        a leader that is merely slow keeps its stream (a re-mount fences the transfers
-        in flight)."""
+        one interval (at least :data:`~kvpool.rpc.MIN_WAIT` and at most all of the
+        channel's 5 s timeout), not always the whole timeout: a stalled leader
+        (SIGSTOP, a hung host) holds its connections open, and this node's stream to it
+        ends only when the heartbeat gives up, so the new leader had no segments for
+        5 s. A heartbeat that fails then ends the stream only when another master
+        leads (:meth:`_leader_elsewhere`): a leader that is merely slow keeps its
+        stream (a re-mount fences the transfers in flight)."""
         ha = self.master.masters.ha
         while not self._stop.wait(self.interval_s):
             mounts = self.mounts  # a mount that lands while the heartbeat is out answers it
@@ -277,21 +277,14 @@ class SegmentHost:
                     self._lost_master(mounts, "another master leads: segment %s mounts with it")
 
     def _leader_elsewhere(self) -> bool:
-        """Whether a master other than the stream's answers a Ping (a standby refuses
-        every request, so the one that answers leads), each asked within one
-        heartbeat interval."""
+        """Whether a master other than the stream's leads (:func:`~kvpool.rpc.is_leader`:
+        a standby refuses every request), each asked within one heartbeat interval; a
+        master that fails otherwise (another release) counts as not leading."""
         for addr in self.master.masters.candidates():
-            if addr == self._stream.addr:
-                continue
-            probe = RpcChannel(addr, timeout_s=max(0.1, self.interval_s), secret=self.secret or b"",
-                               failover_s=0.0)
-            try:
-                probe.call(P.Ping())
-                return True
-            except KVPoolError:
-                continue
-            finally:
-                probe.close()
+            if addr != self._stream.addr:
+                with contextlib.suppress(KVPoolError):
+                    if is_leader(addr, max(0.1, self.interval_s), self.secret or b""):
+                        return True
         return False
 
     def _lost_master(self, mounts: int, why: str) -> None:
