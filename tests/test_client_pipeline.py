@@ -211,8 +211,8 @@ def test_a_commit_whose_reply_is_lost_is_sent_again_and_the_put_succeeds(op):
         chan = c._channel()
         exchange, commits = chan._exchange, []
 
-        def lose_a_commit_reply(frame, kind, during=None):
-            reply = exchange(frame, kind, during)
+        def lose_a_commit_reply(frame, kind, *rest):
+            reply = exchange(frame, kind, *rest)
             if kind is P.PutCommit:
                 commits.append(reply)
                 if len(commits) == min(2, count):

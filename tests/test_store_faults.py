@@ -257,8 +257,8 @@ def test_a_put_end_whose_reply_was_lost_is_resent_and_the_put_succeeds(cluster, 
         chan = c._channel()
         exchange, dropped = chan._exchange, []
 
-        def drop_the_first_commit_reply(frame, kind, during=None):
-            reply = exchange(frame, kind, during)
+        def drop_the_first_commit_reply(frame, kind, *rest):
+            reply = exchange(frame, kind, *rest)
             if kind in (P.PutEnd, P.BatchPutEnd) and not dropped:
                 dropped.append(reply)
                 raise ConnectionResetError("the reply was lost (injected)")

@@ -181,6 +181,43 @@ def test_a_stalled_leader_loses_the_nodes_once_another_master_leads():
             group.masters[old].stopped = True  # it exits (status 3) on finding it lost the lead
 
 
+def test_a_client_follows_a_stalled_leader_without_waiting_out_its_timeout():
+    """With the leader stopped (SIGSTOP: its connections stay open, nothing answers), a
+    client's next requests go to the new leader about STALL_PROBE_S after it took over,
+    not after the client's timeout (60 s here; before, each waited it out): a query
+    (idempotent) and a put, whose PutStart is not idempotent (the stopped one, fenced,
+    refuses it when it runs again). Nothing of the put is doubled or lost."""
+    with HAGroup(masters=2, num_nodes=1, lease_ttl_s=TTL_S, master_args=FAST) as group:
+        with Client(group.master_spec, timeout_s=60.0) as c:
+            c.put("kept", value_of("kept"))
+            old = group.wait_leader()
+            pid = group.masters[old].proc.pid
+            assert pause_process(pid)
+            try:
+                proc_helpers.wait_for(lambda: group.leader_index() not in (None, old), 30,
+                                      "the standby to take over")
+                started = time.monotonic()
+                c.stats()  # asked of the stopped leader first (this thread's connection)
+                print(f"a query answered {time.monotonic() - started:.2f} s after the new leader took over")
+                assert time.monotonic() - started < 30, "the client waited out its timeout"
+                proc_helpers.wait_for(lambda: readable(c, "kept"), 30, "the node to mount with the new leader")
+                stopped_first = [group.master_addrs[old]] + [a for a in group.master_addrs if a != group.master_addrs[old]]
+                put = RpcChannel(",".join(stopped_first), 60.0, b"")
+                put.connect()  # to the first of the list: the stopped leader
+                assert put.addr == group.master_addrs[old]
+                started = time.monotonic()
+                reply = put.call(P.PutStart(P.PutItem("fresh", 4096, 1)), idempotent=False)
+                assert reply.code == ErrorCode.OK and put.addr == group.master_addrs[group.leader_index()]
+                assert time.monotonic() - started < 30, "the PutStart waited out its timeout"
+                put.close()
+                assert put_ok(c, "after")
+            finally:
+                os.kill(pid, signal.SIGCONT)
+            group.masters[old].stopped = True  # it exits (status 3) on finding it lost the lead
+            assert group.masters[old].proc.wait(20) == 3
+            assert c.get("kept") == value_of("kept") and c.get("after") == value_of("after")
+
+
 def test_master_on_a_wildcard_address_must_advertise():
     out = proc_helpers.run_kvpool("master", "--etcd", "127.0.0.1:1", "--host", "0.0.0.0", "--port", "0")
     assert out.returncode != 0

@@ -327,8 +327,8 @@ def test_a_commit_applied_just_before_a_master_restart_is_kept_and_found_existin
         chan = writer._channel()
         exchange, restarts = chan._exchange, []
 
-        def restart_after_the_commit(frame, kind, during=None):
-            reply = exchange(frame, kind, during)
+        def restart_after_the_commit(frame, kind, *rest):
+            reply = exchange(frame, kind, *rest)
             if kind is P.PutCommit and not restarts:
                 restarts.append(reply)
                 restart(cluster, client)

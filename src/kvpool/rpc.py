@@ -17,7 +17,11 @@ is tried on the next candidate until ``failover_s`` has passed, so callers follo
 change of leader without a restart. A request whose connection broke after it was sent
 is retried only when idempotent; otherwise it fails with RpcFailed (retryable: the
 master that took it either applied it whole or not at all, and a new leader knows only
-what the nodes' indexes say was committed).
+what the nodes' indexes say was committed). A leader that stops answering without
+closing its connections (stopped, swapping, cut off) is noticed within about
+:data:`STALL_PROBE_S`: while a reply is late the channel asks the other masters whether
+one leads now, and if one does, the request goes to it (idempotent or not: the stalled
+one, fenced by the election, refuses whatever it reads when it runs again).
 :meth:`RpcChannel.notify` sends a notification (ReadDone), which gets no reply;
 :meth:`RpcChannel.receive_pending` collects what the master sends unasked (a node's
 index stream).
@@ -57,6 +61,10 @@ STREAM_RCVBUF = 4 << 20  # bytes of unasked frames the kernel holds between two 
 # of timeout_s: the least a request past its caller's deadline waits for its reply (a
 # commit after a long write decides the put: a short pause of the master must not fail it)
 MIN_WAIT = 0.25
+# several masters: a reply this late (s) has the channel ask whether another master leads
+# (a stalled leader otherwise holds every caller for its whole timeout, 10 s by default,
+# though a standby took over in 2-3 s); waits shorter than two of these are not probed
+STALL_PROBE_S = 1.0
 
 
 def _log_once(message: str) -> None:
@@ -219,7 +227,18 @@ class RpcChannel:
         try:
             if wait_s != self.timeout_s:
                 P.set_kernel_timeouts(self._sock, wait_s)
-            return self._exchange(frame, kind, during)
+            return self._exchange(frame, kind, during, wait_s)
+        except _Stalled as exc:
+            stalled = self.addr
+            self.masters.failed(stalled)
+            self.masters.answered(exc.leader)
+            self.close()
+            log.warning("master %s: no answer after %.1f s while %s leads: asking it instead",
+                        stalled, exc.waited_s, exc.leader)
+            # unsent in effect: the ex-leader refuses what it reads once it runs again
+            # (the election fences it before another can lead), so nothing is doubled
+            raise _Broken(RpcFailed(f"master {stalled}: no answer while {exc.leader} leads"),
+                          broke, unsent=True) from None
         except BlockingIOError:  # the kernel's timeout (SO_RCVTIMEO / SO_SNDTIMEO)
             hint = ("" if self._ever_answered else
                     " (a process took the connection and never answered: a stopped or overloaded "
@@ -280,8 +299,9 @@ class RpcChannel:
             return self.timeout_s  # most requests start well inside their deadline: no system calls
         return max(self.timeout_s * MIN_WAIT, left)
 
-    def _exchange(self, frame: bytes, kind: type, during=None):
-        """Send ``frame``, run ``during()`` if given, and receive and decode the reply."""
+    def _exchange(self, frame: bytes, kind: type, during=None, wait_s: float = 0.0):
+        """Send ``frame``, run ``during()`` if given, and receive and decode the reply
+        (with several masters, waited for as :meth:`_await_reply` says, ``wait_s`` at most)."""
         sent_at = time.perf_counter()
         try:
             self._sock.sendall(frame)
@@ -296,11 +316,41 @@ class RpcChannel:
             # the poll budget whenever the work does, and the master's reply would then
             # have to wake this thread (25-35 us here, kvpool.spin)
         self._replies.wait(self._sock, kind, sent_at)
+        if self.masters.ha and wait_s >= 2 * STALL_PROBE_S:
+            self._await_reply(wait_s)
         body = P.recv_frame(self._sock)
         self._replies.record(kind, sent_at)
         reply = P.reply_decoder.decode(body)
         self._answered = self._ever_answered = True
         return reply
+
+    def _await_reply(self, wait_s: float) -> None:
+        """Wait until the reply (or the connection's end) can be read, at most ``wait_s``
+        seconds, asking every :data:`STALL_PROBE_S` whether another master leads
+        (:meth:`leader_elsewhere`). Raises _Stalled when one does, BlockingIOError when
+        ``wait_s`` passes (as the kernel's timeout on the receive would)."""
+        start = time.monotonic()
+        end = start + wait_s
+        while not self._hangup.poll(max(0, int(min(STALL_PROBE_S, end - time.monotonic()) * 1000))):
+            if time.monotonic() >= end:
+                raise BlockingIOError
+            leader = self.leader_elsewhere(min(STALL_PROBE_S, max(0.1, end - time.monotonic())))
+            if leader is not None:
+                raise _Stalled(leader, time.monotonic() - start)
+
+    def leader_elsewhere(self, timeout_s: float) -> str | None:
+        """The address of a master other than the connected one that serves now
+        (:func:`is_leader`: a standby refuses every request), each asked within
+        ``timeout_s`` seconds; None when none does. A master that fails otherwise
+        (another release) counts as not leading."""
+        for addr in self.masters.candidates():
+            if addr != self.addr:
+                try:
+                    if is_leader(addr, timeout_s, self.secret or b""):
+                        return addr
+                except KVPoolError:
+                    pass
+        return None
 
     def _overlap(self, during: Callable[[], None]) -> None:
         """Run ``during`` between a request and its reply; if it raises, the reply can
@@ -428,6 +478,14 @@ class _Unsent(Exception):
 
     def __init__(self, error: OSError):
         self.error = error
+
+
+class _Stalled(Exception):
+    """The connected master did not answer for ``waited_s`` seconds while ``leader``
+    (another master) serves."""
+
+    def __init__(self, leader: str, waited_s: float):
+        self.leader, self.waited_s = leader, waited_s
 
 
 class _Broken(Exception):

@@ -39,7 +39,7 @@ from kvpool import protocol as P
 from kvpool.config import format_addr
 from kvpool.errors import ErrorCode, InvalidParams, KVPoolError, RpcFailed, UserError
 from kvpool.node.data_server import MAX_CONNECTIONS, STALL_S, DataServer
-from kvpool.rpc import MasterUnreachable, RpcChannel, is_leader
+from kvpool.rpc import MasterUnreachable, RpcChannel
 from kvpool.throttle import Throttle
 from kvpool.transfer import local_host_id
 from kvpool.transfer.epoch import SHM_DIR, EpochWord, shm_bytes
@@ -277,15 +277,10 @@ class SegmentHost:
                     self._lost_master(mounts, "another master leads: segment %s mounts with it")
 
     def _leader_elsewhere(self) -> bool:
-        """Whether a master other than the stream's leads (:func:`~kvpool.rpc.is_leader`:
-        a standby refuses every request), each asked within one heartbeat interval; a
-        master that fails otherwise (another release) counts as not leading."""
-        for addr in self.master.masters.candidates():
-            if addr != self._stream.addr:
-                with contextlib.suppress(KVPoolError):
-                    if is_leader(addr, max(0.1, self.interval_s), self.secret or b""):
-                        return True
-        return False
+        """Whether a master other than the stream's leads
+        (:meth:`~kvpool.rpc.RpcChannel.leader_elsewhere`), each asked within one
+        heartbeat interval."""
+        return self._stream.leader_elsewhere(max(0.1, self.interval_s)) is not None
 
     def _lost_master(self, mounts: int, why: str) -> None:
         """End the stream (its thread mounts again) unless a mount happened since
