@@ -106,13 +106,21 @@ class RpcChannel:
         self._answered = False  # the master has answered on this connection
         self._ever_answered = False  # some master has answered on this channel
         self._replies = ReplyWait()  # polls briefly for quick replies (kvpool.spin)
+        # the leader leader_elsewhere() found (maybe on another thread: a node's heartbeat),
+        # tried first by the next connect, before a stalled ex-leader the list puts first
+        self._leader_found: str | None = None
 
     def connect(self) -> None:
         """Open the connection to the first candidate master that accepts it. Raises
         MasterUnreachable when none accepts a connection, RpcFailed when one refuses us
         (another protocol version, a failed authentication)."""
         errors = []
-        for addr in self.masters.candidates():
+        candidates = self.masters.candidates()
+        found, self._leader_found = self._leader_found, None
+        if found in candidates:  # a leader :meth:`leader_elsewhere` found goes first
+            candidates.remove(found)
+            candidates.insert(0, found)
+        for addr in candidates:
             try:
                 self._open(addr)
                 return
@@ -231,7 +239,6 @@ class RpcChannel:
         except _Stalled as exc:
             stalled = self.addr
             self.masters.failed(stalled)
-            self.masters.answered(exc.leader)
             self.close()
             log.warning("master %s: no answer after %.1f s while %s leads: asking it instead",
                         stalled, exc.waited_s, exc.leader)
@@ -342,11 +349,13 @@ class RpcChannel:
         """The address of a master other than the connected one that serves now
         (:func:`is_leader`: a standby refuses every request), each asked within
         ``timeout_s`` seconds; None when none does. A master that fails otherwise
-        (another release) counts as not leading."""
+        (another release) counts as not leading. The next connection tries the one
+        found first. Thread-safe against calls on the channel's own thread."""
         for addr in self.masters.candidates():
             if addr != self.addr:
                 try:
                     if is_leader(addr, timeout_s, self.secret or b""):
+                        self._leader_found = addr
                         return addr
                 except KVPoolError:
                     pass
