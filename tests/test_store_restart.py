@@ -884,3 +884,27 @@ def test_a_resent_commit_is_answered_only_once_its_index_update_left_the_master(
         finally:
             for s in (slow, first, again):
                 s.close()
+
+
+def test_a_commit_whose_index_changes_the_lost_lead_kept_back_is_refused_not_answered_ok():
+    """Found in review: the lead ran out between a PutEnd's handler (its own check
+    passed) and the sending of its index changes (not sent: the master no longer
+    leads). Before, the client was told OK all the same: a commit no node was told of,
+    so a new leader could never know it. Now the answer is the refusal."""
+    with _served() as (svc, server, on, addr), socket.create_connection(addr) as node, \
+            socket.create_connection(addr) as client:
+        for s in (node, client):
+            s.settimeout(20)
+        assert _frame_call(node, P.MountSegment("o1", _seg("S1"), True)).code == 0
+        started = _frame_call(client, P.PutStart(P.PutItem("K", 100)))
+        assert started.code == 0
+        asked = []
+
+        def lead_runs_out_after_the_handler() -> str | None:
+            asked.append(1)  # asked before and after the handler, then before the index
+            return None if len(asked) <= 2 else "this master lost the lead (injected)"
+
+        server.gate = lead_runs_out_after_the_handler
+        reply = _frame_call(client, P.PutEnd(P.PutToken("K", started.put_id)))
+        assert len(asked) >= 3, "the gate was not asked before the index changes went out"
+        assert isinstance(reply, P.ErrorResp) and reply.code == ErrorCode.UNAVAILABLE_IN_CURRENT_STATUS, reply

@@ -21,7 +21,9 @@ what the nodes' indexes say was committed). A leader that stops answering withou
 closing its connections (stopped, swapping, cut off) is noticed within about
 :data:`STALL_PROBE_S`: while a reply is late the channel asks the other masters whether
 one leads now, and if one does, the request goes to it (idempotent or not: the stalled
-one, fenced by the election, refuses whatever it reads when it runs again).
+one is past its lease, so it refuses whatever it reads when it runs again, sends no
+answer or index change of a handler it was in, and what it reserved dies with it; the
+new leader knows only what the nodes' indexes say).
 :meth:`RpcChannel.notify` sends a notification (ReadDone), which gets no reply;
 :meth:`RpcChannel.receive_pending` collects what the master sends unasked (a node's
 index stream).
@@ -106,7 +108,7 @@ class RpcChannel:
         self._answered = False  # the master has answered on this connection
         self._ever_answered = False  # some master has answered on this channel
         self._replies = ReplyWait()  # polls briefly for quick replies (kvpool.spin)
-        # the leader leader_elsewhere() found (maybe on another thread: a node's heartbeat),
+        # a master found leading (prefer(): maybe by another thread, a node's heartbeat),
         # tried first by the next connect, before a stalled ex-leader the list puts first
         self._leader_found: str | None = None
 
@@ -242,8 +244,9 @@ class RpcChannel:
             self.close()
             log.warning("master %s: no answer after %.1f s while %s leads: asking it instead",
                         stalled, exc.waited_s, exc.leader)
-            # unsent in effect: the ex-leader refuses what it reads once it runs again
-            # (the election fences it before another can lead), so nothing is doubled
+            # unsent in effect: another leads only once this one's lease ran out, so it
+            # refuses what it reads when it runs again and tells no node of a handler it
+            # was in (master/server.py's gate); nothing is doubled
             raise _Broken(RpcFailed(f"master {stalled}: no answer while {exc.leader} leads"),
                           broke, unsent=True) from None
         except BlockingIOError:  # the kernel's timeout (SO_RCVTIMEO / SO_SNDTIMEO)
@@ -322,8 +325,7 @@ class RpcChannel:
             sent_at = time.perf_counter()  # a wait measured from the send would outlast
             # the poll budget whenever the work does, and the master's reply would then
             # have to wake this thread (25-35 us here, kvpool.spin)
-        self._replies.wait(self._sock, kind, sent_at)
-        if self.masters.ha and wait_s >= 2 * STALL_PROBE_S:
+        if not self._replies.wait(self._sock, kind, sent_at) and self.masters.ha and wait_s >= 2 * STALL_PROBE_S:
             self._await_reply(wait_s)
         body = P.recv_frame(self._sock)
         self._replies.record(kind, sent_at)
@@ -342,24 +344,35 @@ class RpcChannel:
             if time.monotonic() >= end:
                 raise BlockingIOError
             leader = self.leader_elsewhere(min(STALL_PROBE_S, max(0.1, end - time.monotonic())))
-            if leader is not None:
+            if leader is not None and not self._hangup.poll(0):  # a reply that came meanwhile is read
                 raise _Stalled(leader, time.monotonic() - start)
 
-    def leader_elsewhere(self, timeout_s: float) -> str | None:
-        """The address of a master other than the connected one that serves now
-        (:func:`is_leader`: a standby refuses every request), each asked within
-        ``timeout_s`` seconds; None when none does. A master that fails otherwise
-        (another release) counts as not leading. The next connection tries the one
-        found first. Thread-safe against calls on the channel's own thread."""
+    def leader_elsewhere(self, timeout_s: float, exclude: str | None = None) -> str | None:
+        """The address of a master other than ``exclude`` (default: the connected one)
+        that serves now (:func:`is_leader`: a standby refuses every request), the masters
+        asked in turn within about ``timeout_s`` seconds in all (each system call of a
+        Ping may take what is left; with etcd, asking it takes up to its own 2 s); None
+        when none does. A master that fails otherwise (another release, a socket error)
+        counts as not leading. The next connection tries the one found first."""
+        exclude = self.addr if exclude is None else exclude
+        end = time.monotonic() + timeout_s
         for addr in self.masters.candidates():
-            if addr != self.addr:
+            left = end - time.monotonic()
+            if left <= 0:
+                break
+            if addr != exclude:
                 try:
-                    if is_leader(addr, timeout_s, self.secret or b""):
-                        self._leader_found = addr
+                    if is_leader(addr, left, self.secret or b""):
+                        self.prefer(addr)
                         return addr
-                except KVPoolError:
+                except (KVPoolError, OSError):
                     pass
         return None
+
+    def prefer(self, addr: str) -> None:
+        """Have the next connection try master ``addr`` first (it was found leading).
+        Safe to call from another thread than the channel's (one attribute is set)."""
+        self._leader_found = addr
 
     def _overlap(self, during: Callable[[], None]) -> None:
         """Run ``during`` between a request and its reply; if it raises, the reply can
@@ -450,6 +463,9 @@ class RpcChannel:
 
     def _refused(self, request: msgspec.Struct, reply: P.ErrorResp) -> RpcFailed:
         code = code_of(reply.code, ErrorCode.RPC_FAIL)
+        if code == NOT_LEADER and isinstance(request, P.Ping):
+            # a standby's answer to a leader probe (is_leader), no fault: not logged
+            return RpcFailed(f"master {self.addr} refused Ping: {reply.message}", code)
         if code == ErrorCode.INVALID_VERSION:
             message = f"master {self.addr}: {reply.message}"
         else:

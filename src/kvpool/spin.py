@@ -83,25 +83,26 @@ class ReplyWait:
         found = self._kinds.get(kind)
         return 0.0 if found is None else found.budget()
 
-    def wait(self, sock: socket.socket, kind, sent_at: float) -> None:
+    def wait(self, sock: socket.socket, kind, sent_at: float) -> bool:
         """Return once ``sock`` has a byte to read (or EOF, or an error: the caller's
         recv reports it), or once the poll budget of ``kind`` since ``sent_at``
-        (time.perf_counter) is spent; the caller then receives as usual."""
+        (time.perf_counter) is spent; the caller then receives as usual. True when the
+        socket was seen readable (a receive will not block)."""
         budget = self.budget(kind)
         if not budget:
-            return
+            return False
         end = sent_at + budget
         one = bytearray(1)
         while True:
             try:
                 sock.recv_into(one, 1, _PEEK)
-                return  # a byte is there, or EOF (0)
+                return True  # a byte is there, or EOF (0)
             except BlockingIOError:
                 pass
             except OSError:
-                return
+                return True
             if time.perf_counter() >= end:
-                return
+                return False
             os.sched_yield()  # a process woken on this core (the peer itself) runs first
 
     def record(self, kind, sent_at: float) -> None:

@@ -152,17 +152,20 @@ class MasterServer:
             self._new_stream = (req.segment.name, reply.epoch, reply)
         return reply
 
-    def _send_index(self) -> None:
+    def _send_index(self) -> bool:
         """Write the queued index changes to their segments' streams (no waiting: the
         bytes are in the kernel, or queued in the transport, when this returns: see
-        :meth:`_index_flushed`)."""
+        :meth:`_index_flushed`). False when this master no longer leads: nothing is
+        written (the nodes keep what they hold), and the request's reply must be the
+        refusal, not an answer whose changes no node was told."""
         updates = self.service.index_log.take()
         if self.gate() is not None:
-            return  # not the leader (any more): the nodes keep what they hold
+            return False
         for update in updates:
             stream = self._streams.get(update.name)
             if stream is not None:
                 self._write_index(stream[1], update)
+        return True
 
     def _write_index(self, writer: asyncio.StreamWriter, update: P.IndexUpdate) -> None:
         """Write ``update`` to an index stream, unless the stream is gone (its node was
@@ -320,7 +323,12 @@ class MasterServer:
                 since, repeats = self._writes, self.service.counters["commits_repeated"]
                 reply = await self.dispatch_sliced(body)
                 claim = self._take_claim(reply)
-                self._send_index()  # before the reply: the commit is with the node first
+                # before the reply: the commit is with the node first; the lead lost since
+                # the handler's own check: the answer is the refusal (a new leader knows
+                # only what the nodes were told)
+                if not self._send_index() and reply is not None:
+                    reply, claim = P.ErrorResp(ErrorCode.UNAVAILABLE_IN_CURRENT_STATUS,
+                                               self.gate() or "not the leader"), None
                 if self._behind and claim is None:  # a mount's reply tells of no commit
                     if self.service.counters["commits_repeated"] != repeats:
                         since = -1  # a resend answered OK wrote nothing: its first send's

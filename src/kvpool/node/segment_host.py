@@ -280,7 +280,12 @@ class SegmentHost:
         """Whether a master other than the stream's leads
         (:meth:`~kvpool.rpc.RpcChannel.leader_elsewhere`), each asked within one
         heartbeat interval."""
-        return self._stream.leader_elsewhere(max(0.1, self.interval_s)) is not None
+        # asked on the heartbeat's channel (the stream's belongs to the stream thread); the
+        # stream's next connection goes to the leader found first
+        leader = self.master.leader_elsewhere(max(0.1, self.interval_s), exclude=self._stream.addr)
+        if leader is not None:
+            self._stream.prefer(leader)
+        return leader is not None
 
     def _lost_master(self, mounts: int, why: str) -> None:
         """End the stream (its thread mounts again) unless a mount happened since
