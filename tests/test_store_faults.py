@@ -463,3 +463,20 @@ def test_a_host_frozen_past_the_client_ttl_keeps_its_objects():
                 os.kill(node, signal.SIGCONT)
             assert counters["owners_expired"] == 0 and counters["stalls_excused"] == 1, counters
             assert {k: client.get(k) for k in values} == values
+
+
+@pytest.mark.parametrize("local", (True, False), ids=("unix-socket", "tcp"))
+def test_a_master_under_another_name_is_not_another_leader(cluster, local):
+    """Found in a trial: a master list naming one master twice ("127.0.0.1:P" and
+    "localhost:P") made a late reply's leader probe find "another" leader, itself, and
+    the request was sent again to the same master, again and again (a slow scan ran 8
+    times, then failed). The probe now compares the socket it reaches with the
+    connected one."""
+    port = parse_addr(cluster.master_addr)[1]
+    chan = RpcChannel(f"{cluster.master_addr},localhost:{port}", 5.0, b"", local=local)
+    try:
+        chan.call(P.Ping())
+        assert chan.addr == cluster.master_addr
+        assert chan.leader_elsewhere(2.0) is None
+    finally:
+        chan.close()

@@ -68,10 +68,11 @@ def test_election_fences_on_its_own_clock():
         assert "standby" in b.refusal() and "127.0.0.1:1" in b.refusal()
         now[0] += a.ttl_s * 0.9 + 0.001  # past SAFETY * ttl: fenced before etcd expires the lease
         assert not a.leading() and "lost the lead" in a.refusal()
-        assert a.renew()  # etcd still holds the lease: renewing restores the right to grant
-        assert a.leading()
+        # etcd still holds the lease, but a renewal never restores the right to grant:
+        # requests refused meanwhile may have changed this master's memory (found in a
+        # trial: a revived leader acknowledged commits no node knew, lost at the next failover)
+        assert not a.renew() and not a.leading() and a.fenced
         etcd.client.revoke(a.lease_id)
-        assert not a.renew()
         assert b.campaign() and b.refusal() is None
     finally:
         etcd.stop()

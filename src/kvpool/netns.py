@@ -91,8 +91,11 @@ class Hosts:
                 _ip("-n", ns, "link", "set", "eth0", "up")
             if self.join_caller:  # one veth into the caller's namespace, gone with the hub
                 routes = subprocess.run(["ip", "-4", "route", "show"], capture_output=True, text=True).stdout
-                if f"10.{self.net}." in routes:
-                    raise NetnsError(f"10.{self.net}.0.0/24 is routed here already: pick another net")
+                taken = [line for line in routes.splitlines() if line.startswith(f"10.{self.net}.")]
+                if taken:  # e.g. a set a killed run left: its namespaces hold the other end
+                    raise NetnsError(f"10.{self.net}.0.0/24 is routed here already ({taken[0].strip()}): pick "
+                                     "another net, or remove a set a killed run left (`ip netns list`, "
+                                     "`ip netns del` each of its namespaces)")
                 dev = f"{self.tag}-c"[:15]
                 _ip("link", "add", dev, "type", "veth", "peer", "name", "vc", "netns", self.hub)
                 _ip("-n", self.hub, "link", "set", "vc", "master", "br0", "up")

@@ -347,14 +347,16 @@ class RpcChannel:
             if leader is not None and not self._hangup.poll(0):  # a reply that came meanwhile is read
                 raise _Stalled(leader, time.monotonic() - start)
 
-    def leader_elsewhere(self, timeout_s: float, exclude: str | None = None) -> str | None:
-        """The address of a master other than ``exclude`` (default: the connected one)
-        that serves now (:func:`is_leader`: a standby refuses every request), the masters
-        asked in turn within about ``timeout_s`` seconds in all (each system call of a
-        Ping may take what is left; with etcd, asking it takes up to its own 2 s); None
-        when none does. A master that fails otherwise (another release, a socket error)
-        counts as not leading. The next connection tries the one found first."""
-        exclude = self.addr if exclude is None else exclude
+    def leader_elsewhere(self, timeout_s: float, of: RpcChannel | None = None) -> str | None:
+        """The address of a master other than the one channel ``of`` (default: this
+        one) is connected to, by name or by socket (an alias of it is no other master),
+        that serves now (:func:`is_leader`: a standby refuses every request); the
+        masters asked in turn within about ``timeout_s`` seconds in all (each system call
+        of a Ping may take what is left; with etcd, asking it takes up to its own 2 s);
+        None when none does. A master that fails otherwise (another release, a socket
+        error) counts as not leading. The next connection tries the one found first."""
+        of = self if of is None else of
+        exclude, peer = of.addr, of.peer()
         end = time.monotonic() + timeout_s
         for addr in self.masters.candidates():
             left = end - time.monotonic()
@@ -362,12 +364,22 @@ class RpcChannel:
                 break
             if addr != exclude:
                 try:
-                    if is_leader(addr, left, self.secret or b""):
+                    if is_leader(addr, left, self.secret or b"", peer, self.local):
                         self.prefer(addr)
                         return addr
                 except (KVPoolError, OSError):
                     pass
         return None
+
+    def peer(self):
+        """The peer name of the connection (an (ip, port, ...) tuple, or a Unix socket's
+        name), or None when there is none. Safe from another thread (a socket closed
+        meanwhile gives None)."""
+        sock = self._sock
+        try:
+            return None if sock is None else sock.getpeername()
+        except OSError:
+            return None
 
     def prefer(self, addr: str) -> None:
         """Have the next connection try master ``addr`` first (it was found leading).
@@ -526,12 +538,18 @@ class _Broken(Exception):
         self.error, self.second, self.final, self.unsent = error, second, final, unsent
 
 
-def is_leader(addr: str, timeout_s: float = 1.0, secret: bytes = b"") -> bool:
+def is_leader(addr: str, timeout_s: float = 1.0, secret: bytes = b"", not_peer=None,
+              local: bool = True) -> bool:
     """True when the master at ``addr`` serves (answers a Ping within ``timeout_s``
-    seconds); False when it refuses (a standby) or cannot be reached. Raises
+    seconds); False when it refuses (a standby) or cannot be reached, and when the
+    connection reaches ``not_peer`` (a socket's peer name: the same master under another
+    name, e.g. "localhost:P" for "127.0.0.1:P"). ``local``: as RpcChannel's. Raises
     KVPoolError for another failure (e.g. INVALID_VERSION: another kvpool release)."""
-    chan = RpcChannel(addr, timeout_s, secret)
+    chan = RpcChannel(addr, timeout_s, secret, local=local)
     try:
+        chan.connect()
+        if not_peer is not None and chan.peer() == not_peer:
+            return False
         chan.call(P.Ping())
         return True
     except KVPoolError as exc:

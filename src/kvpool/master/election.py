@@ -56,6 +56,7 @@ class Election:
         self.clock = clock
         self.leader_until = 0.0  # leading while clock() < this (0: not leading)
         self.led = False  # this master has led (then lost: it never leads again)
+        self.fenced = False  # its deadline passed once: it never grants again (leading())
         self.leader = ""  # the leader's address as last read from etcd
         self.lease_id = 0
         self._stop = threading.Event()
@@ -64,8 +65,19 @@ class Election:
     # ------------------------------------------------------------ the fence
 
     def leading(self) -> bool:
-        """True while this master may grant: it holds the key and its deadline is ahead."""
-        return self.clock() < self.leader_until
+        """True while this master may grant: it holds the key and its deadline is ahead.
+        Once the deadline has passed it stays False for good, even if a late renewal
+        then succeeds: requests refused meanwhile may have changed this master's memory
+        after their handlers ran, changes no node was told of, so this incarnation must
+        not serve again (it exits; a standby that takes its place rebuilds from the
+        nodes' indexes). Before, a renewal that came back late restored the lead, and
+        acknowledged commits were lost at the next failover."""
+        if self.fenced:
+            return False
+        if self.clock() < self.leader_until:
+            return True
+        self.fenced = self.led
+        return False
 
     def refusal(self) -> str | None:
         """None while leading, else why this master refuses requests."""
@@ -111,9 +123,9 @@ class Election:
         t0 = self.clock()
         lease_id, ttl = self.etcd.grant(self.ttl_s)
         if self.etcd.create(self.key, self.value, lease_id):
-            self.lease_id, self.led = lease_id, True
             self.ttl_s = ttl
-            self.leader_until = t0 + SAFETY * ttl
+            self.leader_until = t0 + SAFETY * ttl  # before led: leading() never sees led
+            self.lease_id, self.led = lease_id, True  # with no deadline (that would fence it)
             self.leader = self.value
             log.info("elected leader (%s), lease %x of %d s", self.key, lease_id, ttl)
             return True
@@ -124,8 +136,10 @@ class Election:
     def renew(self) -> bool:
         """Renew the lease once; False when etcd says it is gone. Raises EtcdError."""
         t0 = self.clock()
+        if not self.leading():
+            return False  # fenced: no renewal restores the right to grant
         ttl = self.etcd.keepalive(self.lease_id)
-        if ttl <= 0:
+        if ttl <= 0 or not self.leading():  # the lease is gone, or the deadline passed meanwhile
             return False
         self.leader_until = max(self.leader_until, t0 + SAFETY * ttl)
         return True
@@ -135,7 +149,8 @@ class Election:
         while not self._stop.wait(self.ttl_s / 3):
             try:
                 if not self.renew():
-                    why = "etcd says the lease is gone"
+                    why = ("its deadline passed before a renewal came back" if self.fenced
+                           else "etcd says the lease is gone")
                     break
             except EtcdError as exc:
                 log.warning("lease renewal failed: %s", exc)

@@ -282,7 +282,7 @@ class SegmentHost:
         heartbeat interval."""
         # asked on the heartbeat's channel (the stream's belongs to the stream thread); the
         # stream's next connection goes to the leader found first
-        leader = self.master.leader_elsewhere(max(0.1, self.interval_s), exclude=self._stream.addr)
+        leader = self.master.leader_elsewhere(max(0.1, self.interval_s), of=self._stream)
         if leader is not None:
             self._stream.prefer(leader)
         return leader is not None
