@@ -8,6 +8,7 @@ follow the leader without being restarted.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import os
 import signal
@@ -53,6 +54,19 @@ def readable(client: Client, key: str) -> bool:
         return client.get(key) == value_of(key)
     except KVPoolError:
         return False
+
+
+@contextlib.contextmanager
+def leader_stopped(group: HAGroup, old: int):
+    """SIGSTOP master ``old`` (the leader: its connections stay open, nothing answers);
+    the block runs once the standby has taken over; SIGCONT when it ends."""
+    pid = group.masters[old].proc.pid
+    assert pause_process(pid)
+    try:
+        proc_helpers.wait_for(lambda: group.leader_index() not in (None, old), 30, "the standby to take over")
+        yield
+    finally:
+        os.kill(pid, signal.SIGCONT)
 
 
 def test_election_fences_on_its_own_clock():
@@ -117,18 +131,12 @@ def test_paused_leader_refuses_when_resumed():
             old = group.wait_leader()
             stale = RpcChannel(group.master_addrs[old], 5.0, b"")
             stale.call(P.Ping())
-            pid = group.masters[old].proc.pid
-            assert pause_process(pid)
-            try:
-                proc_helpers.wait_for(lambda: group.leader_index() not in (None, old), 30,
-                                      "the standby to take over")
+            with leader_stopped(group, old):
                 # the node finds its stream stalled (heartbeats time out) and mounts with the new leader
                 proc_helpers.wait_for(lambda: readable(c, "kept"), 60, "the object on the new leader")
                 assert put_ok(c, "after")
                 stale._sock.sendall(P.encode_frame(P.GetReplicaList("kept")) + P.encode_frame(
                     P.PutStart(P.PutItem("stale", 4096, 1))))
-            finally:
-                os.kill(pid, signal.SIGCONT)
             replies = []
             for _ in range(2):
                 try:
@@ -157,11 +165,7 @@ def test_a_stalled_leader_loses_the_nodes_once_another_master_leads():
             c.put("kept", value_of("kept"))
             old = group.wait_leader()
             assert not own.segment._leader_elsewhere()
-            pid = group.masters[old].proc.pid
-            assert pause_process(pid)
-            try:
-                proc_helpers.wait_for(lambda: group.leader_index() not in (None, old), 30,
-                                      "the standby to take over")
+            with leader_stopped(group, old):
                 led_at = time.monotonic()
                 new = RpcChannel(group.master_addrs[group.leader_index()], 5.0, b"")
                 proc_helpers.wait_for(lambda: new.call(P.GetReplicaList("kept")).code == ErrorCode.OK, 30,
@@ -177,8 +181,6 @@ def test_a_stalled_leader_loses_the_nodes_once_another_master_leads():
                 proc_helpers.wait_for(lambda: gave_up in group.nodes[0].log_tail(200) and any(
                     why in group.nodes[0].log_tail(200) for why in ("another master leads", "master forgot segment")),
                     30, "the node's heartbeat to give up after one interval and its stream to end")
-            finally:
-                os.kill(pid, signal.SIGCONT)
             group.masters[old].stopped = True  # it exits (status 3) on finding it lost the lead
 
 
@@ -195,11 +197,7 @@ def test_a_client_follows_a_stalled_leader_without_waiting_out_its_timeout():
             c.put("kept", value_of("kept"))
             late.put("before", value_of("before"))  # its connection and lease: the leader's
             old = group.wait_leader()
-            pid = group.masters[old].proc.pid
-            assert pause_process(pid)
-            try:
-                proc_helpers.wait_for(lambda: group.leader_index() not in (None, old), 30,
-                                      "the standby to take over")
+            with leader_stopped(group, old):
                 started = time.monotonic()
                 c.stats()  # asked of the stopped leader first (this thread's connection)
                 print(f"a query answered {time.monotonic() - started:.2f} s after the new leader took over")
@@ -217,8 +215,6 @@ def test_a_client_follows_a_stalled_leader_without_waiting_out_its_timeout():
                 started = time.monotonic()
                 assert late.put("during", value_of("during")) == 1
                 assert time.monotonic() - started < quick, "the put waited out its timeout"
-            finally:
-                os.kill(pid, signal.SIGCONT)
             group.masters[old].stopped = True  # it exits (status 3) on finding it lost the lead
             assert group.masters[old].proc.wait(20) == 3
             for key in ("kept", "before", "during"):
