@@ -23,6 +23,7 @@ import time
 from kvpool.protocol import SegmentInfo
 from kvpool.transfer import local_host_id
 from kvpool.transfer.epoch import MOUNT_WAIT_S, SHM_DIR, EpochWord
+from kvpool.transfer.memcopy import copy_into
 from kvpool.transfer.request import Cancel, Op, Transport, TransferRequest
 
 # shm name -> (writable view, epoch word, before_write or None) of a segment hosted here
@@ -108,7 +109,7 @@ class _MemoryTransport(Transport):
         view = found[0]
         found[1].await_mount(segment.epoch, deadline)
         for offset, dst in ranges:
-            dst[:] = view[offset : offset + len(dst)]
+            copy_into(dst, view[offset : offset + len(dst)])
         return _kept(segment, found[1], cancel)
 
     def write_from(self, segment: SegmentInfo, offset: int, src: memoryview, deadline: float,
@@ -131,7 +132,7 @@ class _MemoryTransport(Transport):
                 allocated = before_write is None or populate_ranges(before_write, ranges)
                 if allocated:
                     for offset, src in ranges:
-                        view[offset : offset + len(src)] = src
+                        copy_into(view[offset : offset + len(src)], src)
         if cancel is not None and not (allowed and allocated):
             cancel.note(_stale(segment) if not allowed else _unallocated(segment))
         return allowed and allocated
