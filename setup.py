@@ -2,7 +2,7 @@
 
 Everything else is in pyproject.toml. The extension is optional: where it cannot be
 built (no C compiler), the install goes on and kvpool copies with memcpy instead
-(kvpool.transfer.copy).
+(kvpool.transfer.memcopy).
 """
 
 from setuptools import Extension, setup

@@ -1,4 +1,4 @@
-"""The copy of a value's bytes into a same-host segment: streaming stores when large.
+"""Copies between a caller's buffer and a same-host segment: streaming stores when large.
 
 A value written into a shared-memory pool is read later, usually by another process,
 so bringing its destination lines into this core's cache first (the read-for-ownership
