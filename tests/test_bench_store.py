@@ -8,6 +8,7 @@ never timings.
 from __future__ import annotations
 
 import json
+import os
 
 import pytest
 
@@ -159,6 +160,21 @@ def test_wrong_bytes_fail_the_cell_not_the_run():
     result = Bench(_Corrupting()).run(CellSpec("zero_copy", "get", 4096, budget_s=0.01,
                                                working_set=8192))
     assert result.error and "wrong bytes" in result.error and result.gbps is None
+
+
+def test_the_tcp_limits_send_resident_distinct_bytes():
+    """Found measuring: the stream's sources were ``bytes(size)``, which CPython takes
+    from calloc, whose large blocks map the kernel's one zero page: the sender read a
+    single cached 4 KiB page (64 x 1 MiB kept 14 MB resident) and the limit came out
+    faster than any store's values allow. Its sources are now random and resident."""
+    from kvpool.bench.harness import rss_bytes
+    from kvpool.bench.systems.limits import resident_sources
+
+    before = rss_bytes(os.getpid())
+    sources = resident_sources(1 << 20, 32)
+    grown = rss_bytes(os.getpid()) - before
+    assert grown >= 30 << 20, f"only {grown >> 20} MiB resident for 32 MiB of sources"
+    assert len({bytes(s[:64]) for s in sources}) == 32 and all(len(s) == 1 << 20 for s in sources)
 
 
 def test_worker_for_an_unknown_target_is_absent(tmp_path):

@@ -47,12 +47,14 @@ def test_a_get_pipelines_small_values_only():
     assert get_spans(128, LARGE_VALUE) == [(0, 128)]
 
 
-def test_a_put_commits_small_values_at_once_and_large_ones_with_a_small_last_chunk():
-    assert put_spans(1000, LARGE_VALUE - 1) == [(0, 1000)]
-    chunks = put_spans(16, MIB)
-    assert [i for s, e in chunks for i in range(s, e)] == list(range(16))
-    assert sorted(e - s for s, e in chunks) == sorted(e - s for s, e in spans(16, MIB))
-    assert chunks[-1] == (15, 16)
+def test_a_put_pipelines_many_large_values_copied_in_place_with_a_small_last_chunk():
+    assert put_spans(1000, LARGE_VALUE - 1, in_place=True) == [(0, 1000)]  # small values
+    assert put_spans(MIN_KEYS - 1, MIB, in_place=True) == [(0, MIN_KEYS - 1)]  # few keys
+    assert put_spans(128, MIB, in_place=False) == [(0, 128)]  # over TCP
+    chunks = put_spans(40, MIB, in_place=True)
+    assert [i for s, e in chunks for i in range(s, e)] == list(range(40))
+    assert sorted(e - s for s, e in chunks) == sorted(e - s for s, e in spans(40, MIB))
+    assert len(chunks) > 1 and chunks[-1] == (39, 40)
 
 
 @contextlib.contextmanager
@@ -106,7 +108,7 @@ def test_a_pipelined_batch_get_refuses_a_bad_key_before_it_reads_anything():
         assert c.stats().open_grants == 0
 
 
-@pytest.mark.parametrize("size,count", [(LARGE_VALUE, 40), (MIB, 6)])
+@pytest.mark.parametrize("size,count", [(LARGE_VALUE, 40), (2 * LARGE_VALUE, MIN_KEYS)])
 def test_each_commit_of_a_pipelined_batch_put_follows_the_writes_of_its_items(size, count):
     """At the moment each PutCommit is sent, every item it names is already whole in
     the segment (invisible until complete), and the batch took several commits."""
@@ -191,7 +193,7 @@ def test_a_connection_dead_before_a_chunk_is_sent_loses_no_chunk(op):
             del c._call
         assert broken and len(calls) >= 2
         if op == "put":
-            assert calls == ["PutCommit"] * len(put_spans(count, size))
+            assert calls == ["PutCommit"] * len(put_spans(count, size, in_place=True))
             bufs = [np.zeros(size, np.uint8) for _ in keys]
             assert c.batch_get_into(keys, bufs) == [size] * count
             assert all((b == v).all() for b, v in zip(bufs, vals))
@@ -222,7 +224,7 @@ def test_a_commit_whose_reply_is_lost_is_sent_again_and_the_put_succeeds(op):
         chan._exchange = lose_a_commit_reply
         if op == "batch_put":
             assert c.batch_put(keys, vals) == [ErrorCode.OK] * count
-            assert len(commits) == len(put_spans(count, size)) + 1  # one of them twice
+            assert len(commits) == len(put_spans(count, size, in_place=True)) + 1  # one of them twice
         else:
             assert c.put(keys[0], vals[0]) == 1
             assert len(commits) == 2
@@ -239,13 +241,13 @@ def test_a_node_that_stops_answering_costs_a_pipelined_batch_one_timeout_not_one
     over TCP fails, after the client's timeout once: the later chunks' reads find the
     batch's deadline passed and fail at once (before: one timeout per chunk, 6.1 s with
     timeout_s=1 and six chunks; then 0.2 s a chunk, a kernel poll each). A batch put
-    likewise waits once for its chunks' writes and its PutStart way together."""
+    (one chunk over TCP) likewise waits once for its writes and its PutStart way together."""
     timeout_s = 5.0
     with Cluster(segment_size="64MiB", num_nodes=1) as cluster:
         with Client(cluster.master_addr, force_tcp=True, timeout_s=timeout_s) as c:
             keys = [f"s{i}" for i in range(128)]
             assert c.batch_put(keys, values(128, 4 * KIB)) == [ErrorCode.OK] * 128
-            assert len(get_spans(128, 4 * KIB)) >= 4 and len(put_spans(128, 64 * KIB)) >= 4
+            assert len(get_spans(128, 4 * KIB)) >= 4
             pid = int(cluster.nodes[0]["pid"])
             assert pause_process(pid)
             try:
@@ -296,7 +298,7 @@ def test_a_chunk_that_raises_returns_every_grant_and_leaves_the_client_usable(op
             delattr(c, name)
         wait_for(lambda: c.stats().open_grants == 0, 5, "every grant returned")
         if op == "put":
-            first = put_spans(len(keys), size)[0]
+            first = put_spans(len(keys), size, in_place=True)[0]
             assert c.batch_is_exist(keys) == [1 if first[0] <= i < first[1] else 0 for i in range(len(keys))]
             c.batch_remove(keys, force=True)
             assert c.batch_put(keys, vals) == [ErrorCode.OK] * len(keys)

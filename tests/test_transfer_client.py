@@ -144,11 +144,11 @@ def test_a_batch_costs_one_rpc_per_step_and_chunk(module_cluster, monkeypatch, l
     with Client(module_cluster.master_addr, force_tcp=True, alloc_leases=leases) as c:
         sent.clear()
         assert c.batch_put_from(keys[:64], pages[:64], [4096] * 64) == [ErrorCode.OK] * 64
-        commits = ["PutCommit"] * len(put_spans(64, 4096))  # one: small values
-        assert sent == (["AllocLease", *commits] if leases else ["BatchPutStart", "BatchPutEnd"])
+        assert put_spans(64, 4096, in_place=False) == [(0, 64)]  # small values over TCP: one chunk
+        assert sent == (["AllocLease", "PutCommit"] if leases else ["BatchPutStart", "BatchPutEnd"])
         sent.clear()
         assert c.batch_put_from(keys[64:], pages[64:], [4096] * 64) == [ErrorCode.OK] * 64
-        assert sent == (commits if leases else ["BatchPutStart", "BatchPutEnd"])  # the same lease
+        assert sent == (["PutCommit"] if leases else ["BatchPutStart", "BatchPutEnd"])  # the same lease
         sent.clear()
         dsts = [np.empty(4096, np.uint8) for _ in keys]
         assert c.batch_get_into(keys, dsts) == [4096] * 128

@@ -7,10 +7,14 @@ the JSON it writes. ``KVPOOL_VLLM_PYTHON`` overrides the interpreter.
 
 from __future__ import annotations
 
+import atexit
+import functools
 import json
 import os
+import shutil
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -42,14 +46,25 @@ def require_vllm() -> None:
     pytest.skip(message)
 
 
+@functools.cache
+def rpc_dir() -> str:
+    """A folder for vLLM's ZeroMQ IPC sockets (one per process, left behind when it
+    stops: 14 a test run in /tmp before), removed when the test session ends."""
+    path = tempfile.mkdtemp(prefix="kvpool-rpc-")  # short: a socket path has 108 bytes at most
+    atexit.register(shutil.rmtree, path, True)
+    return path
+
+
 def vllm_env(**extra: str) -> dict[str, str]:
-    """Environment of a vLLM child: kvpool's src and tests importable, offline, quiet."""
+    """Environment of a vLLM child: kvpool's src and tests importable, offline, quiet,
+    its IPC sockets in :func:`rpc_dir`."""
     env = dict(os.environ)
     env.update({"PYTHONPATH": os.pathsep.join([str(ROOT / "src"), str(ROOT / "tests")]),
                 "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1",
                 "VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
                 "OMP_NUM_THREADS": env.get("OMP_NUM_THREADS", "2"),
-                "VLLM_NO_USAGE_STATS": "1", "DO_NOT_TRACK": "1", **extra})
+                "VLLM_NO_USAGE_STATS": "1", "DO_NOT_TRACK": "1",
+                "VLLM_RPC_BASE_PATH": rpc_dir(), **extra})
     return env
 
 

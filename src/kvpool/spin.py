@@ -26,6 +26,10 @@ import socket
 import time
 
 SPIN_MAX_US = 200  # default longest poll, us (a polled put commit took 76 us here, blocked 120)
+# default longest poll of a server for the next request after an answer, us (the master's
+# event loop, kvpool.master.busy_poll; a node's data connections): covers a client
+# copying 1 MiB (~150 us here) before it asks again
+BUSY_POLL_US = 300
 _PEEK = socket.MSG_PEEK | socket.MSG_DONTWAIT
 _WEIGHT = 1 / 8  # of the newest wait in the mean
 log = logging.getLogger("kvpool.spin")
@@ -45,6 +49,26 @@ def spin_max_s() -> float:
             log.warning("KVPOOL_SPIN_US=%r is not a whole number of microseconds: using %d",
                         text, SPIN_MAX_US)
         return SPIN_MAX_US / 1e6
+
+
+def poll_readable(sock: socket.socket, end: float, clock=time.perf_counter) -> bool:
+    """Poll ``sock`` (peeking, never consuming) until a byte waits in it, or EOF, or an
+    error (the caller's next recv reports those), or ``clock()`` reaches ``end``
+    (seconds, time.perf_counter by default). True when the socket was seen readable
+    (a receive will not block). The core is yielded between polls, so a process woken
+    on this core (often the peer itself) runs first."""
+    one = bytearray(1)
+    while True:
+        try:
+            sock.recv_into(one, 1, _PEEK)
+            return True  # a byte is there, or EOF (0)
+        except BlockingIOError:
+            pass
+        except OSError:
+            return True
+        if clock() >= end:
+            return False
+        os.sched_yield()
 
 
 class PollBudget:
@@ -69,6 +93,41 @@ class PollBudget:
         self.mean = waited_s if self.mean is None else self.mean + (waited_s - self.mean) * _WEIGHT
 
 
+class RequestGaps:
+    """A server's side of one stream of requests: the gap from each answer to the next
+    request, and how long polling for the next request is worth (:class:`PollBudget`
+    of those gaps). ``max_s``: the longest poll, seconds (0: never poll); ``clock``:
+    seconds, time.perf_counter by default. Used by the master's event loop
+    (:mod:`kvpool.master.busy_poll`) and by each data connection of a node
+    (:mod:`kvpool.node.data_server`)."""
+
+    def __init__(self, max_s: float = BUSY_POLL_US / 1e6, clock=time.perf_counter):
+        self.gaps = PollBudget(max_s)
+        self.clock = clock
+        self.answered_at: float | None = None  # the last answer's time, until a request follows it
+
+    def budget(self) -> float:
+        """Seconds to poll for the next request after an answer (0: block at once)."""
+        return self.gaps.budget()
+
+    def request(self) -> None:
+        """A request arrived: fold the gap since the last answer into the mean."""
+        if self.answered_at is not None:
+            self.gaps.record(self.clock() - self.answered_at)
+            self.answered_at = None
+
+    def answered(self) -> float:
+        """A request was answered (now, returned): the next gap starts."""
+        self.answered_at = self.clock()
+        return self.answered_at
+
+    def poll(self, sock: socket.socket) -> bool:
+        """Poll the blocking ``sock`` for the next request until the budget after the
+        last answer is spent (:func:`poll_readable`); True when one was seen waiting."""
+        budget = self.budget() if self.answered_at is not None else 0.0
+        return bool(budget) and poll_readable(sock, self.answered_at + budget, self.clock)
+
+
 class ReplyWait:
     """Spin-then-block waits for the replies of one connection (not thread-safe: one
     per connection, like the connection). ``max_s``: the longest poll, seconds (None:
@@ -89,21 +148,7 @@ class ReplyWait:
         (time.perf_counter) is spent; the caller then receives as usual. True when the
         socket was seen readable (a receive will not block)."""
         budget = self.budget(kind)
-        if not budget:
-            return False
-        end = sent_at + budget
-        one = bytearray(1)
-        while True:
-            try:
-                sock.recv_into(one, 1, _PEEK)
-                return True  # a byte is there, or EOF (0)
-            except BlockingIOError:
-                pass
-            except OSError:
-                return True
-            if time.perf_counter() >= end:
-                return False
-            os.sched_yield()  # a process woken on this core (the peer itself) runs first
+        return bool(budget) and poll_readable(sock, sent_at + budget)
 
     def record(self, kind, sent_at: float) -> None:
         """A reply to a request of ``kind`` sent at ``sent_at`` (time.perf_counter) has

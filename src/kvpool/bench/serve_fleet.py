@@ -17,9 +17,11 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import socket
 import subprocess
+import tempfile
 import time
 import urllib.error
 import urllib.request
@@ -106,6 +108,7 @@ class Fleet:
         self.ports: list[int] = []
         self.metrics_ports: list[int] = []
         self.startup_s = 0.0
+        self.rpc_dir: str | None = None  # the servers' ZeroMQ IPC sockets, removed by stop()
 
     @property
     def urls(self) -> list[str]:
@@ -131,11 +134,15 @@ class Fleet:
         env.update({"PYTHONPATH": src, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1",
                     "VLLM_CPU_KVCACHE_SPACE": "1", "OMP_NUM_THREADS": "1",
                     "VLLM_CPU_OMP_THREADS_BIND": str(i % (os.cpu_count() or 1)),
-                    "VLLM_NO_USAGE_STATS": "1", "DO_NOT_TRACK": "1"})
+                    "VLLM_NO_USAGE_STATS": "1", "DO_NOT_TRACK": "1",
+                    # vLLM names an IPC socket per process in $TMPDIR and leaves it behind when
+                    # stopped: a folder of the fleet's own, removed with it
+                    "VLLM_RPC_BASE_PATH": self.rpc_dir})
         return env
 
     def start(self) -> "Fleet":
         self.log_dir.mkdir(parents=True, exist_ok=True)
+        self.rpc_dir = self.rpc_dir or tempfile.mkdtemp(prefix="kvpool-rpc-")  # short: socket paths
         self.ports = [free_port() for _ in range(self.n)]
         self.metrics_ports = [free_port() for _ in range(self.n)]
         t0 = time.monotonic()
@@ -237,6 +244,9 @@ class Fleet:
                     pass
                 p.wait()
         self.procs = []
+        if self.rpc_dir:
+            shutil.rmtree(self.rpc_dir, ignore_errors=True)
+            self.rpc_dir = None
 
     def __enter__(self) -> "Fleet":
         return self.start()

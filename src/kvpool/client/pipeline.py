@@ -17,7 +17,8 @@ the critical path, except for the first query of a get and the last commit of a 
 Which side's share is worth hiding depends on the value size: a get's query costs the
 master a few microseconds a key whatever the size, so only gets of small values are
 pipelined (:func:`get_spans`); a put's commit costs the master more than a small
-value's copy costs the client, so only puts of large values are (:func:`put_spans`). A batch has one
+value's copy costs the client, so only puts of many large values copied in this process
+are (:func:`put_spans`). A batch has one
 deadline for all its copies (:func:`left`): a node that stopped answering costs the
 client's timeout once, not once per chunk.
 Hence the chunk sizes: the exposed chunk is small, the next ones grow fourfold (each
@@ -64,15 +65,27 @@ def get_spans(count: int, item_bytes: int) -> list[tuple[int, int]]:
     return [(0, count)] if item_bytes >= LARGE_VALUE else spans(count, item_bytes)
 
 
-def put_spans(count: int, item_bytes: int) -> list[tuple[int, int]]:
+def put_spans(count: int, item_bytes: int, in_place: bool) -> list[tuple[int, int]]:
     """The chunks of a batch put, in the order written and committed: the sizes of
     :func:`spans` reversed (the exposed commit is the last, small one), the keys in
-    their order, for values of at least
-    LARGE_VALUE bytes only. Smaller values are one chunk: their commits cost the
-    master more than their copies cost this client, so there is little to hide and
-    each chunk's extra round trip is lost (measured here: 128 x 4 KiB in-process,
-    28-31k keys/s in five chunks against 31-37k in one)."""
-    if item_bytes < LARGE_VALUE:
+    their order. Pipelined only where it paid when measured (2-core VM, ``bench store
+    --quick``, one chunk against pipelined, means of three or four runs each): values
+    of at least LARGE_VALUE bytes, at least MIN_KEYS of them, copied in this process's
+    memory (``in_place``: a same-host segment). Otherwise one chunk:
+
+    - smaller values: their commits cost the master more than their copies cost this
+      client, so there is little to hide and each chunk's extra round trip is lost
+      (128 x 4 KiB in-process, 28-31k keys/s in five chunks against 31-37k in one);
+    - fewer keys: a commit of a few keys costs the master little, and running it
+      beside the copies only took a core from them (16 x 1 MiB: in-process 5.3 -> 6.5
+      GB/s in one chunk, shared memory 5.6 -> 6.4);
+    - over TCP: each chunk's write is a request and reply of its own, the stream drains
+      and the node waits between them (16 x 1 MiB 2.6 -> 3.0 GB/s in one chunk,
+      128 x 64 KiB 1.3 -> 1.5; 128 x 1 MiB 3.2 -> 3.3).
+
+    Where it stays: 128 x 64 KiB in-process and over shared memory, 2.4 -> 2.5 GB/s
+    pipelined (128 x 1 MiB: the same either way)."""
+    if item_bytes < LARGE_VALUE or count < MIN_KEYS or not in_place:
         return [(0, count)]
     out, start = [], 0
     for first, end in reversed(spans(count, item_bytes)):  # the sizes reversed, keys in order

@@ -316,7 +316,8 @@ class PutPath:
             for i, (offset, views) in enumerate(zip(offsets, srcs)):
                 desc = msgspec.structs.replace(lease.region, offset=offset, length=items[i].size)
                 jobs.append([(i, piece, view) for piece, view in _pieces(desc, views)])
-            chunks = pipeline.put_spans(len(offsets), items[0].size)
+            route = self.engine.route(lease.region.segment)
+            chunks = pipeline.put_spans(len(offsets), items[0].size, route is not None and route.in_place)
             written: dict[int, bool] = {}
 
             def write(start: int, end: int) -> None:

@@ -24,9 +24,9 @@ import asyncio
 import os
 import time
 
-from kvpool.spin import PollBudget
+from kvpool.spin import BUSY_POLL_US, RequestGaps
 
-BUSY_POLL_US = 300  # default longest poll after an answer, us: covers a client copying 1 MiB (~150 us here)
+__all__ = ["BUSY_POLL_US", "BusyPoll"]
 
 
 class BusyPoll:
@@ -35,10 +35,9 @@ class BusyPoll:
     time.perf_counter by default."""
 
     def __init__(self, max_s: float = BUSY_POLL_US / 1e6, clock=time.perf_counter):
-        self.gaps = PollBudget(max_s)  # from an answer to the next request
+        self.gaps = RequestGaps(max_s, clock)  # from an answer to the next request
         self.clock = clock
         self.polls = 0  # polls started (for tests and stats)
-        self._answered_at: float | None = None
         self._until = 0.0
         self._polling = False
 
@@ -48,14 +47,11 @@ class BusyPoll:
 
     def request(self) -> None:
         """A request arrived: fold the gap since the last answer into the mean."""
-        if self._answered_at is not None:
-            self.gaps.record(self.clock() - self._answered_at)
-            self._answered_at = None
+        self.gaps.request()
 
     def answered(self, loop: asyncio.AbstractEventLoop) -> None:
         """A request was handled: poll for the next one for :meth:`budget` seconds."""
-        now = self.clock()
-        self._answered_at = now
+        now = self.gaps.answered()
         budget = self.budget()
         if not budget:
             return

@@ -14,7 +14,8 @@ master call): ``kvpool_node_data_requests_total{op}`` and
 :class:`~kvpool.node.data_server.DataCounters`: refused, stale, no_memory, bad_frame, auth,
 broken, stalled, accept, full, and idle_closed, which is no fault: an idle connection
 closed to make room under ``--max-connections``),
-``kvpool_node_data_connections_total`` and ``kvpool_node_data_connections_open``;
+``kvpool_node_data_connections_total``, ``kvpool_node_data_connections_open`` and
+``kvpool_node_data_polled_total`` (requests the busy poll after an answer found waiting);
 and the process collector's ``process_*``.
 """
 
@@ -95,6 +96,8 @@ def data_plane_metrics(snap: dict):
                               value=snap["connections"])
     yield GaugeMetricFamily("kvpool_node_data_connections_open", "data connections open now",
                             value=snap["open_connections"])
+    yield CounterMetricFamily("kvpool_node_data_polled", "requests found waiting by the busy poll "
+                              "after an answer (no wake-up needed)", value=snap["polled"])
 
 
 def node_app(node: SegmentHost, collector: NodeCollector) -> web.Application:

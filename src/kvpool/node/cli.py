@@ -13,6 +13,7 @@ from kvpool.local_socket import WILDCARDS
 from kvpool.errors import UserError
 from kvpool.masters import DEFAULT_MASTER_PORT, check_spec
 from kvpool.node.data_server import MAX_CONNECTIONS, STALL_S
+from kvpool.spin import BUSY_POLL_US
 
 HELP = "run a kvpool storage node: a shared-memory segment mounted with the master"
 
@@ -95,6 +96,9 @@ OPTIONS = [
            "before its connection is closed (up to twice that when it stopped just after sending part)"),
     Option("max-connections", MAX_CONNECTIONS, positive(int), "data-port connections served at once "
            "(a thread each); past it the longest idle one is closed (its client reconnects)"),
+    Option("busy-poll", BUSY_POLL_US, positive(int, zero_ok=True), "microseconds a data connection keeps "
+           "polling for its next request after an answer, while its requests come that quickly (0 = never)",
+           env="NODE_BUSY_POLL"),
 ]
 
 
@@ -118,7 +122,7 @@ def run(args) -> int:
     node = SegmentHost(values["master"], values["host"], values["port"], size, values["prefault"],
                        stall_s=values["frame_timeout"], secret=values["secret"].encode(),
                        max_connections=values["max_connections"],
-                       master_wait_s=values["master_wait"])
+                       master_wait_s=values["master_wait"], busy_poll_s=values["busy_poll"] / 1e6)
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: node.request_stop())
     admin, http_addr = None, None

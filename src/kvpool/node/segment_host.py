@@ -40,6 +40,7 @@ from kvpool.config import format_addr
 from kvpool.errors import ErrorCode, InvalidParams, KVPoolError, RpcFailed, UserError
 from kvpool.node.data_server import MAX_CONNECTIONS, STALL_S, DataServer
 from kvpool.rpc import MasterUnreachable, RpcChannel
+from kvpool.spin import BUSY_POLL_US
 from kvpool.throttle import Throttle
 from kvpool.transfer import local_host_id
 from kvpool.transfer.epoch import SHM_DIR, EpochWord, shm_bytes
@@ -91,7 +92,8 @@ class SegmentHost:
     the owner id ("node" or "client"); stall_s: seconds a data-port peer may pause
     mid-frame (:class:`~kvpool.node.data_server.DataServer`); secret: what the data port
     asks of its peers and what this host answers the master (None: ``KVPOOL_SECRET``);
-    max_connections: data-port connections served at once (the DataServer's).
+    max_connections: data-port connections served at once (the DataServer's);
+    busy_poll_s: a data connection's longest poll for its next request (the DataServer's).
 
     Raises UserError (port in use) from the constructor; RpcFailed (master
     unreachable), InvalidParams (prefault or populate_behind, and the segment does not
@@ -101,8 +103,9 @@ class SegmentHost:
     def __init__(self, master_addr: str, host: str, port: int, segment_size: int, prefault: bool = True,
                  owner_prefix: str = "node", populate_behind: bool = False, stall_s: float = STALL_S,
                  secret: bytes | None = None, master_wait_s: float = 0.0,
-                 max_connections: int = MAX_CONNECTIONS):
+                 max_connections: int = MAX_CONNECTIONS, busy_poll_s: float = BUSY_POLL_US / 1e6):
         self.stall_s = stall_s
+        self.busy_poll_s = busy_poll_s
         self.max_connections = max_connections
         self.master_wait_s = master_wait_s
         self.secret = auth.secret_or_env(secret)
@@ -149,7 +152,7 @@ class SegmentHost:
         # (SharedMemory keeps its mapping in _mmap, 3.8 onwards: the one whose pages we fill)
         populate = None if self.prefault else Populator(self.shm._mmap, MADV_POPULATE_WRITE).populate
         self.server = DataServer(self.listener, self.shm.buf[: self.segment_size], self.word,
-                                 self.stall_s, self.secret, populate, self.max_connections)
+                                 self.stall_s, self.secret, populate, self.max_connections, self.busy_poll_s)
         register_local_segment(self.shm.name, self.shm.buf, self._writers_word, populate)
         if self.populate_behind:
             threading.Thread(target=self._populate_all, args=(populate,), name="kvpool-populate",

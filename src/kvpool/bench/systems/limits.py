@@ -3,9 +3,10 @@
 - ``MemcpyTarget``: numpy copy of a value into a preallocated buffer: the ceiling of any
   same-host path that must copy the bytes once (kvpool's shared-memory path copies once).
   Sources and destinations cycle over the cell's working set, as the stores' cells do.
-- ``TcpStreamTarget``: one TCP loopback stream, ``sendall`` in a sender process and
-  ``recv_into`` preallocated buffers here (cycling over the working set): the ceiling of
-  a one-connection TCP path.
+- ``TcpStreamTarget``: one TCP loopback stream, ``sendall`` from resident buffers of
+  random bytes in a sender process (:func:`resident_sources`) and ``recv_into``
+  preallocated buffers here (both cycling over the working set): the ceiling of a
+  one-connection TCP path.
 - ``TcpRoundTripTarget``: the same connection, one value per request: this process
   asks (one byte), the sender answers with the value. A single get at its barest
   (blocking sockets, no lookup), where a stream keeps the wire busy across values.
@@ -28,6 +29,7 @@ from kvpool.bench.harness import (
 from kvpool.child import wait_or_kill
 
 _HEADER = struct.Struct("<QQQQ")  # (messages, bytes each, source buffers, asked); 0 messages ends
+_READY = b"!"  # the sender's sources are made: the measured messages follow
 _ASSUMED_GBPS = 3.0  # only to size a stream so that it lasts about ``budget_s``
 
 
@@ -49,10 +51,23 @@ class MemcpyTarget(Target):
         return result_from(lat, elapsed, spec)
 
 
+def resident_sources(size: int, pool: int) -> list[memoryview]:
+    """``pool`` distinct buffers of ``size`` random bytes, every page resident, as the
+    stores' values are (:mod:`kvpool.bench.harness`). Not ``bytes(size)``: CPython
+    allocates that with calloc, whose large blocks are fresh mappings of the kernel's
+    shared zero page, so a sender reading them reads one 4 KiB page from the cache
+    (64 x bytes(1 MiB) kept 14 MB resident here); a loopback stream from such sources
+    moved 3.7-4.0 GB/s on the 2-core VM of docs/bench.md, against 2.6-2.7 from
+    resident data."""
+    rng = np.random.default_rng(2)
+    return [memoryview(rng.integers(0, 256, size, dtype=np.uint8)).cast("B") for _ in range(pool)]
+
+
 def stream_sender(port: int) -> None:
     """Sender process: connect to 127.0.0.1:port and send what each header asks for,
     cycling over as many source buffers as the receiver cycles destinations; when the
-    header says "asked", each message waits for a one-byte request."""
+    header says "asked", each message waits for a one-byte request. Before the first
+    message of each header it sends one :data:`_READY` byte, once its sources exist."""
     sock = socket.create_connection(("127.0.0.1", port))
     sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
     payloads: dict[int, list[memoryview]] = {}
@@ -68,8 +83,9 @@ def stream_sender(port: int) -> None:
         if count == 0:
             return
         if len(payloads.get(size, ())) != pool:
-            payloads[size] = [memoryview(bytes(size)) for _ in range(pool)]
+            payloads[size] = resident_sources(size, pool)
         sources = payloads[size]
+        sock.sendall(_READY)  # the receiver's clock starts now, not while sources were made
         for i in range(count):
             if asked and not sock.recv(1):
                 return
@@ -108,6 +124,8 @@ class TcpStreamTarget(Target):
         pool = pool_count(spec.size, 1, spec.working_set)
         bufs = [memoryview(bytearray(spec.size)) for _ in range(pool)]  # zero-filled: resident
         self.sock.sendall(_HEADER.pack(count, spec.size, pool, self.asked))
+        if self.sock.recv(1) != _READY:
+            raise ConnectionError("the sender closed the stream before its first message")
         lat: list[int] = []
         clock = time.perf_counter_ns
         start = last = clock()
