@@ -140,6 +140,30 @@ def test_each_commit_of_a_pipelined_batch_put_follows_the_writes_of_its_items(si
         assert all((b == v).all() for b, v in zip(bufs, vals))
 
 
+@pytest.mark.parametrize("kind,commits", [("tcp", 1), ("shm", len(put_spans(40, LARGE_VALUE, in_place=True)))])
+def test_a_batch_put_over_tcp_is_one_write_and_one_commit(kind, commits):
+    """40 values of 64 KiB: pipelined into the node's shared memory (copied in this
+    process), one write and one commit over TCP (measured faster there, pipeline.put_spans)."""
+    with setup(kind) as c:
+        keys = [f"t{i}" for i in range(40)]
+        vals = values(40, LARGE_VALUE, seed=5)
+        sent, call = [], c._call
+
+        def counting(request, *args, **kwargs):
+            sent.append(type(request).__name__)
+            return call(request, *args, **kwargs)
+
+        c._call = counting
+        try:
+            assert c.batch_put(keys, vals) == [ErrorCode.OK] * 40
+        finally:
+            del c._call
+        assert sent.count("PutCommit") == commits and commits >= 1
+        bufs = [np.zeros(LARGE_VALUE, np.uint8) for _ in keys]
+        assert c.batch_get_into(keys, bufs) == [LARGE_VALUE] * 40
+        assert all((b == v).all() for b, v in zip(bufs, vals))
+
+
 @pytest.mark.parametrize("kind", ("tcp", "shm"))
 def test_a_batch_larger_than_a_lease_goes_lease_after_lease(kind):
     with setup(kind, lease_bytes=MIB) as c:  # values up to half a lease go through one

@@ -123,3 +123,23 @@ def test_request_gaps_poll_only_after_an_answer():
         gaps.answered()
         assert gaps.budget() == pytest.approx(2e-6)  # twice the mean gap
         assert gaps.poll(a)
+
+
+@pytest.mark.cluster(extra_node_args=["--busy-poll", "0"])
+def test_a_node_started_without_busy_polling_serves_tcp_as_before(cluster):
+    from kvpool.client import Client
+
+    with Client(cluster.master_addr, force_tcp=True) as c:
+        for i in range(5):
+            c.put(f"np{i}", bytes([i]) * 70_000)
+        assert all(c.get(f"np{i}") == bytes([i]) * 70_000 for i in range(5))
+
+
+def test_a_negative_busy_poll_is_a_one_line_error():
+    import subprocess
+    import sys
+
+    proc = subprocess.run([sys.executable, "-m", "kvpool", "node", "--busy-poll", "-5"],
+                          capture_output=True, text=True, timeout=60)
+    assert proc.returncode != 0 and "busy-poll" in proc.stderr and "must be >= 0" in proc.stderr
+    assert "Traceback" not in proc.stderr

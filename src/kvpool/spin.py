@@ -16,6 +16,12 @@ uses too). It polls only for kinds whose mean is below its
 the blocking recv as before, so slow replies (a batch of thousands of keys) cost no
 spinning. ``KVPOOL_SPIN_US`` sets ``max_s`` in microseconds (0 turns polling off: a
 host with more busy processes than cores).
+
+Servers poll from the other side: :class:`RequestGaps` keeps the mean gap from a
+server's answer to the next request and polls for that request (:func:`poll_readable`)
+while the gaps are short, up to :data:`BUSY_POLL_US` (the master's event loop,
+:mod:`kvpool.master.busy_poll`; a node's data connections after a read,
+:mod:`kvpool.node.data_server`).
 """
 
 from __future__ import annotations

@@ -26,8 +26,6 @@ import time
 
 from kvpool.spin import BUSY_POLL_US, RequestGaps
 
-__all__ = ["BUSY_POLL_US", "BusyPoll"]
-
 
 class BusyPoll:
     """The polling policy of one event loop (see the module docstring). ``max_s``:

@@ -16,7 +16,7 @@ from kvpool.config import (
     write_ready_file,
 )
 from kvpool.errors import UserError
-from kvpool.master.busy_poll import BUSY_POLL_US
+from kvpool.spin import BUSY_POLL_US
 from kvpool.master.config import MasterConfig
 from kvpool.master.segments import STRATEGIES
 from kvpool.masters import DEFAULT_KEY, DEFAULT_MASTER_PORT

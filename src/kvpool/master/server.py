@@ -50,9 +50,10 @@ from kvpool import protocol as P
 from kvpool.config import format_addr, parse_addr
 from kvpool.errors import ErrorCode, UserError
 from kvpool.master import scans
-from kvpool.master.busy_poll import BUSY_POLL_US, BusyPoll
+from kvpool.master.busy_poll import BusyPoll
 from kvpool.master.service import MasterService
 from kvpool.masters import DEFAULT_MASTER_PORT
+from kvpool.spin import BUSY_POLL_US
 
 log = logging.getLogger("kvpool.master")
 

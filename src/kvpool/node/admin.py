@@ -15,7 +15,7 @@ master call): ``kvpool_node_data_requests_total{op}`` and
 broken, stalled, accept, full, and idle_closed, which is no fault: an idle connection
 closed to make room under ``--max-connections``),
 ``kvpool_node_data_connections_total``, ``kvpool_node_data_connections_open`` and
-``kvpool_node_data_polled_total`` (requests the busy poll after an answer found waiting);
+``kvpool_node_data_polled_total`` (requests the busy poll after a read's answer found waiting);
 and the process collector's ``process_*``.
 """
 
@@ -97,7 +97,7 @@ def data_plane_metrics(snap: dict):
     yield GaugeMetricFamily("kvpool_node_data_connections_open", "data connections open now",
                             value=snap["open_connections"])
     yield CounterMetricFamily("kvpool_node_data_polled", "requests found waiting by the busy poll "
-                              "after an answer (no wake-up needed)", value=snap["polled"])
+                              "after a read's answer (no wake-up needed)", value=snap["polled"])
 
 
 def node_app(node: SegmentHost, collector: NodeCollector) -> web.Application:

@@ -97,7 +97,7 @@ OPTIONS = [
     Option("max-connections", MAX_CONNECTIONS, positive(int), "data-port connections served at once "
            "(a thread each); past it the longest idle one is closed (its client reconnects)"),
     Option("busy-poll", BUSY_POLL_US, positive(int, zero_ok=True), "microseconds a data connection keeps "
-           "polling for its next request after an answer, while its requests come that quickly (0 = never)",
+           "polling for its next request after answering a read, while its requests come that quickly (0 = never)",
            env="NODE_BUSY_POLL"),
 ]
 

@@ -120,7 +120,7 @@ class DataCounters:
         self.errors: Counter[str] = Counter()
         self.connections = 0
         self.open_connections = 0
-        self.polled = 0  # requests found waiting by a busy poll after an answer
+        self.polled = 0  # requests found waiting by the busy poll after a read's answer
         self._lock = threading.Lock()
 
     def served(self, op: str, nbytes: int) -> None:
@@ -168,8 +168,8 @@ class DataServer:
     prefaulted: :meth:`kvpool.transfer.shm.Populator.populate`); a write it refuses is
     read into a scratch buffer and answered NO_AVAILABLE_HANDLE (counted as "no_memory");
     ``max_connections``: connections served at once (see the module docstring);
-    ``busy_poll_s``: the longest poll of a connection for its next request after an
-    answer (see the module docstring; 0: never poll), seconds; ``clock``: seconds for
+    ``busy_poll_s``: the longest poll of a connection for its next request after it
+    answered a read (see the module docstring; 0: never poll), seconds; ``clock``: seconds for
     that poll's gaps, time.perf_counter by default."""
 
     def __init__(self, sock: socket.socket, segment: memoryview, word: EpochWord | None = None,

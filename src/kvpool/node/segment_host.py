@@ -93,7 +93,7 @@ class SegmentHost:
     mid-frame (:class:`~kvpool.node.data_server.DataServer`); secret: what the data port
     asks of its peers and what this host answers the master (None: ``KVPOOL_SECRET``);
     max_connections: data-port connections served at once (the DataServer's);
-    busy_poll_s: a data connection's longest poll for its next request (the DataServer's).
+    busy_poll_s: a data connection's longest poll for its next request after a read (the DataServer's).
 
     Raises UserError (port in use) from the constructor; RpcFailed (master
     unreachable), InvalidParams (prefault or populate_behind, and the segment does not
