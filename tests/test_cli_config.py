@@ -67,7 +67,8 @@ def test_unknown_config_key_names_it_and_the_known_keys(tmp_path):
     assert r.returncode == 2
     err = r.stderr
     assert "'segment-sise'" in err and "did you mean 'segment-size'" in err
-    assert "known: frame-timeout, host, http-port, master, master-wait, max-connections, port, prefault, secret, segment-size" in err
+    assert ("known: busy-poll, frame-timeout, host, http-port, master, master-wait, max-connections, port, "
+            "prefault, secret, segment-size") in err
 
 
 def test_unknown_key_in_json_without_a_close_match(tmp_path):

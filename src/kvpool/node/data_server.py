@@ -26,7 +26,7 @@ answers a read, a connection whose next requests have followed such answers with
 blocks. Why: a thread blocked in recv on a halted vCPU is woken by an inter-processor
 interrupt through the hypervisor; on the 2-vCPU VM of docs/bench.md a bare 1 MiB
 request and reply over loopback took 339 us with both sides blocking, 246 us with the
-client polling and 195 us with both polling (one TCP stream: 211-250 us per MiB). In
+client polling and 195 us with both polling. In
 ``bench store --quick`` (means of four runs each way) single 1 MiB gets over TCP moved
 1.76 -> 1.85 GB/s (zero copy) and 1.82 -> 1.93 (bytes), 16 x 1 MiB batch gets 3.00 ->
 3.17. Not after a write: the writer's next step is its commit to the master, and
