@@ -430,10 +430,11 @@ class DataServer:
         return True
 
     def _recv_request(self, conn: socket.socket, gaps: RequestGaps) -> bytes | bytearray:
-        """One request frame's body (its first byte's arrival told to ``gaps``). Waits as long as need be for a frame to begin, then
-        at most ``stall_s`` between bytes. Raises _Closed when the peer closed before a
-        new frame began, VersionMismatch, _BadHeader, TimeoutError (a stall), FrameError,
-        ConnectionError (EOF mid-frame), OSError."""
+        """One request frame's body (its first byte's arrival told to ``gaps``). Waits as
+        long as need be for a frame to begin, then at most ``stall_s`` between bytes.
+        Raises _Closed when the peer closed before a new frame began, VersionMismatch,
+        _BadHeader, TimeoutError (a stall), FrameError, ConnectionError (EOF mid-frame),
+        OSError."""
         header = bytearray(P.HEADER.size)
         got = _recv_first(conn, header, self.stopped)
         gaps.request()
