@@ -158,9 +158,10 @@ class PutPath:
                   upsert: bool = False, soft_pin: bool | None = None, soft_pin_ttl_ms: int | None = None,
                   hard_pin: bool = False, preferred_segment: str = "") -> list[ErrorCode]:
         """Put many objects: those a lease takes with one PutCommit per lease filled
-        (per chunk for values of 64 KiB and more, each committed while the next is
-        written: :mod:`kvpool.client.pipeline`), the rest with one BatchPutStart, one
-        BatchPutEnd (and one BatchPutRevoke) RPC. Options as in :meth:`put`, for every item.
+        (per chunk for 32 or more values of 64 KiB and more copied in this process, each
+        committed while the next is written: :mod:`kvpool.client.pipeline`), the rest
+        with one BatchPutStart, one BatchPutEnd (and one BatchPutRevoke) RPC. Options as
+        in :meth:`put`, for every item.
 
         Returns one ErrorCode per item: OK, OBJECT_ALREADY_EXISTS (also for the second of
         a duplicated key, K02), NO_AVAILABLE_HANDLE, INVALID_PARAMS, TRANSFER_FAIL...
@@ -300,8 +301,9 @@ class PutPath:
     def _put_leased(self, items: list[P.PutItem], srcs: list[list[memoryview]],
                     deadline: float | None = None) -> list[ErrorCode | None]:
         """Place a prefix of ``items`` in the lease (as many as fit), write them and
-        commit them, pipelined (:mod:`kvpool.client.pipeline`: chunk k is committed
-        while chunk k+1 is written; a commit follows its chunk's writes). One code per
+        commit them, pipelined where that pays (:mod:`kvpool.client.pipeline`,
+        ``put_spans``: chunk k is committed while chunk k+1 is written; a commit follows
+        its chunk's writes). One code per
         placed item (the list is as long as the prefix placed: empty when none was);
         None: put it the PutStart way (the lease refused or unknown to the master, the
         write failed). Writes are given up at ``deadline`` (time.monotonic; None: the
