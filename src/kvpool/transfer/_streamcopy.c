@@ -81,7 +81,7 @@ static PyMethodDef methods[] = {
 
 static struct PyModuleDef module = {
     PyModuleDef_HEAD_INIT, "_streamcopy",
-    "Copies with streaming (non-temporal) stores; see kvpool.transfer.copy.", -1, methods,
+    "Copies with streaming (non-temporal) stores; see kvpool.transfer.memcopy.", -1, methods,
 };
 
 PyMODINIT_FUNC PyInit__streamcopy(void)

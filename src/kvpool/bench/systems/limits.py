@@ -41,8 +41,7 @@ class MemcpyTarget(Target):
 
     def copy(self, spec: CellSpec) -> CellResult:
         pool = pool_count(spec.size, 1, spec.working_set)
-        rng = np.random.default_rng(1)
-        src = [rng.integers(0, 256, spec.size, dtype=np.uint8) for _ in range(pool)]
+        src = resident_sources(spec.size, pool)
         dst = [np.zeros(spec.size, dtype=np.uint8) for _ in range(pool)]
         for d, s in zip(dst, src):  # fault the pages in before the clock starts
             np.copyto(d, s)
@@ -51,16 +50,17 @@ class MemcpyTarget(Target):
         return result_from(lat, elapsed, spec)
 
 
-def resident_sources(size: int, pool: int) -> list[memoryview]:
+def resident_sources(size: int, pool: int) -> list[np.ndarray]:
     """``pool`` distinct buffers of ``size`` random bytes, every page resident, as the
     stores' values are (:mod:`kvpool.bench.harness`). Not ``bytes(size)``: CPython
     allocates that with calloc, whose large blocks are fresh mappings of the kernel's
     shared zero page, so a sender reading them reads one 4 KiB page from the cache
     (64 x bytes(1 MiB) kept 14 MB resident here); a loopback stream from such sources
     moved 3.7-4.0 GB/s on the 2-core VM of docs/bench.md, against 2.6-2.7 from
-    resident data."""
-    rng = np.random.default_rng(2)
-    return [memoryview(rng.integers(0, 256, size, dtype=np.uint8)).cast("B") for _ in range(pool)]
+    resident data. Arrays of uint8 (the memcpy column copies them, the stream's sender
+    sends them)."""
+    rng = np.random.default_rng(1)
+    return [rng.integers(0, 256, size, dtype=np.uint8) for _ in range(pool)]
 
 
 def stream_sender(port: int) -> None:
@@ -70,7 +70,7 @@ def stream_sender(port: int) -> None:
     message of each header it sends one :data:`_READY` byte, once its sources exist."""
     sock = socket.create_connection(("127.0.0.1", port))
     sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-    payloads: dict[int, list[memoryview]] = {}
+    payloads: dict[int, list[np.ndarray]] = {}
     head = bytearray(_HEADER.size)
     while True:
         view = memoryview(head)
