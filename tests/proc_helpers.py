@@ -14,9 +14,11 @@ import signal
 import subprocess
 import sys
 import time
+import urllib.request
 from pathlib import Path
 
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 
 import kvpool
 
@@ -106,3 +108,12 @@ def in_threads(body, n: int, timeout_s: float = 120.0) -> list[str]:
     for th in threads:
         th.join(max(0.0, deadline - time.monotonic()))
     return errors + [f"{th.name} still running" for th in threads if th.is_alive()]
+
+
+def scraped(http_addr: str, name: str, **labels) -> float:
+    """The sum of the samples named ``name`` with these ``labels`` on the Prometheus
+    ``/metrics`` page of ``http_addr`` (a master's or node's --http-port)."""
+    with urllib.request.urlopen(f"http://{http_addr}/metrics", timeout=10) as resp:
+        body = resp.read().decode()
+    return sum(s.value for fam in text_string_to_metric_families(body) for s in fam.samples
+               if s.name == name and all(s.labels.get(k) == v for k, v in labels.items()))

@@ -5,11 +5,9 @@ and a cheap ping."""
 from __future__ import annotations
 
 import time
-import urllib.request
 
 import numpy as np
 import pytest
-from prometheus_client.parser import text_string_to_metric_families
 
 from kvpool import protocol as P
 from kvpool.client import Client
@@ -17,6 +15,7 @@ from kvpool.errors import ErrorCode, InvalidParams
 from kvpool.master.config import MasterConfig
 from kvpool.master.service import MasterService
 from kvpool.mooncake.store import MooncakeDistributedStore, ReplicateConfig, SoftPinAction
+from proc_helpers import scraped
 
 MIB = 1 << 20
 
@@ -125,13 +124,6 @@ def test_facade_places_upserts_and_batches_on_the_preferred_segment(cluster):
     s.close()
 
 
-def _metric(http_addr: str, name: str, **labels) -> float:
-    with urllib.request.urlopen(f"http://{http_addr}/metrics", timeout=10) as resp:
-        body = resp.read().decode()
-    return sum(s.value for fam in text_string_to_metric_families(body) for s in fam.samples
-               if s.name == name and all(s.labels.get(k) == v for k, v in labels.items()))
-
-
 @pytest.mark.cluster(segment_size="16MiB", extra_node_args=["--http-port", "0"])
 def test_ranged_read_moves_only_the_requested_ranges(cluster):
     value = np.random.default_rng(1).integers(0, 256, 4 * MIB, dtype=np.uint8)
@@ -139,10 +131,10 @@ def test_ranged_read_moves_only_the_requested_ranges(cluster):
     with Client(cluster.master_addr, force_tcp=True) as c:
         c.put("big", value)
         h = c.query("big")
-        before = _metric(node_http, "kvpool_node_data_bytes_total", op="read")
+        before = scraped(node_http, "kvpool_node_data_bytes_total", op="read")
         a, b = bytearray(100), np.zeros(4096, np.uint8)
         out = c.batch_read_ranges([h, h], [[(10, a), (4 * MIB - 4096, b)], [(4 * MIB - 10, bytearray(11))]])
-        moved = _metric(node_http, "kvpool_node_data_bytes_total", op="read") - before
+        moved = scraped(node_http, "kvpool_node_data_bytes_total", op="read") - before
     assert out == [[100, 4096], [ErrorCode.INVALID_PARAMS]]
     assert bytes(a) == value[10:110].tobytes() and b.tobytes() == value[-4096:].tobytes()
     assert moved == 100 + 4096  # not the 4 MiB value
@@ -153,9 +145,9 @@ def test_facade_health_check_is_a_ping_not_a_stats_scan(cluster):
     master_http = cluster.master.info["http_addr"]
     s = MooncakeDistributedStore()
     assert s.setup("localhost", "m", 0, 16 * MIB, "tcp", "", cluster.master_addr) == 0
-    pings = _metric(master_http, "kvpool_master_requests_total", op="Ping")
-    stats = _metric(master_http, "kvpool_master_requests_total", op="GetStats")
+    pings = scraped(master_http, "kvpool_master_requests_total", op="Ping")
+    stats = scraped(master_http, "kvpool_master_requests_total", op="GetStats")
     assert s.health_check() == 0
-    assert _metric(master_http, "kvpool_master_requests_total", op="Ping") == pings + 1
-    assert _metric(master_http, "kvpool_master_requests_total", op="GetStats") == stats
+    assert scraped(master_http, "kvpool_master_requests_total", op="Ping") == pings + 1
+    assert scraped(master_http, "kvpool_master_requests_total", op="GetStats") == stats
     s.close()

@@ -269,10 +269,10 @@ def test_a_put_the_master_forgot_in_a_restart_is_put_again_once_and_stored(kind,
             Client(cluster.master_addr, force_tcp=kind == "tcp", alloc_leases=False) as writer:
         write_all, restarts = writer._write_all, []
 
-        def restart_once_around_the_write(jobs, deadline=None):  # fault injection, real restart
+        def restart_once_around_the_write(*args):  # fault injection, real restart
             if not restarts and when == "before_the_write":
                 restarts.append(restart(cluster, client))
-            out = write_all(jobs, deadline)
+            out = write_all(*args)
             if not restarts:
                 restarts.append(restart(cluster, client))
             return out

@@ -48,9 +48,9 @@ import msgspec
 
 from kvpool.errors import ErrorCode, KVPoolError
 
-PROTOCOL_VERSION = 6  # 2: GetResp.grant_id, ReadDone, PutStartResp.message; 3: mount epochs, segment index;
+PROTOCOL_VERSION = 7  # 2: GetResp.grant_id, ReadDone, PutStartResp.message; 3: mount epochs, segment index;
 # 4: allocation leases (AllocLease, PutCommit, ReturnLease), StatsResp.leased_bytes/open_leases; 5: GetResp.version;
-# 6: BatchGetResp names each segment once (GetItem)
+# 6: BatchGetResp names each segment once (GetItem); 7: Wake
 MAGIC_PREFIX = b"KVP"
 HEADER = struct.Struct("<4sI")
 MAX_FRAME = 64 << 20  # bytes; a batch of 4096 keys of 4 KiB each still fits
@@ -303,6 +303,20 @@ class ReadDone(_Msg):
     grant_ids: Annotated[list[Id], msgspec.Meta(max_length=MAX_BATCH)]
 
 
+class Wake(_Msg):
+    """This connection's next request follows within ``within_us`` microseconds: the
+    master polls for it instead of sleeping, so it finds the master awake
+    (:mod:`kvpool.master.busy_poll`, which caps the poll; the next answer ends it). A
+    put sends it as its write ends, for the commit that follows (the payload handed to
+    the kernel, or before a copy in its own process). A notification: the master sends
+    NO reply."""
+
+    within_us: Annotated[int, msgspec.Meta(ge=0, le=MAX_ID)] = 0
+
+
+NOTICES = (ReadDone, Wake)  # requests the master never answers
+
+
 class ExistKey(_Msg):
     key: Key
 
@@ -536,7 +550,7 @@ class DataResp(_Msg):
 
 Request = Union[
     Ping, MountSegment, UnmountSegment, Heartbeat, PutStart, BatchPutStart, PutEnd,
-    BatchPutEnd, PutRevoke, BatchPutRevoke, GetReplicaList, BatchGetReplicaList, ReadDone, ExistKey,
+    BatchPutEnd, PutRevoke, BatchPutRevoke, GetReplicaList, BatchGetReplicaList, ReadDone, Wake, ExistKey,
     BatchExistKey, Remove, BatchRemove, RemoveAll, RemoveByRegex, SetPin, GetStats, AllocLease, PutCommit,
     ReturnLease,
 ]

@@ -17,7 +17,7 @@ import contextlib
 import numbers
 import threading
 import time
-from typing import Sequence
+from typing import Callable, Sequence
 
 import msgspec
 
@@ -34,6 +34,15 @@ from kvpool.transfer.request import Cancel, Op, TransferRequest, TransferStatus
 
 # PutEnd's and PutRevoke's answers for a put the master does not have in flight
 _FORGOTTEN = (ErrorCode.OBJECT_NOT_FOUND, ErrorCode.INVALID_WRITE)
+# A put's commit (PutCommit, PutEnd) follows its write. A master idle through a long
+# write sleeps, and waking it cost ~100 us on the 2-vCPU VM of docs/bench.md, so the
+# put sends a Wake as its write ends (:meth:`PutPath._waker`): writes of at least
+# WAKE_MIN_BYTES in all (shorter ones end within the master's own busy poll, 300 us),
+# asking it to poll WAKE_BASE_US plus the bytes at WAKE_MIN_RATE (bytes per us: 1 GB/s);
+# the commit's answer ends the poll sooner.
+WAKE_MIN_BYTES = 256 << 10
+WAKE_BASE_US = 200
+WAKE_MIN_RATE = 1000
 
 
 class PutPath:
@@ -139,7 +148,8 @@ class PutPath:
         detail = f": {reply.message}" if reply.message else ""
         raise_for(reply.code, f"put {key!r}: {code_name(reply.code)}{detail}")
         token = P.PutToken(key, reply.put_id)
-        written, why = self._write_all([(0, d, src) for d in reply.replicas], deadline)
+        jobs = [(0, d, src) for d in reply.replicas]
+        written, why = self._write_all(jobs, deadline, self._waker(len(src) * len(jobs)))
         if not written[0]:
             revoked = self._revoke(P.PutRevoke(token), deadline)
             if revoked is not None and revoked.code in _FORGOTTEN:
@@ -257,7 +267,7 @@ class PutPath:
             if res.code == ErrorCode.OK:
                 tokens[i] = P.PutToken(item.key, res.put_id)
                 jobs.extend((i, piece, view) for d in res.replicas for piece, view in _pieces(d, views))
-        written, _ = self._write_all(jobs, deadline)
+        written, _ = self._write_all(jobs, deadline, self._waker(sum(len(view) for _, _, view in jobs)))
         good = [i for i in tokens if written[i]]
         bad = [i for i in tokens if not written[i]]
         if bad:
@@ -322,11 +332,12 @@ class PutPath:
             chunks = pipeline.put_spans(len(offsets), items[0].size, route is not None and route.in_place)
             written: dict[int, bool] = {}
 
-            def write(start: int, end: int) -> None:
+            def write(start: int, end: int, wake: Callable[[], None] | None = None) -> None:
                 written.update(self._write_all([job for item_jobs in jobs[start:end] for job in item_jobs],
-                                               deadline)[0])
+                                               deadline, wake)[0])
 
-            write(*chunks[0])
+            # the first commit only: the later ones are sent while the next chunk is written
+            write(*chunks[0], self._waker(sum(items[i].size for i in range(*chunks[0]))))
             for k, (start, end) in enumerate(chunks):
                 nxt = None if k + 1 == len(chunks) else pipeline.Overlap(lambda k=k: write(*chunks[k + 1]))
                 ready = [i for i in range(start, end) if written[i]]
@@ -383,6 +394,21 @@ class PutPath:
         self._return_leases(deadline=deadline)
         return placed
 
+    def _waker(self, nbytes: int) -> Callable[[], None] | None:
+        """For a write of ``nbytes`` in all that this thread's commit follows: a callable
+        that sends a :class:`~kvpool.protocol.Wake` on this thread's master connection
+        (once, however often called; a failed send only means no poll), or None when the
+        write is too short to need one (:data:`WAKE_MIN_BYTES`)."""
+        if nbytes < WAKE_MIN_BYTES:
+            return None
+        chan, wake, sent = self._channel(), P.Wake(WAKE_BASE_US + nbytes // WAKE_MIN_RATE), []
+
+        def send() -> None:
+            if not sent:
+                sent.append(True)
+                chan.notify(wake)
+        return send
+
     def _return_leases(self, everything: bool = False, deadline: float | None = None) -> None:
         """Send ReturnLease, on this thread's connection, for the retired leases no write
         is in flight into (``everything``: all, the client is closing), waiting for the
@@ -426,20 +452,23 @@ class PutPath:
                 self._keeper.start()
 
     def _write_all(self, jobs: list[tuple[int, P.ReplicaDesc, memoryview]],
-                   deadline: float | None = None) -> tuple[dict[int, bool], str]:
+                   deadline: float | None = None, wake: Callable[[], None] | None = None) -> tuple[dict[int, bool], str]:
         """Write every (item index, replica, source) job by ``deadline`` (time.monotonic;
-        None: the client's timeout from now). Returns ({index: all its writes OK}, why
-        the failed ones failed: status and the transports' reasons)."""
+        None: the client's timeout from now). ``wake`` (:meth:`_waker`) is called before
+        a copy in this process (the master then polls through it) or else once a
+        transport has handed the payload to the kernel (the node still taking it in).
+        Returns ({index: all its writes OK}, why the failed ones failed: status and the
+        transports' reasons)."""
         if deadline is None:
             deadline = time.monotonic() + self.timeout_s
         if len(jobs) == 1:  # a single put: the engine's one-copy write, no request batch
-            return self._write_one(*jobs[0], deadline)
+            return self._write_one(*jobs[0], deadline, wake)
         ok: dict[int, bool] = {i: True for i, _, _ in jobs}
-        why, rest = self._write_in_place(jobs, ok, deadline)
+        why, rest = self._write_in_place(jobs, ok, deadline, wake)
         if not rest:
             return ok, why
         reqs = [TransferRequest(Op.WRITE, src, 0, d.segment, d.offset, d.length) for _, d, src in rest]
-        result = self.engine.transfer(reqs, pipeline.left(deadline))
+        result = self.engine.transfer(reqs, pipeline.left(deadline), wake)
         for k, ((i, _, _), status) in enumerate(zip(rest, result)):
             ok[i] = ok[i] and status == TransferStatus.COMPLETED
             if status != TransferStatus.COMPLETED and not why:
@@ -447,11 +476,13 @@ class PutPath:
         return ok, why
 
     def _write_in_place(self, jobs: list[tuple[int, P.ReplicaDesc, memoryview]],
-                        ok: dict[int, bool], deadline: float) -> tuple[str, list]:
+                        ok: dict[int, bool], deadline: float,
+                        wake: Callable[[], None] | None = None) -> tuple[str, list]:
         """Write the jobs whose segment is in this host's memory, one
         :meth:`Transport.write_many` per segment (a loop of memcpys: no request objects,
-        no batch); their items' entries of ``ok`` turn False when that failed. Returns
-        (why the first failure failed, the other jobs)."""
+        no batch; ``wake``, if given, called before the first); their items' entries of
+        ``ok`` turn False when that failed. Returns (why the first failure failed, the
+        other jobs)."""
         groups: dict[tuple[str, int], list] = {}
         for job in jobs:
             groups.setdefault((job[1].segment.name, job[1].segment.epoch), []).append(job)
@@ -462,6 +493,8 @@ class PutPath:
             if transport is None or not transport.in_place:
                 rest.extend(group)
                 continue
+            if wake is not None:
+                wake()
             cancel = Cancel()
             if not transport.write_many(segment, [(d.offset, src) for _, d, src in group], deadline, cancel):
                 for i, _, _ in group:
@@ -470,12 +503,15 @@ class PutPath:
         return why, rest
 
     def _write_one(self, i: int, replica: P.ReplicaDesc, src: memoryview,
-                   deadline: float) -> tuple[dict[int, bool], str]:
+                   deadline: float, wake: Callable[[], None] | None = None) -> tuple[dict[int, bool], str]:
         """:meth:`_write_all` of the one job (``i``, ``replica``, ``src``)."""
         transport = self.engine.route(replica.segment)
         if transport is None:
             return {i: False}, f"INVALID: no transport reaches segment {replica.segment.name}"
-        cancel = Cancel()
+        if wake is not None and transport.in_place:
+            wake()
+            wake = None
+        cancel = Cancel(wake)
         if self.engine.write_from(transport, replica.segment, replica.offset, src, pipeline.left(deadline), cancel):
             return {i: True}, ""
         return {i: False}, "FAILED: " + "; ".join(cancel.reasons)

@@ -16,6 +16,11 @@ mean, so a master whose clients are quiet, or only come back after long work of
 their own, sleeps in epoll as before. While polling, the loop has a callback ready
 at all times, so it asks the kernel for events without sleeping (uvloop and asyncio
 both poll with a zero timeout when a callback is ready).
+
+A client may also say when its next request comes (:class:`~kvpool.protocol.Wake`: a
+put whose write outlasts the poll, for its commit): :meth:`BusyPoll.expect` makes the
+next answer's poll that long, at most :data:`EXPECT_MAX_S`, whatever the mean; each
+answer sets the poll's end afresh, so the commit's answer ends it.
 """
 
 from __future__ import annotations
@@ -26,6 +31,8 @@ import time
 
 from kvpool.spin import BUSY_POLL_US, RequestGaps
 
+EXPECT_MAX_S = 0.002  # the longest poll a Wake asks for is cut to this (seconds)
+
 
 class BusyPoll:
     """The polling policy of one event loop (see the module docstring). ``max_s``:
@@ -33,11 +40,19 @@ class BusyPoll:
     time.perf_counter by default."""
 
     def __init__(self, max_s: float = BUSY_POLL_US / 1e6, clock=time.perf_counter):
+        self.max_s = max_s
         self.gaps = RequestGaps(max_s, clock)  # from an answer to the next request
         self.clock = clock
         self.polls = 0  # polls started (for tests and stats)
         self._until = 0.0
         self._polling = False
+        self._expected = 0.0  # seconds a Wake asked to poll after the next answer
+
+    def expect(self, within_s: float) -> None:
+        """A client said its next request follows within ``within_s`` seconds
+        (:class:`~kvpool.protocol.Wake`): the next answer is followed by a poll that
+        long, at most :data:`EXPECT_MAX_S`, whatever the gaps' mean."""
+        self._expected = min(within_s, EXPECT_MAX_S) if self.max_s else 0.0
 
     def budget(self) -> float:
         """Seconds to poll after an answer now (0: sleep in epoll)."""
@@ -50,10 +65,10 @@ class BusyPoll:
     def answered(self, loop: asyncio.AbstractEventLoop) -> None:
         """A request was handled: poll for the next one for :meth:`budget` seconds."""
         now = self.gaps.answered()
-        budget = self.budget()
+        budget, self._expected = max(self.budget(), self._expected), 0.0
+        self._until = now + budget  # an earlier poll's end is replaced: this answer's gap starts now
         if not budget:
             return
-        self._until = now + budget
         if not self._polling:
             self._polling = True
             self.polls += 1

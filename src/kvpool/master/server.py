@@ -6,8 +6,8 @@ slices (:mod:`kvpool.master.scans`) with other requests in between, so no reques
 the loop for long (K23). A request that does not decode gets an :class:`ErrorResp` and the
 connection stays open; a frame with a bad header closes that connection only, and a
 client of another protocol version is told so (:func:`kvpool.protocol.version_refusal`)
-before it is closed. :class:`~kvpool.protocol.ReadDone` is a notification: it gets no
-reply. A background task runs :meth:`MasterService.tick` (liveness, grants, zombies,
+before it is closed. :class:`~kvpool.protocol.ReadDone` and :class:`~kvpool.protocol.Wake`
+are notifications (``protocol.NOTICES``): they get no reply. A background task runs :meth:`MasterService.tick` (liveness, grants, zombies,
 eviction) and closes connections that stalled mid-frame.
 
 A node that mounts with ``index`` keeps its connection as its index stream: after every
@@ -137,6 +137,7 @@ class MasterServer:
         self._mid_frame: dict[asyncio.StreamWriter, float] = {}  # connection -> when its header came
         self._handlers = _handlers(service)
         self._handlers[P.MountSegment] = self._mount
+        self._handlers[P.Wake] = lambda r: self.busy.expect(r.within_us / 1e6)
         self._observers: list[Observer] = []
         self._streams: dict[str, tuple[int, asyncio.StreamWriter]] = {}  # segment -> (epoch, index stream)
         # set by an index mount's handler, taken by its connection right after (no await between)
@@ -278,7 +279,7 @@ class MasterServer:
                         reply = self._refusal(req)
             except Exception:  # a bug must not take the whole master down; log it loudly
                 log.exception("handler for %s failed", op)
-                reply = None if isinstance(req, P.ReadDone) else P.ErrorResp(
+                reply = None if isinstance(req, P.NOTICES) else P.ErrorResp(
                     ErrorCode.INTERNAL_ERROR, f"internal error in {op}")
         for callback in self._observers:
             try:
@@ -289,7 +290,7 @@ class MasterServer:
 
     def _refusal(self, req: msgspec.Struct) -> P.ErrorResp | None:
         """The answer of a master that does not lead (None for a notification)."""
-        if isinstance(req, P.ReadDone):
+        if isinstance(req, P.NOTICES):
             return None
         return P.ErrorResp(ErrorCode.UNAVAILABLE_IN_CURRENT_STATUS, self.gate() or "not the leader")
 

@@ -23,6 +23,7 @@ import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import wait as wait_futures
+from typing import Callable
 
 from kvpool.protocol import SegmentInfo
 from kvpool.transfer.request import Cancel, Op, TransferRequest, TransferResult, TransferStatus, Transport
@@ -215,14 +216,19 @@ class TransferEngine:
             self._start(handle, transport, lane, inline=False)
         return handle
 
-    def transfer(self, requests: list[TransferRequest], timeout_s: float | None = None) -> TransferResult:
+    def transfer(self, requests: list[TransferRequest], timeout_s: float | None = None,
+                 on_sent: Callable[[], None] | None = None) -> TransferResult:
         """Run ``requests`` and wait: the first task in the calling thread (no thread
-        hand-off for the common one-peer batch), the others on worker threads."""
+        hand-off for the common one-peer batch), the others on worker threads.
+        ``on_sent``: called once, when a transport first reports a write's payload sent
+        (:class:`~kvpool.transfer.request.Cancel`; from a worker thread when that lane
+        runs there)."""
         if len(requests) == 1:
             transport = self.route(requests[0].segment)
             if transport is None or not _sliced(transport, requests[0].segment, requests[0].length):
-                return self._transfer_one(transport, requests[0], timeout_s)
+                return self._transfer_one(transport, requests[0], timeout_s, on_sent)
         handle, tasks = self._plan(requests, timeout_s)
+        handle._cancel.on_sent = on_sent
         if len(tasks) == 1:  # the common case: no future, no thread
             transport, lane = tasks[0]
             handle._record([i for i, _ in lane], transport.run([r for _, r in lane], handle._deadline, handle._cancel))
@@ -258,14 +264,15 @@ class TransferEngine:
                     timeout_s: float | None, cancel: Cancel | None) -> bool:
         """:meth:`read_into` / :meth:`write_from` of a value large enough to be cut over
         several lanes: one request through :meth:`transfer` (reasons noted on ``cancel``)."""
-        result = self.transfer([TransferRequest(op, local, 0, segment, offset, len(local))], timeout_s)
+        result = self.transfer([TransferRequest(op, local, 0, segment, offset, len(local))], timeout_s,
+                               cancel.on_sent if cancel is not None else None)
         if cancel is not None:
             for reason in result.reasons:
                 cancel.note(reason)
         return result[0] == TransferStatus.COMPLETED
 
     def _transfer_one(self, transport: Transport | None, req: TransferRequest,
-                      timeout_s: float | None) -> TransferResult:
+                      timeout_s: float | None, on_sent: Callable[[], None] | None = None) -> TransferResult:
         """:meth:`transfer` of one request that needs no slicing, over ``transport`` (its
         route; None: unreachable), in this thread, with none of a batch's bookkeeping (a
         single get or put pays it on every call)."""
@@ -273,7 +280,7 @@ class TransferEngine:
         if problem:
             return TransferResult([TransferStatus.INVALID], [problem])
         deadline = self._deadline_after(timeout_s)
-        cancel = Cancel()
+        cancel = Cancel(on_sent)
         if transport.run([req], deadline, cancel)[0]:
             return TransferResult([TransferStatus.COMPLETED])
         late = time.monotonic() > deadline

@@ -12,6 +12,7 @@ from __future__ import annotations
 import enum
 import threading
 from dataclasses import dataclass
+from typing import Callable
 
 from kvpool.protocol import SegmentInfo
 
@@ -85,13 +86,24 @@ class Cancel:
     It also collects why requests of the batch failed (:meth:`note`): a transport that
     returns False for a request says why here (peer address, errno, the node's reply
     code), so the caller's error names the cause instead of only "failed".
+
+    ``on_sent``: called once, by the first :meth:`payload_sent`, when a transport has
+    handed a write's payload to the kernel and only the peer's answer is left to wait
+    for (a put tells the master its commit is coming then: :class:`kvpool.protocol.Wake`).
     """
 
-    def __init__(self):
+    def __init__(self, on_sent: Callable[[], None] | None = None):
         self.fired = False
         self.reasons: list[str] = []
+        self.on_sent = on_sent
         self._socks: set = set()
         self._lock = threading.Lock()
+
+    def payload_sent(self) -> None:
+        """A write's payload has left this process (see the class docstring)."""
+        on_sent, self.on_sent = self.on_sent, None
+        if on_sent is not None:
+            on_sent()
 
     def note(self, reason: str) -> None:
         """Record why a request of this batch failed (kept in order, duplicates dropped)."""

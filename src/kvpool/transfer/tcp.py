@@ -300,7 +300,8 @@ class TcpTransport(Transport):
         segment = requests[0].segment
         addr = segment.data_addr
         try:
-            ok_w = self._with_conn(segment, deadline, cancel, lambda s: _write(s, writes, deadline, self._replies)) if writes else True
+            ok_w = self._with_conn(segment, deadline, cancel,
+                                   lambda s: _write(s, writes, deadline, self._replies, cancel)) if writes else True
             ok_r = self._with_conn(segment, deadline, cancel, lambda s: _read(s, reads, deadline, cancel, self._replies)) if reads else True
         except _FAILURES as exc:
             cancel.note(f"tcp {addr}: {describe_failure(exc)}")
@@ -340,10 +341,12 @@ class TcpTransport(Transport):
         self._pool.close()
 
 
-def _write(sock: socket.socket, reqs: list[TransferRequest], deadline: float, replies: ReplyWait) -> bool:
+def _write(sock: socket.socket, reqs: list[TransferRequest], deadline: float, replies: ReplyWait,
+           cancel: Cancel) -> bool:
     head = P.encode_frame(P.DataWriteMany([r.remote_offset for r in reqs], [r.length for r in reqs],
                                           reqs[0].segment.epoch))
     send_views(sock, [head, *(r.local_view() for r in reqs)], deadline)
+    cancel.payload_sent()  # the node is still taking it in: what waits on the reply may start
     code = _await_reply(sock, deadline, replies, "write").code
     if code != ErrorCode.OK:
         raise NodeRefused(code, "write")
