@@ -13,6 +13,11 @@ host id differs and bytes move over the network, not through /dev/shm),
 
 Needs root (CAP_NET_ADMIN) and iproute2; :func:`unavailable` says why not where it is
 refused. Raises :class:`NetnsError` when an ``ip`` command fails.
+
+Namespaces outlive the process that made them, so each set is recorded while it exists
+(:class:`Claim`, a folder locked by its maker, :mod:`kvpool.owned_dir`): a run killed
+with -9 runs no cleanup, and the next set made on the machine removes what it left
+(:func:`sweep_abandoned_sets`).
 """
 
 from __future__ import annotations
@@ -20,8 +25,14 @@ from __future__ import annotations
 import os
 import shutil
 import subprocess
+import tempfile
+from pathlib import Path
 
 from kvpool.errors import KVPoolError
+from kvpool.owned_dir import OwnedDir, sweep_abandoned
+
+CLAIM_PREFIX = "kvpool-netns-"  # temporary folders of the sets of namespaces alive
+_NAMES = "namespaces"  # a claim's file: one namespace name per line
 
 
 class NetnsError(KVPoolError):
@@ -48,6 +59,46 @@ def unavailable() -> str | None:
     return None
 
 
+class Claim:
+    """The record of one set of namespaces while this process holds them: a folder
+    ``<tmp>/kvpool-netns-*`` locked by this process, listing each namespace before it
+    is made. Raises OSError when the folder cannot be made."""
+
+    def __init__(self):
+        self._dir = OwnedDir(CLAIM_PREFIX)
+
+    def add(self, name: str) -> None:
+        """Record namespace ``name`` (before it is made: a kill in between leaves no
+        namespace unrecorded)."""
+        with open(self._dir.path / _NAMES, "a") as f:
+            f.write(name + "\n")
+
+    def release(self) -> None:
+        """The namespaces are deleted: drop the record (idempotent)."""
+        self._dir.remove()
+
+
+def _delete_recorded(folder: Path) -> None:
+    try:
+        names = (folder / _NAMES).read_text().split()
+    except OSError:
+        return
+    for name in names:
+        subprocess.run(["ip", "netns", "del", name], capture_output=True)
+
+
+def sweep_abandoned_sets() -> int:
+    """Delete the namespaces of sets whose maker is gone (killed with -9: its claim's
+    lock was dropped by the kernel); returns how many sets were removed. Never raises."""
+    return sweep_abandoned(tempfile.gettempdir(), CLAIM_PREFIX, before_removal=_delete_recorded)
+
+
+def add_netns(name: str, claim: Claim) -> None:
+    """``ip netns add name``, recorded in ``claim`` first. Raises NetnsError."""
+    claim.add(name)
+    _ip("netns", "add", name)
+
+
 class Hosts:
     """``n`` namespaces named ``<tag>-h<i>`` on a bridge in ``<tag>-hub``; ``net``
     (1..254) picks the subnet 10.<net>.0.0/24, distinct per concurrent set.
@@ -59,6 +110,7 @@ class Hosts:
         self.names = [f"{tag}-h{i}" for i in range(n)]
         self.join_caller = join_caller
         self._made: list[str] = []
+        self._claim: Claim | None = None
 
     @property
     def caller_addr(self) -> str:
@@ -76,13 +128,15 @@ class Hosts:
                 'hostname "$0" && exec "$@"', self.names[i])
 
     def create(self) -> "Hosts":
+        sweep_abandoned_sets()  # a killed run's set may hold the names or the subnet
+        self._claim = Claim()
         try:
-            _ip("netns", "add", self.hub)
+            add_netns(self.hub, self._claim)
             self._made.append(self.hub)
             _ip("-n", self.hub, "link", "add", "br0", "type", "bridge")
             _ip("-n", self.hub, "link", "set", "br0", "up")
             for i, ns in enumerate(self.names):
-                _ip("netns", "add", ns)
+                add_netns(ns, self._claim)
                 self._made.append(ns)
                 _ip("-n", ns, "link", "set", "lo", "up")
                 _ip("-n", self.hub, "link", "add", f"v{i}", "type", "veth", "peer", "name", "eth0", "netns", ns)
@@ -126,6 +180,9 @@ class Hosts:
         for ns in reversed(self._made):
             subprocess.run(["ip", "netns", "del", ns], capture_output=True)
         self._made.clear()
+        if self._claim is not None:
+            self._claim.release()
+            self._claim = None
 
     def __enter__(self) -> "Hosts":
         return self.create()

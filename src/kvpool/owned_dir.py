@@ -22,6 +22,7 @@ import shutil
 import tempfile
 import time
 from pathlib import Path
+from typing import Callable
 
 LOCK_NAME = ".writing.lock"
 
@@ -57,10 +58,13 @@ class OwnedDir:
             self._fd = -1
 
 
-def sweep_abandoned(parent: str | Path, prefix: str, max_age_s: float | None = None) -> int:
+def sweep_abandoned(parent: str | Path, prefix: str, max_age_s: float | None = None,
+                    before_removal: Callable[[Path], None] | None = None) -> int:
     """Remove the folders ``parent/prefix*`` whose writer is gone (see the module
     docstring; ``max_age_s``: seconds after which a folder without a lock file goes
-    too, None: never); returns how many were removed. Never raises for a folder it
+    too, None: never); returns how many were removed. ``before_removal(folder)`` is
+    called for each abandoned folder while its lock is held, before it is removed (to
+    undo what its files record; it must not raise). Never raises for a folder it
     cannot read or remove; a folder whose lock is held (this process's own included)
     is kept."""
     removed = 0
@@ -76,6 +80,8 @@ def sweep_abandoned(parent: str | Path, prefix: str, max_age_s: float | None = N
             continue
         try:
             if lock_if_abandoned(fd, folder / LOCK_NAME):
+                if before_removal is not None:
+                    before_removal(folder)
                 shutil.rmtree(folder, ignore_errors=True)
                 removed += 1
         finally:

@@ -401,11 +401,10 @@ class PutPath:
         write is too short to need one (:data:`WAKE_MIN_BYTES`)."""
         if nbytes < WAKE_MIN_BYTES:
             return None
-        chan, wake, sent = self._channel(), P.Wake(WAKE_BASE_US + nbytes // WAKE_MIN_RATE), []
+        chan, wake, once = self._channel(), P.Wake(WAKE_BASE_US + nbytes // WAKE_MIN_RATE), threading.Lock()
 
-        def send() -> None:
-            if not sent:
-                sent.append(True)
+        def send() -> None:  # lanes may report their payloads sent from several threads at once
+            if once.acquire(blocking=False):
                 chan.notify(wake)
         return send
 

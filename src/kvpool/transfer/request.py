@@ -100,8 +100,10 @@ class Cancel:
         self._lock = threading.Lock()
 
     def payload_sent(self) -> None:
-        """A write's payload has left this process (see the class docstring)."""
-        on_sent, self.on_sent = self.on_sent, None
+        """A write's payload has left this process (see the class docstring); lanes may
+        say so from several threads at once."""
+        with self._lock:
+            on_sent, self.on_sent = self.on_sent, None
         if on_sent is not None:
             on_sent()
 

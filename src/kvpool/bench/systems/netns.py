@@ -15,6 +15,7 @@ import shutil
 import subprocess
 
 from kvpool.bench.harness import Unavailable
+from kvpool.netns import Claim, sweep_abandoned_sets
 
 _PRIVATE = ("unshare", "--net", "sh", "-c", 'ip link set lo up && exec "$@"', "sh")
 
@@ -68,12 +69,16 @@ class VethPair:
     def __init__(self, tag: str):
         self.server, self.client = f"kvb-{tag}-s", f"kvb-{tag}-c"
         self.made: list[str] = []
+        self._claim: Claim | None = None
 
     def create(self) -> None:
         if not shutil.which("ip"):
             raise Unavailable("iproute2 (ip) not installed")
+        sweep_abandoned_sets()  # what a benchmark killed with -9 left (kvpool.netns)
+        self._claim = Claim()
         try:
             for ns in (self.server, self.client):
+                self._claim.add(ns)
                 _ip("netns", "add", ns)
                 self.made.append(ns)
                 _ip("-n", ns, "link", "set", "lo", "up")
@@ -94,3 +99,6 @@ class VethPair:
         for ns in reversed(self.made):
             subprocess.run(["ip", "netns", "del", ns], capture_output=True)
         self.made.clear()
+        if self._claim is not None:
+            self._claim.release()
+            self._claim = None
