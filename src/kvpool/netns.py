@@ -79,12 +79,12 @@ class Claim:
 
 
 def _delete_recorded(folder: Path) -> None:
+    """Delete the namespaces a claim's folder lists (gone already: nothing to do)."""
     try:
-        names = (folder / _NAMES).read_text().split()
-    except OSError:
-        return
-    for name in names:
-        subprocess.run(["ip", "netns", "del", name], capture_output=True)
+        for name in (folder / _NAMES).read_text().split():
+            subprocess.run(["ip", "netns", "del", name], capture_output=True)
+    except OSError:  # no list (killed before the first name), no ip
+        pass
 
 
 def sweep_abandoned_sets() -> int:

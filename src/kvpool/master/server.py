@@ -7,8 +7,9 @@ the loop for long (K23). A request that does not decode gets an :class:`ErrorRes
 connection stays open; a frame with a bad header closes that connection only, and a
 client of another protocol version is told so (:func:`kvpool.protocol.version_refusal`)
 before it is closed. :class:`~kvpool.protocol.ReadDone` and :class:`~kvpool.protocol.Wake`
-are notifications (``protocol.NOTICES``): they get no reply. A background task runs :meth:`MasterService.tick` (liveness, grants, zombies,
-eviction) and closes connections that stalled mid-frame.
+are notifications (``protocol.NOTICES``): they get no reply. A background task runs
+:meth:`MasterService.tick` (liveness, grants, zombies, eviction) and closes connections
+that stalled mid-frame.
 
 A node that mounts with ``index`` keeps its connection as its index stream: after every
 request (and tick) the queued index changes (:class:`~kvpool.master.restore.IndexLog`)
