@@ -9,7 +9,7 @@ import asyncio
 import pytest
 
 from kvpool import protocol as P
-from kvpool.master.busy_poll import BusyPoll
+from kvpool.master.busy_poll import EXPECT_MAX_S, BusyPoll
 from kvpool.rpc import RpcChannel
 
 
@@ -68,6 +68,49 @@ def test_the_loop_keeps_a_callback_ready_until_the_budget_is_spent():
         assert not poll._polling  # the loop may sleep in epoll again
 
     asyncio.run(scenario())
+
+
+def _spin(times: int = 5):
+    async def iterations():
+        for _ in range(times):
+            await asyncio.sleep(0)
+    return iterations()
+
+
+def test_a_wake_polls_after_the_next_answer_without_any_gap_history_and_the_answer_after_ends_it():
+    clock = Clock()
+    poll = BusyPoll(max_s=100e-6, clock=clock)
+
+    async def scenario():
+        loop = asyncio.get_running_loop()
+        assert poll.budget() == 0.0  # no gaps seen: an answer alone would not poll
+        poll.expect(0.001)
+        poll.answered(loop)  # the Wake's own (silent) answer
+        assert poll._polling and poll._until == pytest.approx(clock.now + 0.001)
+        await _spin()
+        assert poll._polling  # still within the expected time
+        clock.now += 200e-6
+        poll.request()  # the commit came, 200 us on: a gap above max_s, so no budget of its own
+        poll.answered(loop)
+        assert poll._until == clock.now  # the Wake's poll does not outlive the commit's answer
+        await _spin()
+        assert not poll._polling  # the loop may sleep in epoll again
+
+    asyncio.run(scenario())
+
+
+def test_a_wake_is_capped_ignored_without_busy_polling_and_used_once():
+    clock = Clock()
+    poll = BusyPoll(max_s=300e-6, clock=clock)
+    poll.expect(60.0)  # a hostile or confused client cannot make the master spin long
+    poll.answered(_NoLoop())
+    assert poll._until - clock.now == pytest.approx(EXPECT_MAX_S)
+    poll.answered(_NoLoop())  # the next answer: no Wake left, no gap history
+    assert poll._until == clock.now
+    off = BusyPoll(max_s=0, clock=clock)
+    off.expect(0.001)
+    off.answered(_NoLoop())
+    assert off.polls == 0
 
 
 @pytest.mark.cluster(extra_master_args=["--busy-poll", "0"])

@@ -16,10 +16,10 @@ from kvpool.config import (
     write_ready_file,
 )
 from kvpool.errors import UserError
-from kvpool.spin import BUSY_POLL_US
 from kvpool.master.config import MasterConfig
 from kvpool.master.segments import STRATEGIES
 from kvpool.masters import DEFAULT_KEY, DEFAULT_MASTER_PORT
+from kvpool.spin import BUSY_POLL_US
 
 HELP = "run the kvpool master (metadata, leases, allocation, eviction)"
 
