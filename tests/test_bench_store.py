@@ -8,6 +8,7 @@ never timings.
 from __future__ import annotations
 
 import json
+import tempfile
 
 import pytest
 
@@ -95,7 +96,10 @@ def test_anchors_present_or_absent_with_a_reason(tiny_run):
             assert col["absent"]  # a reason, and the run went on
 
 
-def test_missing_anchor_binaries_become_absent_columns(tmp_path, capsys):
+def test_missing_anchor_binaries_become_absent_columns(tmp_path, capsys, monkeypatch):
+    temp = tmp_path / "tmp"
+    temp.mkdir()
+    monkeypatch.setattr(tempfile, "tempdir", str(temp))  # where the logs' folder is made
     rc = main(["bench", "store", "--sizes", "4KiB", "--apis", "bytes", "--ops", "get",
                "--repeats", "1", "--budget", "0.01", "--working-set", "64KiB",
                "--segment-size", "16MiB", "--no-progress", "--only", "redis,mooncake x-proc,memcpy",
@@ -109,8 +113,21 @@ def test_missing_anchor_binaries_become_absent_columns(tmp_path, capsys):
     assert doc["columns"]["mooncake x-proc"]["absent"]
     assert doc["columns"]["memcpy"]["absent"] is None
     assert not [c for c in doc["cells"] if c["column"] in ("redis", "mooncake x-proc")]
-    out = capsys.readouterr().out
+    out, err = capsys.readouterr()
     assert "absent: redis" in out
+    kept = list(temp.glob("kvpool-bench-*"))  # the logs that explain an absent column stay
+    assert len(kept) == 1 and (kept[0] / "redis.log").is_file()
+    assert f"logs kept in {kept[0]} (a column was absent)" in err
+
+
+def test_a_run_that_ends_well_leaves_no_logs_folder(tmp_path, capsys, monkeypatch):
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    rc = main(["bench", "store", "--sizes", "4KiB", "--apis", "bytes", "--ops", "get", "--repeats", "1",
+               "--budget", "0.01", "--working-set", "64KiB", "--no-progress", "--only", "memcpy",
+               "--l3-load-repeats", "0"])
+    assert rc == 0
+    assert "memcpy" in capsys.readouterr().out
+    assert list(tmp_path.iterdir()) == []  # the temporary logs' folder is gone
 
 
 @pytest.mark.parametrize("argv, words", [

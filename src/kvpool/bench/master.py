@@ -27,12 +27,12 @@ import json
 import os
 import random
 import sys
-import tempfile
 import time
 
+from kvpool.bench.logs import RunLogs
 from kvpool.bench.master_sim import MasterProcess, MetaClient, SimNodes
 from kvpool.bench.verdict import Verdict
-from kvpool.config import make_output_folder, parse_size, raise_open_files
+from kvpool.config import parse_size, raise_open_files
 from kvpool.errors import UserError
 
 HELP = "benchmark the master: bytes per object and ops/s from 1e4 to 1e7 objects; a simulated pool"
@@ -290,7 +290,8 @@ def add_arguments(p) -> None:
                    help="load rounds per pool (a batch each of put, get, exist; default 50; --quick 10)")
     p.add_argument("--json", dest="json_path", default=None, help="write results as JSON here")
     p.add_argument("--plot", dest="plot_path", default=None, help="write a PNG plot here")
-    p.add_argument("--log-dir", default=None, help="the masters' logs (default: temp)")
+    p.add_argument("--log-dir", default=None,
+                   help="the masters' logs (default: a temporary folder, kept only when the run fails)")
     p.add_argument("--no-progress", action="store_true", help="no progress lines")
 
 
@@ -337,8 +338,12 @@ def build_panels(objects: list[dict], pool: list[dict]):
 def run(args) -> int:
     """Run the benchmark; prints one line per size and pool, the verdicts; JSON / PNG if asked."""
     resolve_args(args)
-    log_dir = make_output_folder("--log-dir", args.log_dir) if args.log_dir else \
-        tempfile.mkdtemp(prefix="kvpool-bench-master-")
+    with RunLogs(args.log_dir, "kvpool-bench-master-") as logs:
+        return _run(args, logs.path)
+
+
+def _run(args, log_dir: str) -> int:
+    """:func:`run` with the masters' logs in ``log_dir``."""
     started, load_before = time.time(), os.getloadavg()
     objects = run_objects(args, log_dir) if args.sizes else []
     pool = run_pool(args, log_dir) if args.segments else []
@@ -362,5 +367,5 @@ def run(args) -> int:
         from kvpool.bench.plot import save_panels
 
         save_panels(args.plot_path, build_panels(objects, pool), title="kvpool bench master")
-    print(f"done in {doc['seconds']} s; logs in {log_dir}")
+    print(f"done in {doc['seconds']} s")
     return 0

@@ -35,12 +35,12 @@ import json
 import os
 import shutil
 import statistics
-import tempfile
 import time
 from collections.abc import Iterator
 from pathlib import Path
 
 from kvpool.bench.links import parse_list
+from kvpool.bench.logs import RunLogs
 from kvpool.bench.serve_client import run_load, summarize
 from kvpool.bench.serve_fleet import BLOCK_SIZE, HASH_ALGO, Fleet, counter_delta, vllm_python
 from kvpool.bench.serve_router import Router
@@ -118,7 +118,8 @@ def add_arguments(p) -> None:
                    help="each kvpool node's segment (512MiB)")
     p.add_argument("--vllm-python", default=None,
                    help="vLLM's interpreter (default $KVPOOL_VLLM_PYTHON, else .venv-vllm)")
-    p.add_argument("--log-dir", default=None, help="keep the servers' logs here")
+    p.add_argument("--log-dir", default=None,
+                   help="keep the servers' logs here (default: a temporary folder, kept only when the run fails)")
     p.add_argument("--seed", type=int, default=0, help="arrival-time seed (0)")
     p.add_argument("--json", dest="json_path", default="bench_serve.json",
                    help="JSON output (default bench_serve.json)")
@@ -179,12 +180,12 @@ def run(args) -> int:
     python = vllm_python(args.vllm_python)
     model = str(model_folder("smollm2"))
     workloads = build_workloads(names, size, model, args.trace, max_model_len)
-    log_dir = Path(args.log_dir or tempfile.mkdtemp(prefix="kvpool-bench-serve-"))
-    bench = ServeBench(model, workloads, configs, python, log_dir, max_model_len,
-                       parse_size(args.segment_size), args.seed, kv_blocks=kv_blocks or None,
-                       extend=size["extend"] if args.extend_rates is None else args.extend_rates,
-                       calibration_runs=size["calibration_runs"])
-    doc = bench.run(rates, multipliers, args.slo_ttft_ms, args.slo_tpot_ms)
+    with RunLogs(args.log_dir, "kvpool-bench-serve-") as logs:  # kept with partial.json when a run fails
+        bench = ServeBench(model, workloads, configs, python, Path(logs.path), max_model_len,
+                           parse_size(args.segment_size), args.seed, kv_blocks=kv_blocks or None,
+                           extend=size["extend"] if args.extend_rates is None else args.extend_rates,
+                           calibration_runs=size["calibration_runs"])
+        doc = bench.run(rates, multipliers, args.slo_ttft_ms, args.slo_tpot_ms)
     doc["command"] = "kvpool bench serve" + (" --quick" if args.quick else "")
     doc["size"] = size
     print(format_tables(doc))
@@ -194,7 +195,6 @@ def run(args) -> int:
     if args.plot_path:
         plot_goodput(doc, args.plot_path)
         print(f"wrote {args.plot_path}")
-    print(f"server logs in {log_dir}")
     return 0
 
 

@@ -30,12 +30,12 @@ import json
 import os
 import platform
 import sys
-import tempfile
 import time
 from dataclasses import asdict
 
 from kvpool.bench import l3load
 from kvpool.bench.harness import CellResult, CellSpec
+from kvpool.bench.logs import RunLogs
 from kvpool.bench.store_plan import Column, Row, parse_list, plan_columns, plan_rows
 from kvpool.bench.store_report import (
     RATIOS, Figures, build_panels, format_small_ops, format_table, format_verdicts, small_ops, summarize,
@@ -142,7 +142,8 @@ def add_arguments(p) -> None:
     p.add_argument("--only", default=None, help="comma-separated column names to keep")
     p.add_argument("--json", dest="json_path", default=None, help="write results as JSON here")
     p.add_argument("--plot", dest="plot_path", default=None, help="write a PNG plot here")
-    p.add_argument("--log-dir", default=None, help="workers' and servers' logs (default: temp)")
+    p.add_argument("--log-dir", default=None, help="workers' and servers' logs (default: a temporary "
+                   "folder, kept only when the run fails or a column is absent)")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
 
 
@@ -173,26 +174,34 @@ def resolve_args(args) -> None:
     args.only = parse_list(args.only, str) if args.only else None
 
 
-def measure_l3_load(args, log_dir: str) -> dict | None:
-    """The demo's L3 load against memcpy (:mod:`kvpool.bench.l3load`); None when left
-    out (``--l3-load-repeats 0``) or when its cluster could not start (said why)."""
+def measure_l3_load(args, logs: RunLogs) -> dict | None:
+    """The demo's L3 load against memcpy (:mod:`kvpool.bench.l3load`, its logs in
+    ``logs``); None when left out (``--l3-load-repeats 0``) or when its cluster could
+    not start (said why; the logs are kept)."""
     if not args.l3_load_repeats:
         return None
     print(f"measuring the demo's L3 load ({args.l3_load_repeats} loads) ...", file=sys.stderr, flush=True)
     try:
-        return l3load.measure(args.l3_load_repeats, log_dir=log_dir)
+        return l3load.measure(args.l3_load_repeats, log_dir=logs.path)
     except LaunchError as exc:
         print(f"absent: demo L3 load: {exc}")
+        logs.keep("the demo's L3 load was absent")
         return None
 
 
 def run(args) -> int:
-    """Run the benchmark; prints the table and the targets; writes JSON / PNG if asked."""
+    """Run the benchmark; prints the table and the targets; writes JSON / PNG if asked.
+    The logs' folder is kept when a column was absent (:class:`~kvpool.bench.logs.RunLogs`)."""
+    resolve_args(args)
+    with RunLogs(args.log_dir, "kvpool-bench-") as logs:
+        return _run(args, logs)
+
+
+def _run(args, logs: RunLogs) -> int:
+    """:func:`run` with its logs in ``logs.path``."""
     from tqdm import tqdm
 
-    resolve_args(args)
-    log_dir = args.log_dir or tempfile.mkdtemp(prefix="kvpool-bench-")
-    os.makedirs(log_dir, exist_ok=True)
+    log_dir = logs.path
     rows = plan_rows(args.sizes, args.apis, args.ops, args.batches, args.max_batch_bytes)
     columns = plan_columns(args, log_dir)
     started = time.time()
@@ -207,7 +216,7 @@ def run(args) -> int:
     finally:
         for w in workers:
             w.stop()
-    l3 = measure_l3_load(args, log_dir)  # alone on the machine: the workers are gone
+    l3 = measure_l3_load(args, logs)  # alone on the machine: the workers are gone
     summaries = {key: summarize(res) for key, res in results.items()}
     fig = Figures(summaries, columns)
     memory = {c.name: stats.get(c.name, {}) for c in columns if c.kind == "kvpool"}
@@ -217,6 +226,7 @@ def run(args) -> int:
     for w in workers:
         if w.absent:
             print(f"absent: {w.column}: {w.absent}")
+            logs.keep("a column was absent")
     if small:
         print("control plane (a bare Ping round trip, and the 4 KiB bytes get against it):")
         print(format_small_ops(small))
@@ -248,5 +258,5 @@ def run(args) -> int:
 
         save_panels(args.plot_path, build_panels(rows, columns, fig),
                     title="kvpool bench store (medians; same run)")
-    print(f"done in {doc['seconds']} s; logs in {log_dir}")
+    print(f"done in {doc['seconds']} s")
     return 0
