@@ -8,6 +8,7 @@ never a time. The wire-level runs are in test_bench_master.py.
 from __future__ import annotations
 
 import gc
+import math
 import random
 import tracemalloc
 
@@ -52,6 +53,19 @@ def test_an_object_costs_under_300_bytes_and_no_python_object_of_its_own():
     assert not svc.objects.grants and not svc.objects.pending and not svc.objects.more
 
 
+def assert_runs_sorted(svc: MasterService) -> None:
+    """Each eviction run, walked from its head, is sorted by the deadline its objects
+    were linked by, and its links agree both ways."""
+    t = svc.objects
+    for run, head in enumerate(t.heads):
+        prev, slot, last = -1, head, -math.inf
+        while slot >= 0:
+            assert t.run[slot] == run and t.prev[slot] == prev
+            assert t.order[slot] >= last, (run, slot)
+            prev, last, slot = slot, t.order[slot], t.next[slot]
+        assert t.tails[run] == prev
+
+
 def test_eviction_walks_objects_in_deadline_order_through_puts_reads_pins_and_restores():
     clock = FakeClock()
     svc = MasterService(MasterConfig(eviction_high_watermark_ratio=1.0, default_kv_lease_ttl_ms=5000), clock=clock)
@@ -62,7 +76,9 @@ def test_eviction_walks_objects_in_deadline_order_through_puts_reads_pins_and_re
         clock.advance(rng.uniform(0.001, 0.05))
         key = rng.choice(keys)
         action = rng.random()
-        if key not in svc.objects or action < 0.3:
+        if action < 0.05:  # a batch at one instant: its objects share one deadline
+            batch_put(svc, rng.sample(keys, 8), 100, upsert=True)
+        elif key not in svc.objects or action < 0.3:
             r = svc.put_start(P.PutItem(key, 100, upsert=True))
             assert r.code == OK and svc.put_end(P.PutToken(key, r.put_id)).code == OK
         elif action < 0.8:
@@ -71,6 +87,9 @@ def test_eviction_walks_objects_in_deadline_order_through_puts_reads_pins_and_re
             svc.set_pin(key, rng.choice(["hard", "none", "soft"]))
         else:
             svc.remove(key, force=True)
+        if step % 500 == 0:
+            assert_runs_sorted(svc)
+    assert_runs_sorted(svc)
     clock.advance(10.0)
     walked = [(o.lease_deadline, o.key) for o in svc.queue.pop_due(clock())]
     expected = sorted((o.lease_deadline, o.key) for o in svc.objects.values() if o.visible and not o.hard_pin)

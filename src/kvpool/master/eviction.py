@@ -37,6 +37,7 @@ class EvictionQueue:
 
     def __init__(self, table: ObjectTable):
         self._t = table
+        self._last_run = 0  # the append run the last push went to
 
     def __len__(self) -> int:
         return self._t.linked
@@ -74,6 +75,10 @@ class EvictionQueue:
                 return  # still in order where it is
             t.unlink(s)
         order[s] = d
+        tail = t.tails[self._last_run]
+        if tail >= 0 and order[tail] == d:  # no run's last deadline is nearer: a batch's puts, one deadline
+            t.link_after(self._last_run, s, tail)
+            return
         best, best_last = -1, -math.inf  # the append run whose last deadline is the largest <= d
         for run, tail in enumerate(t.tails[:SORTED_RUN]):
             if tail < 0:
@@ -82,6 +87,7 @@ class EvictionQueue:
             elif best_last < order[tail] <= d:
                 best, best_last = run, order[tail]
         if best >= 0:
+            self._last_run = best
             t.link_after(best, s, t.tails[best])
             return
         p = t.tails[SORTED_RUN]
