@@ -14,6 +14,7 @@ import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import threading
 from pathlib import Path
 
@@ -87,11 +88,29 @@ def test_ctrl_c_while_serve_starts_says_interrupted(tmp_path):
     assert list(tmp.glob("kvpool-*")) == []
 
 
-def test_a_child_that_fails_keeps_its_log_and_the_error_says_where(tmp_path):
-    with pytest.raises(LaunchError, match=r"node exited with 2 \(log: (\S+)\)") as info:
+def test_a_child_that_refuses_its_flags_is_one_line_and_leaves_no_folder(tmp_path, monkeypatch):
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    with pytest.raises(LaunchError) as info:
         Cluster(segment_size="16MiB", extra_node_args=["--prefault", "maybe"]).start()
-    log = Path(info.value.args[0].split("(log: ")[1].split(")")[0])
-    assert "bad value 'maybe' for prefault" in log.read_text()
+    assert str(info.value).startswith("node: bad value 'maybe' for prefault") and "\n" not in str(info.value)
+    assert list(tmp_path.glob("kvpool-cluster-*")) == []  # the log said only that line
+
+
+def _crashed_cluster_log(monkeypatch) -> Path:
+    """Start a cluster whose master crashes (a traceback, status 3); returns its log's
+    path, read from the LaunchError (kvpool_cmd is as before afterwards)."""
+    from kvpool import launch
+
+    with monkeypatch.context() as patch:
+        patch.setattr(launch, "kvpool_cmd", lambda kind, *args: ["sh", "-c", "echo Traceback: boom; exit 3"])
+        with pytest.raises(LaunchError, match=r"master exited with 3 \(log: (\S+)\):\nTraceback: boom") as info:
+            Cluster(segment_size="16MiB").start()
+    return Path(info.value.args[0].split("(log: ")[1].split(")")[0])
+
+
+def test_a_child_that_fails_keeps_its_log_and_the_error_says_where(monkeypatch):
+    log = _crashed_cluster_log(monkeypatch)
+    assert "Traceback: boom" in log.read_text()
     cluster_dir = log.parent
     assert cluster_dir.name.startswith("kvpool-cluster-")
     for path in cluster_dir.iterdir():
@@ -201,6 +220,52 @@ def test_a_signal_held_back_during_a_start_that_fails_is_not_left_for_a_later_on
     assert calls == [signal.SIGUSR1]
 
 
+def test_a_signal_during_a_start_waits_until_the_launcher_recorded_the_child():
+    """Inside ``signals_held`` a Ctrl-C is held back through the spawn (which alone
+    would run it as soon as Popen returned, before the caller recorded the child) and
+    raised only when the block ends: the launcher has recorded the child by then, so
+    its stop() reaches it."""
+    from kvpool.child import in_this_process, signals_held, spawn
+
+    calls, recorded = [], []
+
+    def interrupt(signum, frame):
+        calls.append(list(recorded))
+        raise KeyboardInterrupt
+
+    previous = signal.signal(signal.SIGUSR1, in_this_process(interrupt))
+    try:
+        with pytest.raises(KeyboardInterrupt), signals_held():
+            os.kill(os.getpid(), signal.SIGUSR1)
+            proc = spawn(["sleep", "60"])
+            recorded.append(proc)
+    finally:
+        signal.signal(signal.SIGUSR1, previous)
+    assert calls == [[proc]]  # raised once, after the child was recorded
+    proc.kill()
+    proc.wait()
+
+
+def test_a_node_gets_longer_to_fill_a_larger_segment_and_an_empty_log_is_said(tmp_path, monkeypatch):
+    from kvpool import launch
+
+    asked = []
+
+    def not_ready(self, timeout_s):
+        asked.append(timeout_s)
+        raise LaunchError("stop here")
+
+    with Cluster(segment_size="16MiB", num_nodes=0, startup_timeout_s=30.0) as cluster:
+        monkeypatch.setattr(launch.Child, "wait_ready", not_ready)
+        with pytest.raises(LaunchError):
+            cluster.start_node(segment_size="2GiB", extra_args=["--prefault", "no"])  # a light child
+    assert asked == [30.0 + 2 * launch.FILL_S_PER_GIB]
+    monkeypatch.undo()
+    quiet = launch.Child("node", [], tmp_path, tmp_path, "quiet", prefix=("true",))  # exits 0, says nothing
+    with pytest.raises(LaunchError, match=r"node exited with 0 \(its log \S+quiet.log is empty\)$"):
+        quiet.wait_ready(30.0)
+
+
 _LAUNCHER = """
 import sys, time
 from kvpool.launch import Cluster
@@ -210,14 +275,12 @@ time.sleep(120)
 """
 
 
-def test_the_folder_of_a_launcher_killed_with_9_is_removed_by_the_next_one():
+def test_the_folder_of_a_launcher_killed_with_9_is_removed_by_the_next_one(monkeypatch):
     """A launcher killed with -9 (its children stop by PDEATHSIG) left its
     /tmp/kvpool-cluster-* folder for good. The next launcher removes folders whose
     launcher is gone, and keeps one a live launcher holds and one kept on purpose
     (the logs of a failed child)."""
-    with pytest.raises(LaunchError, match=r"log: (\S+)") as failed:
-        Cluster(segment_size="16MiB", extra_node_args=["--prefault", "maybe"]).start()
-    kept = Path(str(failed.value).split("(log: ")[1].split(")")[0]).parent
+    kept = _crashed_cluster_log(monkeypatch).parent
     killed = subprocess.Popen([sys.executable, "-c", _LAUNCHER], stdout=subprocess.PIPE, text=True,
                               env=kvpool_env())
     alive = subprocess.Popen([sys.executable, "-c", _LAUNCHER], stdout=subprocess.PIPE, text=True,

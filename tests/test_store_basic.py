@@ -110,6 +110,18 @@ def test_one_key_string_where_a_list_of_keys_belongs_is_refused_not_split(any_cl
     assert not any_client.is_exist("a") and not any_client.is_exist("b")
 
 
+@pytest.mark.parametrize("keys", [None, 7])
+def test_keys_that_are_not_a_list_at_all_are_invalid_params(any_client, keys):
+    for call in (lambda: any_client.batch_get(keys), lambda: any_client.batch_is_exist(keys),
+                 lambda: any_client.batch_remove(keys), lambda: any_client.batch_query(keys),
+                 lambda: any_client.batch_put(keys, [b"1"]), lambda: any_client.batch_get_into(keys, [bytearray(1)]),
+                 lambda: any_client.batch_put_from(keys, [b"1"], [1])):
+        with pytest.raises(InvalidParams, match="keys must be a list of str, not "):
+            call()
+    with pytest.raises(InvalidParams, match="as many buffers and sizes as keys"):
+        any_client.batch_put_from(["k"], keys, [1])
+
+
 def test_a_generator_of_keys_is_read_once_and_acted_on(any_client):
     """A batch call takes any iterable of keys; a generator is not read twice (a second
     pass, empty, would answer [] and touch nothing)."""

@@ -15,6 +15,7 @@ parent (the demo, the bench controller) stays light.
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import os
 import queue
@@ -103,33 +104,46 @@ def in_this_process(handler: Callable) -> Callable:
     return guarded
 
 
-def spawn(cmd: list[str], **popen_args) -> subprocess.Popen:
-    """``subprocess.Popen(cmd, **popen_args)`` for a child that dies with us
-    (:func:`child_preexec`). On the main thread, signal handlers wrapped by
-    :func:`in_this_process` are held back meanwhile and run right after, whether
-    ``Popen`` succeeded or raised; if one raises (a Ctrl-C during a start), the new
-    child is stopped (SIGTERM, then SIGKILL after 5 s) before the exception goes on,
-    so no child is left that nobody tracks. Held-back handlers after the first that
-    raised are dropped (they asked for the same stop).
-
-    Raises: OSError when ``cmd`` cannot be started; whatever a held-back handler raises."""
+@contextlib.contextmanager
+def signals_held() -> Iterator[None]:
+    """On the main thread, hold back the signal handlers wrapped by
+    :func:`in_this_process` until the outermost such block ends, then run them (also
+    when the block raised). A launcher starts a child and records it inside one, so a
+    Ctrl-C cannot land between the two: a child started but not yet recorded was left
+    running after ``kvpool serve`` said "interrupted", until the parent-death signal
+    stopped it (seen by a trial, 3 of 7 early Ctrl-Cs). Held-back handlers after the
+    first that raised are dropped (they asked for the same stop). Elsewhere a no-op.
+    Raises whatever a held-back handler raises."""
     global _spawning
     main = threading.current_thread() is threading.main_thread()
-    proc = None
     _spawning += main
     try:
-        proc = subprocess.Popen(cmd, preexec_fn=child_preexec(), **popen_args)
+        yield
     finally:
-        try:
-            _spawning -= main
-            if main and not _spawning:
-                pending, _deferred[:] = _deferred[:], []
-                for handler, signum in pending:
-                    handler(signum, None)
-        except BaseException:
-            if proc is not None:
-                stop_ladder(proc)
-            raise
+        _spawning -= main
+        if main and not _spawning:
+            pending, _deferred[:] = _deferred[:], []
+            for handler, signum in pending:
+                handler(signum, None)
+
+
+def spawn(cmd: list[str], **popen_args) -> subprocess.Popen:
+    """``subprocess.Popen(cmd, **popen_args)`` for a child that dies with us
+    (:func:`child_preexec`), inside :func:`signals_held`: if a held-back handler
+    raises (a Ctrl-C during a start) when ``spawn`` is the outermost such block, the
+    new child is stopped (SIGTERM, then SIGKILL after 5 s) before the exception goes
+    on, so no child is left that nobody tracks; inside an outer block the caller
+    records the child first.
+
+    Raises: OSError when ``cmd`` cannot be started; whatever a held-back handler raises."""
+    proc = None
+    try:
+        with signals_held():
+            proc = subprocess.Popen(cmd, preexec_fn=child_preexec(), **popen_args)
+    except BaseException:
+        if proc is not None:
+            stop_ladder(proc)
+        raise
     return proc
 
 

@@ -10,6 +10,7 @@ import json
 import math
 import os
 import re
+import tempfile
 from fractions import Fraction
 
 from kvpool.errors import UserError
@@ -348,14 +349,17 @@ def check_output_path(flag: str, path: str | None, make_folders: bool = False) -
 def make_output_folder(flag: str, path: str) -> str:
     """Make the folder ``path`` (and its parents) for a command's logs, now rather than
     once children start. Returns ``path``. Raises: UserError naming ``flag`` when it
-    cannot be made (a file in the way, no permission, a read-only file system) or is not
-    writable."""
+    cannot be made (a file in the way, no permission, a read-only file system) or a file
+    cannot be made in it (tried: ``os.access`` says yes to root for a folder such as
+    /sys/kernel, and the first log then failed with a traceback)."""
     try:
         os.makedirs(path, exist_ok=True)
     except OSError as exc:
         raise UserError(f"{flag} {path}: cannot make the folder: {exc.strerror or exc}") from None
-    if not os.access(path, os.W_OK | os.X_OK):
-        raise UserError(f"{flag} {path}: folder is not writable")
+    try:
+        tempfile.TemporaryFile(dir=path).close()
+    except OSError as exc:
+        raise UserError(f"{flag} {path}: folder is not writable ({exc.strerror or exc})") from None
     return path
 
 

@@ -13,20 +13,29 @@ toolkit is :mod:`kvpool.child`).
 from __future__ import annotations
 
 import json
+import re
 import tempfile
 import time
 from pathlib import Path
 
-from kvpool.child import ChildProcess, kvpool_cmd
+from kvpool.child import ChildProcess, kvpool_cmd, signals_held
 from kvpool.config import parse_size
 from kvpool.errors import KVPoolError
 from kvpool.owned_dir import OwnedDir, sweep_abandoned
 
 WORKDIR_PREFIX = "kvpool-cluster-"  # a launcher's folder of ready files (and logs) in the temp dir
+# a node fills its segment's pages before it is ready (--prefault yes): 0.75-1.8 s per GiB
+# on the development VM, so its deadline grows by this much per GiB (a 20 GiB node
+# failed `kvpool serve`'s fixed 30 s)
+FILL_S_PER_GIB = 3.0
+_USAGE_ERROR = re.compile(r"kvpool [\w-]+: error: (.+)")  # kvpool.cli's line for a user's mistake
 
 
 class LaunchError(KVPoolError):
-    """A child process did not come up (its log tail is in the message)."""
+    """A child process did not come up (its log tail is in the message). ``whole``:
+    the message holds all the child said (a one-line CLI error), so no log need be kept."""
+
+    whole = False
 
 
 class Child(ChildProcess):
@@ -56,11 +65,26 @@ class Child(ChildProcess):
                 self.info = json.loads(self.ready_file.read_text())
                 return self.info
             if self.proc.poll() is not None:
-                raise LaunchError(f"{self.kind} exited with {self.proc.returncode} "
-                                  f"(log: {self.log_path}):\n{self.log_tail()}")
+                said = self._usage_error()
+                if said is not None:  # a user's mistake, already worded: one line, no log to keep
+                    error = LaunchError(f"{self.kind}: {said}")
+                    error.whole = True
+                    raise error
+                raise LaunchError(f"{self.kind} exited with {self.proc.returncode} {self._log_said()}")
             time.sleep(0.01)
-        raise LaunchError(f"{self.kind} not ready after {timeout_s} s "
-                          f"(log: {self.log_path}):\n{self.log_tail()}")
+        raise LaunchError(f"{self.kind} not ready after {timeout_s:g} s {self._log_said()}")
+
+    def _usage_error(self) -> str | None:
+        """What the exited child's CLI refused, when that is all its log holds: exit
+        status 2 and the one line ``kvpool KIND: error: WHAT`` (returns WHAT)."""
+        lines = [line for line in self.log_tail().splitlines() if line.strip()]
+        found = _USAGE_ERROR.match(lines[0]) if self.proc.returncode == 2 and len(lines) == 1 else None
+        return found.group(1) if found else None
+
+    def _log_said(self) -> str:
+        """"(log: PATH):" and the log's tail on the next lines, or that the log is empty."""
+        tail = self.log_tail()
+        return f"(log: {self.log_path}):\n{tail}" if tail.strip() else f"(its log {self.log_path} is empty)"
 
 
 class Cluster:
@@ -76,7 +100,8 @@ class Cluster:
             not come up; then its path is in the error or :meth:`Child.exit_message`).
         num_nodes: nodes started with the cluster (more with :meth:`start_node`).
         master_port: 0 = any free port.
-        startup_timeout_s: deadline for each child's ready file.
+        startup_timeout_s: deadline for each child's ready file; a node's grows by
+            :data:`FILL_S_PER_GIB` per GiB of its segment.
         host: the address master and nodes listen on (``--host``).
 
     Attributes: ``master_addr`` ("127.0.0.1:PORT", "[::1]:PORT"), ``node_addrs`` (data ports),
@@ -124,7 +149,7 @@ class Cluster:
             for _ in range(self.num_nodes):
                 self.start_node()
         except BaseException as exc:
-            self.stop(keep_logs=not isinstance(exc, KeyboardInterrupt))
+            self.stop(keep_logs=not isinstance(exc, KeyboardInterrupt) and not getattr(exc, "whole", False))
             raise
         return self
 
@@ -133,7 +158,8 @@ class Cluster:
                 *self.extra_master_args]
         self._master_starts += 1
         tag = "master" if self._master_starts == 1 else f"master{self._master_starts}"
-        self.master = Child("master", args, self._workdir, self.log_dir, tag)
+        with signals_held():  # a Ctrl-C waits until the child is recorded, for stop() to stop it
+            self.master = Child("master", args, self._workdir, self.log_dir, tag)
         self.master.wait_ready(self.startup_timeout_s)
 
     def restart_master(self, kill: bool = True) -> None:
@@ -150,9 +176,10 @@ class Cluster:
         self._count += 1
         args = ["--master", self.master_addr, "--host", self.host, "--port", "0", "--segment-size", str(size),
                 *self.extra_node_args, *[str(a) for a in extra_args]]
-        child = Child("node", args, self._workdir, self.log_dir, f"node{self._count}")
-        self.node_children.append(child)
-        child.wait_ready(self.startup_timeout_s)
+        with signals_held():  # as for the master
+            child = Child("node", args, self._workdir, self.log_dir, f"node{self._count}")
+            self.node_children.append(child)
+        child.wait_ready(self.startup_timeout_s + FILL_S_PER_GIB * size / (1 << 30))
         return len(self.node_children) - 1
 
     def stop_node(self, index: int, kill: bool = False) -> int | None:

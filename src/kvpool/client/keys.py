@@ -21,11 +21,15 @@ def check_key(key: str) -> None:
 def key_list(keys) -> list:
     """``keys`` (any iterable: a list, a tuple, a generator) as a list, the keys not yet
     checked. Raises InvalidParams for one str, bytes or bytearray given as the list:
-    ``batch_get("ab")`` would otherwise ask for keys "a" and "b". Callers use the list
+    ``batch_get("ab")`` would otherwise ask for keys "a" and "b"; and for what is not
+    iterable (None: a TypeError before). Callers use the list
     returned: a generator can be read once."""
     if isinstance(keys, (str, bytes, bytearray)):
         raise InvalidParams(f"keys must be a list of str, not one {type(keys).__name__} ({keys!r:.80})")
-    return list(keys)
+    try:
+        return list(keys)
+    except TypeError:  # None, a number: the same error as any other bad key
+        raise InvalidParams(f"keys must be a list of str, not {type(keys).__name__} ({keys!r:.80})") from None
 
 
 def check_keys(keys) -> list[str]:

@@ -99,8 +99,13 @@ class PutPath:
                        replica_num: int = 1, **kw) -> list[ErrorCode]:
         """:meth:`batch_put` of ``sizes[i]`` bytes at the start of ``bufs[i]`` (zero copy).
         An item whose size exceeds its buffer is INVALID_PARAMS."""
-        if not len(keys) == len(bufs) == len(sizes):
-            raise InvalidParams("batch_put_from needs as many buffers and sizes as keys")
+        keys = key_list(keys)
+        try:
+            same = len(keys) == len(bufs) == len(sizes)
+        except TypeError:  # None or a number for the buffers or the sizes
+            same = False
+        if not same:
+            raise InvalidParams("batch_put_from needs lists of as many buffers and sizes as keys")
         srcs = []
         for buf, size in zip(bufs, sizes):
             try:
