@@ -24,10 +24,10 @@ from kvpool.errors import KVPoolError
 from kvpool.owned_dir import OwnedDir, sweep_abandoned
 
 WORKDIR_PREFIX = "kvpool-cluster-"  # a launcher's folder of ready files (and logs) in the temp dir
-# a node fills its segment's pages before it is ready (--prefault yes): 0.75-1.8 s per GiB
+# a node fills its segment's pages before it is ready (--prefault yes): 0.75-2.9 s per GiB
 # on the development VM, so its deadline grows by this much per GiB (a 20 GiB node
 # failed `kvpool serve`'s fixed 30 s)
-FILL_S_PER_GIB = 3.0
+FILL_S_PER_GIB = 5.0
 _USAGE_ERROR = re.compile(r"kvpool [\w-]+: error: (.+)")  # kvpool.cli's line for a user's mistake
 
 

@@ -143,7 +143,7 @@ class SegmentHost:
             _reserve(self.shm, self.segment_size)
         if self.prefault:
             started = time.monotonic()
-            log.info("filling the %.1f GiB segment's pages (--prefault yes; 1-2 s per GiB on a VM)",
+            log.info("filling the %.1f GiB segment's pages (--prefault yes; 1-3 s per GiB on a VM)",
                      self.segment_size / (1 << 30))
             _touch_pages(self.shm.buf)
             log.info("segment filled in %.1f s", time.monotonic() - started)
@@ -373,9 +373,9 @@ def _reserve(shm: shared_memory.SharedMemory, segment_size: int) -> None:
 def _touch_pages(buf: memoryview) -> None:
     """Write one byte per page so the kernel allocates (and zeroes) the whole segment
     now, at start, not as page faults during the first transfers (~1 GB/s instead of
-    ~10 GB/s): 0.75 s per GiB on the development VM one day, 1.8 another (a 4 KiB page
-    fault each; MADV_POPULATE_WRITE took 1.25). Clients map it without populating and
-    fill their page tables lazily before writes (see transfer/shm.py)."""
+    ~10 GB/s): 0.75 s per GiB on the development VM one day, 1.8-2.9 another (a 4 KiB
+    page fault each; MADV_POPULATE_WRITE took 1.25). Clients map it without populating
+    and fill their page tables lazily before writes (see transfer/shm.py)."""
     import mmap
 
     import numpy as np
