@@ -150,3 +150,12 @@ def test_a_json_config_with_a_byte_order_mark_reads(tmp_path):
     cfg = tmp_path / "m.json"
     cfg.write_bytes(b"\xef\xbb\xbf" + json.dumps({"client-ttl": 3}).encode())
     assert resolve(parser.parse_args(["--config", str(cfg)]), opts) == {"client_ttl": 3.0}
+
+
+@pytest.mark.parametrize("text", ["1GiB", "16MiB", "3KiB", "2TiB", "1536"])
+def test_a_size_is_printed_as_it_would_be_typed(text):
+    from kvpool.config import format_size, parse_size
+
+    shown = format_size(parse_size(text))
+    assert parse_size(shown.replace(" bytes", "")) == parse_size(text)
+    assert shown == (text if text[-1] == "B" else "1536 bytes")

@@ -74,6 +74,15 @@ def parse_size(value: str | int) -> int:
     return int(_number(m.group(1)) * _UNITS[unit])
 
 
+def format_size(size: int) -> str:
+    """Bytes (> 0) as the largest binary unit that divides them, the inverse of
+    :func:`parse_size`: 1073741824 -> "1GiB", 3072 -> "3KiB", 1536 -> "1536 bytes"."""
+    for unit, scale in (("TiB", 1 << 40), ("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
+        if size % scale == 0:
+            return f"{size // scale}{unit}"
+    return f"{size} bytes"
+
+
 def parse_size_mooncake(value: str | int) -> int:
     """Parse a size the way Mooncake's Python ``setup`` does: every unit is binary.
 

@@ -20,10 +20,10 @@ def check_key(key: str) -> None:
 
 def key_list(keys) -> list:
     """``keys`` (any iterable: a list, a tuple, a generator) as a list, the keys not yet
-    checked. Raises InvalidParams for one str, bytes or bytearray given as the list:
-    ``batch_get("ab")`` would otherwise ask for keys "a" and "b"; and for what is not
-    iterable (None: a TypeError before). Callers use the list
-    returned: a generator can be read once."""
+    checked. Raises InvalidParams for one str, bytes or bytearray given as the list
+    (``batch_get("ab")`` would otherwise ask for keys "a" and "b") and for what is not
+    iterable (None: a TypeError before). Callers use the list returned: a generator
+    can be read once."""
     if isinstance(keys, (str, bytes, bytearray)):
         raise InvalidParams(f"keys must be a list of str, not one {type(keys).__name__} ({keys!r:.80})")
     try:

@@ -36,7 +36,7 @@ from multiprocessing import shared_memory
 
 from kvpool import auth
 from kvpool import protocol as P
-from kvpool.config import format_addr
+from kvpool.config import format_addr, format_size
 from kvpool.errors import ErrorCode, InvalidParams, KVPoolError, RpcFailed, UserError
 from kvpool.node.data_server import MAX_CONNECTIONS, STALL_S, DataServer
 from kvpool.rpc import MasterUnreachable, RpcChannel
@@ -143,8 +143,8 @@ class SegmentHost:
             _reserve(self.shm, self.segment_size)
         if self.prefault:
             started = time.monotonic()
-            log.info("filling the %.1f GiB segment's pages (--prefault yes; 1-3 s per GiB on a VM)",
-                     self.segment_size / (1 << 30))
+            log.info("filling the segment's %s of pages (--prefault yes; 1-3 s per GiB on a VM)",
+                     format_size(self.segment_size))
             _touch_pages(self.shm.buf)
             log.info("segment filled in %.1f s", time.monotonic() - started)
         self.info = P.SegmentInfo(name, local_host_id(), self.shm.name, self.segment_size, self.data_addr)

@@ -12,7 +12,7 @@ import signal
 import threading
 
 from kvpool.child import in_this_process
-from kvpool.config import Option, add_options, parse_host, resolve
+from kvpool.config import Option, add_options, format_size, parse_host, resolve
 from kvpool.masters import DEFAULT_MASTER_PORT
 from kvpool.node.cli import check_fits, segment_size
 
@@ -37,14 +37,6 @@ def add_arguments(parser) -> None:
     parser.add_argument("--log-dir", default=None,
                         help="keep the master's and node's logs in this folder (default: a "
                         "temporary folder, removed on exit unless a child failed)")
-
-
-def _human(size: int) -> str:
-    """Bytes as the largest binary unit that divides them: 1073741824 -> "1GiB"."""
-    for unit, scale in (("TiB", 1 << 40), ("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
-        if size % scale == 0:
-            return f"{size // scale}{unit}"
-    return f"{size} bytes"
 
 
 def _exit_report(child) -> str:
@@ -85,7 +77,7 @@ def run(args) -> int:
         if cluster.master.info.get("http_addr"):
             print(f"kvpool admin:  http://{cluster.master.info['http_addr']}/metrics", flush=True)
         for info in cluster.nodes:
-            print(f"kvpool node:   {info['addr']} (segment {info['segment']}, {_human(size)})", flush=True)
+            print(f"kvpool node:   {info['addr']} (segment {info['segment']}, {format_size(size)})", flush=True)
         print("Ctrl-C to stop.", flush=True)
         if args.ready_file:
             write_ready_file(args.ready_file, {"addr": cluster.master_addr,
