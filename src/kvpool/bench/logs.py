@@ -3,17 +3,17 @@
 With ``--log-dir`` the logs go there and stay. Without it they go to a fresh temporary
 folder that is removed when the run ends well and kept when it did not (an exception,
 or a part of the run reported absent), with its path printed, so the logs that explain
-a failure are still there. Before this, every run left its folder behind: 122
+a failure are still there. The temporary folder is a :class:`~kvpool.owned_dir.OwnedDir`,
+as a launcher's is. Before this, every run left its folder behind: 122
 ``/tmp/kvpool-bench-*`` folders after two days of benchmarking on the development VM.
 """
 
 from __future__ import annotations
 
-import shutil
 import sys
-import tempfile
 
 from kvpool.config import make_output_folder
+from kvpool.owned_dir import OwnedDir
 
 
 class RunLogs:
@@ -25,8 +25,9 @@ class RunLogs:
     called or the block raised; a line on stderr then says where the logs are."""
 
     def __init__(self, given: str | None, prefix: str, flag: str = "--log-dir"):
-        self.temporary = not given
-        self.path = tempfile.mkdtemp(prefix=prefix) if self.temporary else make_output_folder(flag, given)
+        self._owned = None if given else OwnedDir(prefix)  # a temporary folder, locked while in use
+        self.temporary = self._owned is not None
+        self.path = str(self._owned.path) if self._owned else make_output_folder(flag, given)
         self.why: str | None = None
 
     def keep(self, why: str) -> None:
@@ -43,6 +44,7 @@ class RunLogs:
         if not self.temporary:
             print(f"logs in {self.path}", file=sys.stderr)
         elif self.why:
+            self._owned.keep()
             print(f"logs kept in {self.path} ({self.why})", file=sys.stderr)
         else:
-            shutil.rmtree(self.path, ignore_errors=True)
+            self._owned.remove()
