@@ -168,82 +168,59 @@ def _children_marked(marker: str) -> list[int]:
     return pids
 
 
-def test_a_ctrl_c_inside_a_childs_fork_is_raised_after_it_and_the_child_stopped():
-    """A Ctrl-C handled inside Popen's at-fork hooks must not raise there (it would be
-    printed as "Exception ignored" and lost: serve once exited 0 after one): the handler
-    is held back, run once ``spawn`` has its child, and the child that nobody tracks yet
-    is stopped before the KeyboardInterrupt goes on."""
-    from kvpool.child import in_this_process, spawn
-
-    calls, active = [], [True]
-
-    def interrupt(signum, frame):
-        calls.append(signum)
-        raise KeyboardInterrupt
-
-    marker = f"kvpool-spawn-test-{os.getpid()}"
-    previous = signal.signal(signal.SIGUSR1, in_this_process(interrupt))
-    # every child of ours has a preexec_fn, so Popen runs the at-fork hooks
-    os.register_at_fork(after_in_parent=lambda: active[0] and os.kill(os.getpid(), signal.SIGUSR1))
-    try:
-        with pytest.raises(KeyboardInterrupt):
-            spawn([sys.executable, "-c", f"import time; time.sleep(60)  # {marker}"])
-    finally:
-        active[0] = False  # a hook cannot be unregistered: it stays, inert
-        signal.signal(signal.SIGUSR1, previous)
-    assert calls == [signal.SIGUSR1]
-    assert _children_marked(marker) == []
-
-
-def test_a_signal_held_back_during_a_start_that_fails_is_not_left_for_a_later_one():
-    """A start whose command cannot run (OSError from Popen) still runs the handlers held
-    back meanwhile: the Ctrl-C is raised there, and nothing is left to fire at the next,
-    healthy start."""
+def test_a_stop_signal_inside_a_childs_fork_stops_the_start_once_the_child_is_recorded(tmp_path, monkeypatch):
+    """A Ctrl-C that lands while Popen forks (here: from its at-fork hook) is recorded,
+    not raised there; the start's next wait raises it, and Cluster stops the child it has
+    recorded by then: no process and no folder are left."""
     from kvpool import child
 
-    calls, active = [], [True]
-
-    def interrupt(signum, frame):
-        calls.append(signum)
-        raise KeyboardInterrupt
-
-    previous = signal.signal(signal.SIGUSR1, child.in_this_process(interrupt))
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))  # the children's command lines name it
+    active = [True]
     os.register_at_fork(after_in_parent=lambda: active[0] and os.kill(os.getpid(), signal.SIGUSR1))
     try:
-        with pytest.raises(KeyboardInterrupt):
-            child.spawn(["/nonexistent/kvpool-no-such-command"])
+        with child.stop_on_signals((signal.SIGUSR1,)):
+            with pytest.raises(KeyboardInterrupt):
+                Cluster(segment_size="16MiB").start()
+            assert child.stop_requested() == signal.SIGUSR1
     finally:
-        active[0] = False
-        signal.signal(signal.SIGUSR1, previous)
-    assert calls == [signal.SIGUSR1] and child._deferred == []
-    child.spawn(["true"]).wait()  # a later start: no stale signal goes off
-    assert calls == [signal.SIGUSR1]
+        active[0] = False  # a hook cannot be unregistered: it stays, inert
+    assert child.stop_requested() == 0 and signal.getsignal(signal.SIGUSR1) == signal.SIG_DFL
+    assert _children_marked(str(tmp_path)) == []
+    assert list(tmp_path.glob("kvpool-cluster-*")) == []
 
 
-def test_a_signal_during_a_start_waits_until_the_launcher_recorded_the_child():
-    """Inside ``signals_held`` a Ctrl-C is held back through the spawn (which alone
-    would run it as soon as Popen returned, before the caller recorded the child) and
-    raised only when the block ends: the launcher has recorded the child by then, so
-    its stop() reaches it."""
-    from kvpool.child import in_this_process, signals_held, spawn
+def test_a_stop_signal_ends_a_wait_for_a_childs_reply_and_the_child_still_stops():
+    """The demo waits minutes for an engine's reply: a recorded stop signal ends the
+    wait (KeyboardInterrupt, not the 120 s timeout), and the child stops afterwards."""
+    from kvpool import child
 
-    calls, recorded = [], []
-
-    def interrupt(signum, frame):
-        calls.append(list(recorded))
-        raise KeyboardInterrupt
-
-    previous = signal.signal(signal.SIGUSR1, in_this_process(interrupt))
+    worker = child.ChildProcess("sleeper", [sys.executable, "-c", "import time; time.sleep(120)"],
+                                None, channel=True)
     try:
-        with pytest.raises(KeyboardInterrupt), signals_held():
-            os.kill(os.getpid(), signal.SIGUSR1)
-            proc = spawn(["sleep", "60"])
-            recorded.append(proc)
+        with child.stop_on_signals((signal.SIGUSR1,)):
+            threading.Timer(0.2, os.kill, (os.getpid(), signal.SIGUSR1)).start()
+            with pytest.raises(KeyboardInterrupt):
+                worker.request("anything", timeout_s=120)
     finally:
-        signal.signal(signal.SIGUSR1, previous)
-    assert calls == [[proc]]  # raised once, after the child was recorded
-    proc.kill()
-    proc.wait()
+        code = worker.stop()
+    assert code is not None and code != 0
+
+
+def test_a_stop_never_waits_unbounded_on_a_popen_lock_left_taken():
+    """A KeyboardInterrupt raised inside Popen.poll can leave Popen's waitpid lock taken
+    (CI: `kvpool serve` hung on a Ctrl-C); stopping such a child still returns: it is
+    killed, and not waited for without a bound."""
+    from kvpool.child import spawn, stop_ladder
+
+    proc = spawn(["sleep", "120"])
+    proc._waitpid_lock.acquire()  # as an interrupted poll() leaves it
+    try:
+        assert stop_ladder(proc, 1.0) is None
+        state = Path(f"/proc/{proc.pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+        assert state == "Z"  # ended, waiting to be reaped
+    finally:
+        proc._waitpid_lock.release()
+    assert proc.wait(30) in (-signal.SIGTERM, -signal.SIGKILL)
 
 
 def test_a_node_gets_longer_to_fill_a_larger_segment_and_an_empty_log_is_said(tmp_path, monkeypatch):

@@ -430,6 +430,25 @@ def test_node_with_unreachable_master_is_a_clear_error():
     assert "Traceback" not in r.stderr
 
 
+def test_a_node_waiting_for_its_master_stops_on_sigterm_before_the_wait_ends():
+    """The node's stop signal is recorded and its master wait looks for it: SIGTERM
+    ends a 300 s --master-wait at once, exit 0, no traceback."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        free = s.getsockname()[1]
+    node = subprocess.Popen([sys.executable, "-m", "kvpool", "node", "--master", f"127.0.0.1:{free}",
+                             "--segment-size", "1MiB", "--master-wait", "300"],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    try:
+        assert "trying again for up to 300 s" in node.stderr.readline()  # its first line
+        node.send_signal(signal.SIGTERM)
+        assert node.wait(timeout=60) == 0
+        assert "Traceback" not in node.stderr.read()
+    finally:
+        node.kill()
+        node.wait()
+
+
 def test_nothing_left_in_dev_shm_after_graceful_and_killed_nodes():
     with Cluster(segment_size="8MiB", num_nodes=2) as c:
         names = [n["shm_name"] for n in c.nodes]

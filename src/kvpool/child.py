@@ -74,77 +74,80 @@ def child_preexec(sig: int = signal.SIGTERM):
     return preexec
 
 
-_deferred: list[tuple[Callable, int]] = []  # handlers held back while the main thread spawned
-_spawning = 0  # spawns in progress on the main thread
+# ------------------------------------------------------------------------------ stop signals
+#
+# Python's own SIGINT handler raises KeyboardInterrupt at whatever bytecode the main
+# thread is at, also inside the standard library's lock handling: Popen.poll takes its
+# waitpid lock with acquire(False) before its try block, so an interrupt landing between
+# the two leaves the lock taken, and every later Popen.wait() blocks for good (seen in
+# CI: `kvpool serve` hung on a Ctrl-C during its start; 14 leaked locks in 2,000
+# interrupted poll loops here). A launcher therefore only records the signal, and its
+# own waits raise the KeyboardInterrupt where no lock is held.
+
+STOP_POLL_S = 0.05  # how often a wait looks for a recorded stop signal: a Ctrl-C's latency
+_stop_signal = 0  # the first stop signal recorded by stop_on_signals (0: none)
 
 
-def in_this_process(handler: Callable) -> Callable:
-    """Wrap a signal handler so that it acts only in the process that installed it, and
-    never while the main thread starts a child (:func:`spawn`).
-
-    CPython runs a Python-level handler at its next safe point. A signal that arrives
-    while ``subprocess`` forks is run again in the child's after-fork hook, before
-    ``exec``, where raising (KeyboardInterrupt) prints "Exception ignored in
-    _after_fork" into the shared stderr: in that child the wrapper does nothing. In the
-    parent, a handler that lands inside ``Popen``'s fork runs in the at-fork hooks
-    (logging registers one), where a raised KeyboardInterrupt is printed and lost (seen
-    in CI: ``kvpool serve`` started, then exited 0 after a Ctrl-C). So while
-    :func:`spawn` runs on the main thread (the only one that runs handlers) the
-    wrapper holds the signal back, and :func:`spawn` runs it once ``Popen`` returned."""
-    owner = os.getpid()
-
-    def guarded(signum, frame):
-        if os.getpid() != owner:
-            return None
-        if _spawning:
-            _deferred.append((handler, signum))
-            return None
-        return handler(signum, frame)
-
-    return guarded
+def _record_stop(signum, frame) -> None:
+    global _stop_signal
+    _stop_signal = _stop_signal or signum
 
 
 @contextlib.contextmanager
-def signals_held() -> Iterator[None]:
-    """On the main thread, hold back the signal handlers wrapped by
-    :func:`in_this_process` until the outermost such block ends, then run them (also
-    when the block raised). A launcher starts a child and records it inside one, so a
-    Ctrl-C cannot land between the two: a child started but not yet recorded was left
-    running after ``kvpool serve`` said "interrupted", until the parent-death signal
-    stopped it (seen by a trial, 3 of 7 early Ctrl-Cs). Held-back handlers after the
-    first that raised are dropped (they asked for the same stop). Elsewhere a no-op.
-    Raises whatever a held-back handler raises."""
-    global _spawning
-    main = threading.current_thread() is threading.main_thread()
-    _spawning += main
+def stop_on_signals(signals=(signal.SIGINT, signal.SIGTERM)) -> Iterator[None]:
+    """Within the block, ``signals`` only record that a stop was asked: the waits of
+    this module (:meth:`ChildProcess.wait_ready`, :meth:`ChildProcess.request`,
+    :func:`pause`; :meth:`kvpool.launch.Child.wait_ready` through :func:`pause`) raise
+    KeyboardInterrupt within :data:`STOP_POLL_S` seconds, at a point where no library
+    lock is held, and a child started meanwhile is recorded by its launcher before the
+    stop, which then stops it. The previous handlers are back, and the record cleared,
+    when the block ends. A signal is recorded also in a forked child between fork and
+    exec, where it does nothing. Raises ValueError off the main thread (signal(2) is
+    the main thread's)."""
+    global _stop_signal
+    previous = {sig: signal.signal(sig, _record_stop) for sig in signals}
     try:
         yield
     finally:
-        _spawning -= main
-        if main and not _spawning:
-            pending, _deferred[:] = _deferred[:], []
-            for handler, signum in pending:
-                handler(signum, None)
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+        _stop_signal = 0
+
+
+def stop_requested() -> int:
+    """The stop signal recorded inside :func:`stop_on_signals` (0: none yet)."""
+    return _stop_signal
+
+
+def check_stop() -> None:
+    """Raise KeyboardInterrupt when a stop signal was recorded."""
+    if _stop_signal:
+        raise KeyboardInterrupt
+
+
+def wait_for_stop(timeout_s: float) -> bool:
+    """Sleep up to ``timeout_s`` seconds; True as soon as a stop signal is recorded
+    (within :data:`STOP_POLL_S`), False when the time ran out first."""
+    deadline = time.monotonic() + timeout_s
+    while not _stop_signal:
+        left = deadline - time.monotonic()
+        if left <= 0:
+            return False
+        time.sleep(min(left, STOP_POLL_S))
+    return True
+
+
+def pause(seconds: float) -> None:
+    """``time.sleep(seconds)`` that raises KeyboardInterrupt as soon as a stop signal is
+    recorded (:func:`stop_on_signals`)."""
+    if wait_for_stop(seconds):
+        raise KeyboardInterrupt
 
 
 def spawn(cmd: list[str], **popen_args) -> subprocess.Popen:
-    """``subprocess.Popen(cmd, **popen_args)`` for a child that dies with us
-    (:func:`child_preexec`), inside :func:`signals_held`: if a held-back handler
-    raises (a Ctrl-C during a start) when ``spawn`` is the outermost such block, the
-    new child is stopped (SIGTERM, then SIGKILL after 5 s) before the exception goes
-    on, so no child is left that nobody tracks; inside an outer block the caller
-    records the child first.
-
-    Raises: OSError when ``cmd`` cannot be started; whatever a held-back handler raises."""
-    proc = None
-    try:
-        with signals_held():
-            proc = subprocess.Popen(cmd, preexec_fn=child_preexec(), **popen_args)
-    except BaseException:
-        if proc is not None:
-            stop_ladder(proc)
-        raise
-    return proc
+    """``subprocess.Popen(cmd, preexec_fn=..., **popen_args)`` for a child that dies
+    with us (:func:`child_preexec`). Raises OSError when ``cmd`` cannot be started."""
+    return subprocess.Popen(cmd, preexec_fn=child_preexec(), **popen_args)
 
 
 def kvpool_env() -> dict[str, str]:
@@ -197,23 +200,31 @@ def _all_stopped(pid: int) -> bool:
     return bool(tasks)
 
 
-def wait_or_kill(proc: subprocess.Popen, timeout_s: float) -> int:
-    """Wait up to ``timeout_s`` seconds for ``proc`` to exit, then SIGKILL it and reap it.
+def wait_or_kill(proc: subprocess.Popen, timeout_s: float) -> int | None:
+    """Wait up to ``timeout_s`` seconds for ``proc`` to exit, then SIGKILL it and wait
+    as long again to reap it.
 
-    Returns the exit status (negative signal number when killed).
+    Returns the exit status (negative signal number when killed), or None when the
+    killed child was not reaped in time: it is never waited for without a bound, as a
+    KeyboardInterrupt raised inside an earlier ``proc.poll()`` can leave Popen's waitpid
+    lock taken (see :func:`stop_on_signals`), and an unbounded wait then never returns.
     """
     try:
         return proc.wait(timeout_s)
     except subprocess.TimeoutExpired:
         proc.kill()
-        return proc.wait()
+    try:
+        return proc.wait(timeout_s)
+    except subprocess.TimeoutExpired:
+        return None
 
 
 def stop_ladder(proc: subprocess.Popen, timeout_s: float = 5.0, *, close_stdin: bool = False,
-                kill: bool = False) -> int:
+                kill: bool = False) -> int | None:
     """Stop ``proc``: close its stdin and wait (``close_stdin``: a child that exits at
     the end of its input), then SIGTERM (SIGKILL when ``kill``) and wait, then SIGKILL;
-    each wait at most ``timeout_s`` seconds. Returns the exit status."""
+    each wait at most ``timeout_s`` seconds. Returns the exit status (None: killed,
+    not reaped; see :func:`wait_or_kill`)."""
     if proc.poll() is not None:
         return proc.returncode
     if close_stdin and proc.stdin is not None:
@@ -433,16 +444,21 @@ class ChildProcess:
         return self._fail(f" exited with status {self.proc.wait()}")
 
     def _next_message(self, what: str, deadline: float, started: float) -> Message:
-        """The next message; raises at once if the child has exited, or at ``deadline``."""
+        """The next message; raises at once if the child has exited, at ``deadline``, or
+        (KeyboardInterrupt) when a stop signal is recorded (:func:`stop_on_signals`)."""
+        beat = self.heartbeat_s
+        next_beat = time.monotonic() + beat if beat else float("inf")
         while not self._ended:
-            left = deadline - time.monotonic()
-            if left <= 0:
+            check_stop()
+            now = time.monotonic()
+            if now >= deadline:
                 raise self._fail(f": no reply within {deadline - started:.0f} s ({what})")
-            beat = self.heartbeat_s
+            if now >= next_beat:
+                self.on_progress(f"still {what} ({now - started:.0f} s)")
+                next_beat = now + beat
             try:
-                msg = self._inbox.get(timeout=min(left, beat) if beat else left)
+                msg = self._inbox.get(timeout=min(deadline, next_beat, now + STOP_POLL_S) - now)
             except queue.Empty:
-                self.on_progress(f"still {what} ({time.monotonic() - started:.0f} s)")
                 continue
             if msg is None:
                 break

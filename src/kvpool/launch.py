@@ -18,7 +18,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from kvpool.child import ChildProcess, kvpool_cmd, signals_held
+from kvpool.child import ChildProcess, kvpool_cmd, pause
 from kvpool.config import parse_size
 from kvpool.errors import KVPoolError
 from kvpool.owned_dir import OwnedDir, sweep_abandoned
@@ -56,7 +56,8 @@ class Child(ChildProcess):
     def wait_ready(self, timeout_s: float) -> dict:
         """Poll the ready file; returns its JSON (at once when already read). Raises
         LaunchError, with the log's path and tail, as soon as the child has exited, or at
-        the timeout."""
+        the timeout; KeyboardInterrupt when a stop signal is recorded
+        (:func:`kvpool.child.stop_on_signals`)."""
         if self.info:
             return self.info
         deadline = time.monotonic() + timeout_s
@@ -71,7 +72,7 @@ class Child(ChildProcess):
                     error.whole = True
                     raise error
                 raise LaunchError(f"{self.kind} exited with {self.proc.returncode} {self._log_said()}")
-            time.sleep(0.01)
+            pause(0.01)
         raise LaunchError(f"{self.kind} not ready after {timeout_s:g} s {self._log_said()}")
 
     def _usage_error(self) -> str | None:
@@ -158,8 +159,7 @@ class Cluster:
                 *self.extra_master_args]
         self._master_starts += 1
         tag = "master" if self._master_starts == 1 else f"master{self._master_starts}"
-        with signals_held():  # a Ctrl-C waits until the child is recorded, for stop() to stop it
-            self.master = Child("master", args, self._workdir, self.log_dir, tag)
+        self.master = Child("master", args, self._workdir, self.log_dir, tag)
         self.master.wait_ready(self.startup_timeout_s)
 
     def restart_master(self, kill: bool = True) -> None:
@@ -176,9 +176,8 @@ class Cluster:
         self._count += 1
         args = ["--master", self.master_addr, "--host", self.host, "--port", "0", "--segment-size", str(size),
                 *self.extra_node_args, *[str(a) for a in extra_args]]
-        with signals_held():  # as for the master
-            child = Child("node", args, self._workdir, self.log_dir, f"node{self._count}")
-            self.node_children.append(child)
+        child = Child("node", args, self._workdir, self.log_dir, f"node{self._count}")
+        self.node_children.append(child)
         child.wait_ready(self.startup_timeout_s + FILL_S_PER_GIB * size / (1 << 30))
         return len(self.node_children) - 1
 

@@ -17,7 +17,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from kvpool.child import signals_held, spawn
+from kvpool.child import spawn, stop_ladder
 from kvpool.etcd import Etcd, EtcdError
 from kvpool.launch import Child, LaunchError
 from kvpool.master.cli import LOST_LEAD
@@ -74,13 +74,7 @@ class EtcdServer:
                 time.sleep(0.05)
 
     def stop(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(5)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
+        stop_ladder(self.proc)
         shutil.rmtree(self.dir, ignore_errors=True)
 
 
@@ -149,9 +143,8 @@ class HAGroup:
         prefix, host = self.master_places[i]
         args = ["--host", host, "--port", str(port), "--etcd", self.etcd.url,
                 "--etcd-lease-ttl", str(self.lease_ttl_s), *self.master_args]
-        with signals_held():  # a Ctrl-C waits until the child is recorded (kvpool.launch)
-            child = Child("master", args, self.workdir, self.workdir, self._tag("master"), prefix=prefix)
-            self.masters[i] = child
+        child = Child("master", args, self.workdir, self.workdir, self._tag("master"), prefix=prefix)
+        self.masters[i] = child
         self.master_addrs[i] = child.wait_ready(self.startup_timeout_s)["addr"]
         return child
 
@@ -161,9 +154,8 @@ class HAGroup:
         prefix, host = place or self.default_place
         args = ["--master", self.master_spec, "--host", host, "--port", "0",
                 "--segment-size", self.segment_size, *self.node_args, *[str(a) for a in extra_args]]
-        with signals_held():
-            child = Child("node", args, self.workdir, self.workdir, self._tag("node"), prefix=prefix)
-            self.nodes.append(child)
+        child = Child("node", args, self.workdir, self.workdir, self._tag("node"), prefix=prefix)
+        self.nodes.append(child)
         self.node_places.append((prefix, host))
         child.wait_ready(self.startup_timeout_s)
         return len(self.nodes) - 1

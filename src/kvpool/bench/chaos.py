@@ -44,7 +44,7 @@ from dataclasses import asdict, dataclass, field
 
 import xxhash
 
-from kvpool.child import pause_process
+from kvpool.child import pause_process, stop_ladder
 
 HELP = "kill nodes, clients and the leader under verified load; count wrong bytes and lost objects"
 SCHEMA = "kvpool.bench.chaos/1"
@@ -226,13 +226,11 @@ class Clients:
 
     def kill(self, rng: random.Random) -> None:
         name = rng.choice(sorted(n for n, p in self.procs.items() if p.poll() is None))
-        self.procs[name].kill()
-        self.procs[name].wait()
+        stop_ladder(self.procs[name], kill=True)
 
     def stop(self) -> None:
         for proc in self.procs.values():
-            proc.kill()
-            proc.wait()
+            stop_ladder(proc, kill=True)
 
     def summed_ops(self) -> dict:
         total: dict[str, int] = {}

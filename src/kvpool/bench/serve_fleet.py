@@ -28,7 +28,7 @@ import urllib.request
 from pathlib import Path
 
 import kvpool
-from kvpool.child import signals_held, spawn
+from kvpool.child import spawn
 from kvpool.errors import UserError
 
 KINDS = ("plain", "example", "kvpool")
@@ -147,7 +147,7 @@ class Fleet:
         self.metrics_ports = [free_port() for _ in range(self.n)]
         t0 = time.monotonic()
         for i in range(self.n):
-            with open(self.log_path(i), "w") as log, signals_held():  # recorded before a Ctrl-C lands
+            with open(self.log_path(i), "w") as log:
                 self.procs.append(spawn(
                     self.command(i), stdout=log, stderr=subprocess.STDOUT, env=self._env(i),
                     start_new_session=True))
@@ -240,9 +240,9 @@ class Fleet:
             except subprocess.TimeoutExpired:
                 try:
                     os.killpg(p.pid, signal.SIGKILL)
-                except ProcessLookupError:
+                    p.wait(timeout=10)  # bounded: see kvpool.child.wait_or_kill
+                except (ProcessLookupError, subprocess.TimeoutExpired):
                     pass
-                p.wait()
         self.procs = []
         if self.rpc_dir:
             shutil.rmtree(self.rpc_dir, ignore_errors=True)

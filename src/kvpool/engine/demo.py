@@ -22,7 +22,6 @@ from __future__ import annotations
 import argparse
 import json
 import shutil
-import signal
 import sys
 import tempfile
 import time
@@ -30,7 +29,7 @@ from pathlib import Path
 
 import numpy as np
 
-from kvpool.child import in_this_process
+from kvpool.child import stop_on_signals
 from kvpool.config import check_at_least, check_output_path, make_output_folder
 from kvpool.engine.cli import add_cache_arguments, check_cache_arguments
 from kvpool.engine.procs import EngineProcess, decode_logits
@@ -77,21 +76,20 @@ def run(args) -> int:
         raise UserError(f"--questions {args.questions}: the shipped workload has "
                         f"{len(workload['questions'])} questions")
     plan = plan_requests(workload, args.questions)
-    # SIGINT too: a shell starts background jobs with SIGINT ignored, and the demo must
-    # still stop (and stop its children) when one is sent.
-    previous = {sig: signal.signal(sig, in_this_process(_interrupt)) for sig in (signal.SIGTERM, signal.SIGINT)}
+    # SIGTERM and SIGINT, also where a shell started us with SIGINT ignored (a background
+    # job): the demo must still stop, and stop its children. The signal is only recorded;
+    # the demo's waits raise KeyboardInterrupt where no library lock is held.
     logs = Path(args.log_dir or tempfile.mkdtemp(prefix="kvpool-demo-"))
     keep = True  # the logs, unless the demo passes (or the user stopped it)
     try:
-        rows, info, children_failed = _run(args, workload, plan, logs, say)
+        with stop_on_signals():
+            rows, info, children_failed = _run(args, workload, plan, logs, say)
         report = build_report(args, rows, info, time.monotonic() - started)
         keep = children_failed or not report["ok"]
     except KeyboardInterrupt:
         keep = False  # nothing to look at
         raise
     finally:
-        for sig, handler in previous.items():
-            signal.signal(sig, handler)
         if args.log_dir or keep:
             print(f"[demo] logs of the master, node and engines: {logs}", file=sys.stderr)
         else:
@@ -120,10 +118,6 @@ def _check_args(args) -> None:
     check_output_path("--json", args.json)
     if args.log_dir:
         make_output_folder("--log-dir", args.log_dir)
-
-
-def _interrupt(signum, frame):
-    raise KeyboardInterrupt
 
 
 def _run(args, workload, plan, logs: Path, say) -> tuple[list[dict], dict, bool]:

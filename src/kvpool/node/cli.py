@@ -5,9 +5,9 @@ from __future__ import annotations
 import errno
 import logging
 import os
-import signal
 from decimal import Decimal
 
+from kvpool.child import stop_on_signals, stop_requested, wait_for_stop
 from kvpool.config import Option, add_options, check_output_path, parse_bool, positive, parse_host, parse_size, resolve, write_ready_file
 from kvpool.local_socket import WILDCARDS
 from kvpool.errors import UserError
@@ -123,36 +123,37 @@ def run(args) -> int:
                        stall_s=values["frame_timeout"], secret=values["secret"].encode(),
                        max_connections=values["max_connections"],
                        master_wait_s=values["master_wait"], busy_poll_s=values["busy_poll"] / 1e6)
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        signal.signal(sig, lambda *_: node.request_stop())
-    admin, http_addr = None, None
-    try:
+    # a stop signal is only recorded, and the waits here look for it: an Event set from
+    # the handler can deadlock a main thread that holds the Event's lock
+    with stop_on_signals():
+        admin, http_addr = None, None
         try:
-            node.start()
-        except MasterUnreachable:
-            if node.stop_requested:  # Ctrl-C or SIGTERM while waiting for the master
-                return 0
-            raise
-        if values["http_port"] is not None:  # kvpool.node.admin, served from a thread of its own
-            from kvpool.node.admin import NodeAdmin
+            try:
+                node.start(stop_asked=stop_requested)
+            except MasterUnreachable:
+                if stop_requested():  # Ctrl-C or SIGTERM while waiting for the master
+                    return 0
+                raise
+            if values["http_port"] is not None:  # kvpool.node.admin, served from a thread of its own
+                from kvpool.node.admin import NodeAdmin
 
-            admin = NodeAdmin(node, values["host"], values["http_port"])
-            http_addr = admin.start()
-        print(f"kvpool node serving segment {node.info.name} ({size} bytes) on {node.data_addr}, "
-              f"master {values['master']}", flush=True)
-        if args.ready_file:
-            write_ready_file(args.ready_file, {
-                "addr": node.data_addr, "segment": node.info.name, "owner_id": node.owner_id,
-                "shm_name": node.info.shm_name, "pid": os.getpid(), "http_addr": http_addr,
-            })
-        node.wait()
-    except OSError as exc:  # creating the segment: memory taken by others since check_fits
-        if exc.errno not in (errno.ENOMEM, errno.ENOSPC):
-            raise
-        raise UserError(f"cannot create a {_gib(size)} segment: {exc.strerror} "
-                        f"({_gib(_mem_available() or 0)} memory available)") from None
-    finally:
-        if admin is not None:
-            admin.stop()
-        node.stop()
+                admin = NodeAdmin(node, values["host"], values["http_port"])
+                http_addr = admin.start()
+            print(f"kvpool node serving segment {node.info.name} ({size} bytes) on {node.data_addr}, "
+                  f"master {values['master']}", flush=True)
+            if args.ready_file:
+                write_ready_file(args.ready_file, {
+                    "addr": node.data_addr, "segment": node.info.name, "owner_id": node.owner_id,
+                    "shm_name": node.info.shm_name, "pid": os.getpid(), "http_addr": http_addr,
+                })
+            wait_for_stop(float("inf"))
+        except OSError as exc:  # creating the segment: memory taken by others since check_fits
+            if exc.errno not in (errno.ENOMEM, errno.ENOSPC):
+                raise
+            raise UserError(f"cannot create a {_gib(size)} segment: {exc.strerror} "
+                            f"({_gib(_mem_available() or 0)} memory available)") from None
+        finally:
+            if admin is not None:
+                admin.stop()
+            node.stop()
     return 0

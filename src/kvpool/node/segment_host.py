@@ -33,6 +33,7 @@ import threading
 import time
 import uuid
 from multiprocessing import shared_memory
+from typing import Callable
 
 from kvpool import auth
 from kvpool import protocol as P
@@ -130,11 +131,12 @@ class SegmentHost:
         self.incarnation = 0  # of the master that mounted the segment last
         self.mounts = 0  # mounts made (the first and every re-mount)
 
-    def start(self) -> None:
+    def start(self, stop_asked: Callable[[], bool] = lambda: False) -> None:
         """Reach the master (waiting up to ``master_wait_s`` for one to accept a
-        connection), create the segment, mount it, start the data server. Raises
-        RpcFailed (MasterUnreachable when none came up in time)."""
-        self._connect_master()
+        connection, or until ``stop_asked()``), create the segment, mount it, start the
+        data server. Raises RpcFailed (MasterUnreachable when none came up in time or a
+        stop was asked)."""
+        self._connect_master(stop_asked)
         sweep_stale()
         name = f"kvpool-{uuid.uuid4().hex[:16]}"
         self._owner = OwnerLock(name)  # before the segment exists: never one without a lock
@@ -167,7 +169,7 @@ class SegmentHost:
         threading.Thread(target=self._heartbeat_loop, daemon=True).start()
         threading.Thread(target=self._stream_loop, name="kvpool-index", daemon=True).start()
 
-    def _connect_master(self) -> None:
+    def _connect_master(self, stop_asked: Callable[[], bool]) -> None:
         """Connect, retrying while no master accepts: a node started beside its master
         (a shell's `&`, a container whose master restarts) must not lose the race."""
         deadline = time.monotonic() + self.master_wait_s
@@ -176,7 +178,7 @@ class SegmentHost:
             try:
                 return self.master.connect()
             except MasterUnreachable as exc:
-                if time.monotonic() >= deadline or self._stop.is_set():
+                if time.monotonic() >= deadline or self._stop.is_set() or stop_asked():
                     raise
                 if not said:
                     log.warning("%s; trying again for up to %g s (--master-wait)", exc, self.master_wait_s)
@@ -300,20 +302,6 @@ class SegmentHost:
         if self.mounts == mounts:
             log.warning(why, self.info.name)
             self._stream.shutdown()
-
-    def wait(self) -> None:
-        """Block until :meth:`stop` is called (e.g. from a signal handler)."""
-        while not self._stop.wait(0.5):
-            pass
-
-    def request_stop(self) -> None:
-        """Make :meth:`wait` return (safe from a signal handler)."""
-        self._stop.set()
-
-    @property
-    def stop_requested(self) -> bool:
-        """Whether :meth:`request_stop` or :meth:`stop` was called."""
-        return self._stop.is_set()
 
     def stop(self) -> None:
         """Unmount (best effort), stop serving, unmap and unlink the segment."""

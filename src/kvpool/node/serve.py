@@ -8,10 +8,7 @@ its last log lines) and stops the other.
 
 from __future__ import annotations
 
-import signal
-import threading
-
-from kvpool.child import in_this_process
+from kvpool.child import check_stop, stop_on_signals, wait_for_stop
 from kvpool.config import Option, add_options, format_size, parse_host, resolve
 from kvpool.masters import DEFAULT_MASTER_PORT
 from kvpool.node.cli import check_fits, segment_size
@@ -58,21 +55,13 @@ def run(args) -> int:
     check_output_path("--ready-file", args.ready_file)
     if args.log_dir:
         make_output_folder("--log-dir", args.log_dir)
-    stop = threading.Event()
-
-    def on_signal(*_):
-        first = not stop.is_set()
-        stop.set()
-        if first and not started.is_set():  # still starting: unwind (Cluster stops the rest)
-            raise KeyboardInterrupt
-
-    started = threading.Event()
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        signal.signal(sig, in_this_process(on_signal))
-    with Cluster(segment_size=size, lease_ttl_ms=values["default_kv_lease_ttl"],
-                 master_port=values["port"], host=values["host"], log_dir=args.log_dir,
-                 extra_master_args=() if values["http_port"] is None else ("--http-port", values["http_port"])) as cluster:
-        started.set()
+    # a Ctrl-C (or SIGTERM) is recorded; the start's waits raise it (Cluster stops what
+    # started), later the loop below ends the run
+    with stop_on_signals(), Cluster(
+            segment_size=size, lease_ttl_ms=values["default_kv_lease_ttl"], master_port=values["port"],
+            host=values["host"], log_dir=args.log_dir,
+            extra_master_args=() if values["http_port"] is None else ("--http-port", values["http_port"])) as cluster:
+        check_stop()  # asked while the last child came up: nothing printed, nothing served
         print(f"kvpool master: {cluster.master_addr}", flush=True)
         if cluster.master.info.get("http_addr"):
             print(f"kvpool admin:  http://{cluster.master.info['http_addr']}/metrics", flush=True)
@@ -83,7 +72,7 @@ def run(args) -> int:
             write_ready_file(args.ready_file, {"addr": cluster.master_addr,
                                                "http_addr": cluster.master.info.get("http_addr"),
                                                "nodes": cluster.node_addrs})
-        while not stop.wait(0.5):
+        while not wait_for_stop(0.5):
             dead = [c for c in cluster.children if c.proc.poll() is not None]
             if dead:
                 print(_exit_report(dead[0]), flush=True)
