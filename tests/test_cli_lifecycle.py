@@ -206,6 +206,29 @@ def test_a_stop_signal_ends_a_wait_for_a_childs_reply_and_the_child_still_stops(
     assert code is not None and code != 0
 
 
+def test_a_stop_that_also_ends_the_child_reads_as_the_stop_not_as_the_childs_exit():
+    """A terminal's Ctrl-C reaches the demo and its engines (one process group): the
+    engine's exit, caused by it, must not be reported as "engine A exited with status
+    130" (seen by hand: exit 2 and a kept logs folder); the wait raises the stop."""
+    from kvpool import child
+
+    worker = child.ChildProcess("sleeper", [sys.executable, "-c", "import time; time.sleep(120)"],
+                                None, channel=True)
+
+    def ctrl_c_to_the_group():
+        signal.pthread_kill(threading.main_thread().ident, signal.SIGUSR1)  # recorded at once
+        os.kill(worker.proc.pid, signal.SIGUSR1)  # the default action: it ends
+
+    try:
+        with child.stop_on_signals((signal.SIGUSR1,)):
+            threading.Timer(0.2, ctrl_c_to_the_group).start()
+            with pytest.raises(KeyboardInterrupt):
+                worker.request("anything", timeout_s=120)
+    finally:
+        worker.stop()
+    assert worker.proc.returncode == -signal.SIGUSR1
+
+
 def test_a_stop_never_waits_unbounded_on_a_popen_lock_left_taken():
     """A KeyboardInterrupt raised inside Popen.poll can leave Popen's waitpid lock taken
     (CI: `kvpool serve` hung on a Ctrl-C); stopping such a child still returns: it is

@@ -460,6 +460,9 @@ class ChildProcess:
                 msg = self._inbox.get(timeout=min(deadline, next_beat, now + STOP_POLL_S) - now)
             except queue.Empty:
                 continue
+            # a terminal's Ctrl-C reaches children in our process group too: the stop,
+            # not their exit that it caused, is what the caller must hear
+            check_stop()
             if msg is None:
                 break
             return msg
