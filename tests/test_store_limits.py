@@ -136,8 +136,10 @@ def _children(pid: int) -> list[int]:
 
 def test_serve_names_the_child_that_died(tmp_path):
     ready = tmp_path / "serve.json"
+    # a failed child's logs are kept on purpose: in this test's own TMPDIR, not /tmp
     serve = subprocess.Popen([sys.executable, "-m", "kvpool", "serve", "--port", "0", "--segment-size", "16MiB",
-                              "--ready-file", str(ready)], stdout=subprocess.PIPE, text=True)
+                              "--ready-file", str(ready)], stdout=subprocess.PIPE, text=True,
+                             env={**os.environ, "TMPDIR": str(tmp_path)})
     try:
         wait_ready_file(serve, ready)
         node = next(pid for pid in _children(serve.pid)
@@ -147,6 +149,8 @@ def test_serve_names_the_child_that_died(tmp_path):
         out = serve.stdout.read()
         assert f"the node (pid {node}) was killed by SIGKILL" in out
         assert "16MiB" in out and "last lines of the node log:" in out and "kvpool node serving" in out
+        kept = list(tmp_path.glob("kvpool-cluster-*"))
+        assert len(kept) == 1 and f"log: {kept[0] / 'node1.log'}" in out
     finally:
         serve.kill()
         serve.wait()
