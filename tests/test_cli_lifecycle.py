@@ -20,6 +20,7 @@ from pathlib import Path
 
 import pytest
 
+from kvpool import child
 from kvpool.launch import Cluster, LaunchError
 from proc_helpers import KVPOOL, kvpool_env, poll_until, run_kvpool, wait_ready_file
 
@@ -172,8 +173,6 @@ def test_a_stop_signal_inside_a_childs_fork_stops_the_start_once_the_child_is_re
     """A Ctrl-C that lands while Popen forks (here: from its at-fork hook) is recorded,
     not raised there; the start's next wait raises it, and Cluster stops the child it has
     recorded by then: no process and no folder are left."""
-    from kvpool import child
-
     monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))  # the children's command lines name it
     active = [True]
     os.register_at_fork(after_in_parent=lambda: active[0] and os.kill(os.getpid(), signal.SIGUSR1))
@@ -189,13 +188,16 @@ def test_a_stop_signal_inside_a_childs_fork_stops_the_start_once_the_child_is_re
     assert list(tmp_path.glob("kvpool-cluster-*")) == []
 
 
+def _sleeping_worker() -> child.ChildProcess:
+    """A channel child that never answers (as an engine busy for minutes)."""
+    return child.ChildProcess("sleeper", [sys.executable, "-c", "import time; time.sleep(120)"],
+                              None, channel=True)
+
+
 def test_a_stop_signal_ends_a_wait_for_a_childs_reply_and_the_child_still_stops():
     """The demo waits minutes for an engine's reply: a recorded stop signal ends the
     wait (KeyboardInterrupt, not the 120 s timeout), and the child stops afterwards."""
-    from kvpool import child
-
-    worker = child.ChildProcess("sleeper", [sys.executable, "-c", "import time; time.sleep(120)"],
-                                None, channel=True)
+    worker = _sleeping_worker()
     try:
         with child.stop_on_signals((signal.SIGUSR1,)):
             threading.Timer(0.2, os.kill, (os.getpid(), signal.SIGUSR1)).start()
@@ -210,10 +212,7 @@ def test_a_stop_that_also_ends_the_child_reads_as_the_stop_not_as_the_childs_exi
     """A terminal's Ctrl-C reaches the demo and its engines (one process group): the
     engine's exit, caused by it, must not be reported as "engine A exited with status
     130" (seen by hand: exit 2 and a kept logs folder); the wait raises the stop."""
-    from kvpool import child
-
-    worker = child.ChildProcess("sleeper", [sys.executable, "-c", "import time; time.sleep(120)"],
-                                None, channel=True)
+    worker = _sleeping_worker()
 
     def ctrl_c_to_the_group():
         signal.pthread_kill(threading.main_thread().ident, signal.SIGUSR1)  # recorded at once
@@ -233,12 +232,10 @@ def test_a_stop_never_waits_unbounded_on_a_popen_lock_left_taken():
     """A KeyboardInterrupt raised inside Popen.poll can leave Popen's waitpid lock taken
     (CI: `kvpool serve` hung on a Ctrl-C); stopping such a child still returns: it is
     killed, and not waited for without a bound."""
-    from kvpool.child import spawn, stop_ladder
-
-    proc = spawn(["sleep", "120"])
+    proc = child.spawn(["sleep", "120"])
     proc._waitpid_lock.acquire()  # as an interrupted poll() leaves it
     try:
-        assert stop_ladder(proc, 1.0) is None
+        assert child.stop_ladder(proc, 1.0) is None
         state = Path(f"/proc/{proc.pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
         assert state == "Z"  # ended, waiting to be reaped
     finally:

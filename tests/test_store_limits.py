@@ -23,7 +23,7 @@ from kvpool.errors import ErrorCode, NoSpace, RpcFailed
 from kvpool.mooncake import ReplicateConfig
 from kvpool.mooncake.store import MooncakeDistributedStore
 from kvpool.rpc import RpcChannel
-from proc_helpers import wait_ready_file
+from proc_helpers import kvpool_env, wait_ready_file
 
 MIB = 1 << 20
 
@@ -139,7 +139,7 @@ def test_serve_names_the_child_that_died(tmp_path):
     # a failed child's logs are kept on purpose: in this test's own TMPDIR, not /tmp
     serve = subprocess.Popen([sys.executable, "-m", "kvpool", "serve", "--port", "0", "--segment-size", "16MiB",
                               "--ready-file", str(ready)], stdout=subprocess.PIPE, text=True,
-                             env={**os.environ, "TMPDIR": str(tmp_path)})
+                             env=kvpool_env(TMPDIR=str(tmp_path)))
     try:
         wait_ready_file(serve, ready)
         node = next(pid for pid in _children(serve.pid)
