@@ -10,6 +10,7 @@ import pytest
 
 from kvpool import protocol as P
 from kvpool.errors import ErrorCode
+from kvpool.master.alloc_leases import RUN_MIN
 from kvpool.master.config import MasterConfig
 from kvpool.master.service import MasterService
 from test_master_clock import FakeClock
@@ -329,3 +330,96 @@ def test_a_new_keys_commit_makes_the_same_record_as_put_end(pins):
     in_order = {obj.key for obj in svc.queue.pop_due(float("inf"))}
     assert ("leased" in in_order) == ("started" in in_order) == (not pins.get("hard_pin"))
     assert svc.stats().object_count == 2
+
+
+def _indexed_service() -> tuple[MasterService, P.AllocLeaseResp]:
+    """A master on a fake clock with one indexed segment "seg" (its node keeps an
+    index), a lease of client "c1" on it, and one key removed before (its slot free)."""
+    svc = MasterService(MasterConfig(), clock=FakeClock())
+    assert svc.mount("owner", P.SegmentInfo("seg", "host", "shm", 64 * MIB, "127.0.0.1:1"), index=True).code == OK
+    grant = lease(svc)
+    assert commit(svc, grant, "gone", 0, 64) == OK and svc.remove("gone", force=True).code == OK
+    svc.index_log.take()
+    return svc, grant
+
+
+def _state(svc: MasterService, keys: list[str]) -> tuple:
+    """Everything a commit changes, comparable between two masters: records, counts,
+    the lease's claims and used bytes, the index entries sent (versions by rank), and
+    the eviction order."""
+    entries = [e for update in svc.index_log.take() for e in update.adds]
+    ranks = {v: i for i, v in enumerate(sorted(e.version for e in entries))}
+    [lease_] = svc.alloc_leases.open.values()
+    stats = svc.stats()
+    return ([_record(svc, k) for k in keys], svc.object_count, lease_.committed, stats.used_bytes,
+            stats.leased_bytes, sorted((e.key, e.offset, e.size, ranks[e.version]) for e in entries),
+            [obj.key for obj in svc.queue.pop_due(float("inf"))])
+
+
+def test_a_batch_of_new_keys_commits_in_one_pass_to_the_same_state_as_item_by_item():
+    """A client's batch as its lease placed it (new keys, no pin, values back to back)
+    takes the one-pass commit: the same records, claims, used bytes, index entries
+    (versions in item order), eviction order and object count as the same items
+    committed one by one, a freed slot reused first; a resend answers OK for each and
+    changes nothing."""
+    keys = [f"k{i}" for i in range(5)]  # at least RUN_MIN
+    sizes = [100, 64, 4096, 1, 1000]
+    at = [64]
+    for size in sizes[:-1]:
+        at.append(at[-1] + -(-size // 64) * 64)
+    one_pass, grant = _indexed_service()
+    items = [P.CommitItem(k, grant.region.offset + a, n) for k, a, n in zip(keys, at, sizes)]
+    one_pass._commit_item = None  # not called: the one-pass way took every item
+    assert one_pass.put_commit("c1", grant.lease_id, items).codes == [OK] * 5
+    del one_pass._commit_item
+    by_item, grant_b = _indexed_service()
+    assert grant_b.region.offset == grant.region.offset
+    for k, a, n in zip(keys, at, sizes):
+        assert commit(by_item, grant_b, k, a, n) == OK
+    assert _state(one_pass, keys) == _state(by_item, keys)
+    versions = [one_pass.lookup(k).version for k in keys]
+    assert versions == sorted(set(versions))  # distinct, in item order
+    assert one_pass.put_commit("c1", grant.lease_id, items).codes == [OK] * 5  # a resend
+    assert one_pass.counters["commits_repeated"] == 5 and one_pass.object_count == 5
+
+
+@pytest.mark.parametrize("case", ["key twice", "key known", "gap", "soft pin", "hard pin", "overlap",
+                                  "bad key", "empty value"])
+def test_a_batch_the_one_pass_commit_does_not_fit_is_decided_item_by_item(case):
+    """Any item that is not a new, unpinned key back to back with the previous one sends
+    the whole batch the item-by-item way, with nothing half applied: each item gets the
+    code it gets alone (here the third of five is the odd one)."""
+    svc, grant = _indexed_service()
+    base = grant.region.offset
+    assert commit(svc, grant, "known", 1024, 64) == OK  # committed before, at +1024
+    keys, at, sizes = ["a", "b", "c", "d", "e"], [64, 128, 192, 256, 320], [64] * 5
+    assert len(keys) >= RUN_MIN
+    options: dict = {}
+    if case == "key twice":
+        keys[2] = "a"
+    elif case == "key known":
+        keys[2] = "known"
+    elif case == "gap":
+        at[2] = 2048
+    elif case == "soft pin":
+        options = {"soft_pin": P.SOFT_PIN_ENABLE, "soft_pin_ttl_ms": 1000}
+    elif case == "hard pin":
+        options = {"hard_pin": True}
+    elif case == "overlap":
+        at[2] = 1024  # "known"'s range
+    elif case == "bad key":
+        keys[2] = "x" * (P.MAX_KEY_BYTES + 1)
+    elif case == "empty value":
+        sizes[2] = 0
+    items = [P.CommitItem(k, base + a, n, **(options if i == 2 else {}))
+             for i, (k, a, n) in enumerate(zip(keys, at, sizes))]
+    codes = svc.put_commit("c1", grant.lease_id, items).codes
+    odd = {"key twice": ErrorCode.OBJECT_ALREADY_EXISTS, "key known": ErrorCode.OBJECT_ALREADY_EXISTS,
+           "overlap": ErrorCode.INVALID_PARAMS, "bad key": ErrorCode.INVALID_PARAMS,
+           "empty value": ErrorCode.INVALID_PARAMS}.get(case, OK)
+    assert codes == [OK, OK, odd, OK, OK]
+    assert svc.object_count == 1 + 4 + (odd == OK)  # "known" too
+    if case == "hard pin":
+        assert svc.lookup("c").hard_pin
+    if case == "soft pin":
+        assert svc.lookup("c").soft_pin_deadline > 0

@@ -85,10 +85,11 @@ class LocalLeases:
             end = lease.region.offset + lease.region.length
             offsets, pos = [], lease.next
             for size in sizes:
-                if pos + _rounded(size) > end:
+                rounded = _rounded(size)
+                if pos + rounded > end:
                     break
                 offsets.append(pos)
-                pos += _rounded(size)
+                pos += rounded
             if not offsets:
                 return None
             lease.next, lease.writing = pos, lease.writing + 1

@@ -210,7 +210,11 @@ class PutPath:
         for i, (key, item_parts) in enumerate(zip(keys, parts)):
             try:
                 check_key(key)
-                views = [v for v in (as_byte_view(p) for p in item_parts) if len(v)]
+                if len(item_parts) == 1:  # the usual value: one buffer
+                    view = as_byte_view(item_parts[0])
+                    views = [view] if len(view) else []
+                else:
+                    views = [v for v in (as_byte_view(p) for p in item_parts) if len(v)]
                 if not views:
                     raise InvalidParams("empty value")
             except InvalidParams:
@@ -225,7 +229,7 @@ class PutPath:
         rest = list(range(len(items)))
         settled: set[int] = set()
         deadline = time.monotonic() + self.timeout_s  # one for the batch's writes into leases
-        leased = [k for k in rest if self._leasable(items[k])]
+        leased = self._leasable_items(items)
         while leased:  # lease after lease, as long as the next items find a place
             done = self._put_leased([items[k] for k in leased], [srcs[k] for k in leased], deadline)
             for k, code in zip(leased, done):
@@ -309,9 +313,17 @@ class PutPath:
     def _leasable(self, item: P.PutItem) -> bool:
         """Whether ``item`` may go through an allocation lease: one replica, no preferred
         segment, at most half a lease."""
+        return bool(self._leasable_items([item]))
+
+    def _leasable_items(self, items: list[P.PutItem]) -> list[int]:
+        """The indexes of the ``items`` that may go through an allocation lease
+        (:meth:`_leasable`), in order."""
         leases = self.leases
-        return (leases is not None and item.replica_num == 1 and not item.preferred_segment
-                and item.size <= leases.max_value)
+        if leases is None:
+            return []
+        limit = leases.max_value
+        return [k for k, item in enumerate(items)
+                if item.replica_num == 1 and not item.preferred_segment and item.size <= limit]
 
     def _put_leased(self, items: list[P.PutItem], srcs: list[list[memoryview]],
                     deadline: float | None = None) -> list[ErrorCode | None]:
@@ -329,17 +341,24 @@ class PutPath:
         lease, offsets = placed
         codes: list[ErrorCode | None] = [None] * len(offsets)
         try:
-            jobs: list[list] = []
-            for i, (offset, views) in enumerate(zip(offsets, srcs)):
-                desc = msgspec.structs.replace(lease.region, offset=offset, length=items[i].size)
-                jobs.append([(i, piece, view) for piece, view in _pieces(desc, views)])
             route = self.engine.route(lease.region.segment)
-            chunks = pipeline.put_spans(len(offsets), items[0].size, route is not None and route.in_place)
+            in_place = route is not None and route.in_place
+            chunks = pipeline.put_spans(len(offsets), items[0].size, in_place)
             written: dict[int, bool] = {}
+            if in_place:
+                def write(start: int, end: int, wake: Callable[[], None] | None = None) -> None:
+                    ok = self._write_lease_in_place(route, lease.region.segment, offsets[start:end],
+                                                    srcs[start:end], deadline, wake)
+                    written.update(dict.fromkeys(range(start, end), ok))
+            else:
+                jobs: list[list] = []
+                for i, (offset, views) in enumerate(zip(offsets, srcs)):
+                    desc = msgspec.structs.replace(lease.region, offset=offset, length=items[i].size)
+                    jobs.append([(i, piece, view) for piece, view in _pieces(desc, views)])
 
-            def write(start: int, end: int, wake: Callable[[], None] | None = None) -> None:
-                written.update(self._write_all([job for item_jobs in jobs[start:end] for job in item_jobs],
-                                               deadline, wake)[0])
+                def write(start: int, end: int, wake: Callable[[], None] | None = None) -> None:
+                    written.update(self._write_all([job for item_jobs in jobs[start:end] for job in item_jobs],
+                                                   deadline, wake)[0])
 
             # the first commit only: the later ones are sent while the next chunk is written
             write(*chunks[0], self._waker(sum(items[i].size for i in range(*chunks[0]))))
@@ -359,6 +378,27 @@ class PutPath:
             self.leases.finish(lease, drop=None in codes)
             self._wake_keeper()
         return codes
+
+    def _write_lease_in_place(self, transport, segment: P.SegmentInfo, offsets: list[int],
+                              srcs: list[list[memoryview]], deadline: float | None,
+                              wake: Callable[[], None] | None) -> bool:
+        """Write values placed in a lease on ``segment``, which ``transport`` copies in
+        this process (value i, the concatenation of ``srcs[i]``, at ``offsets[i]``):
+        one ``write_many`` for them all, as :meth:`_write_in_place` does, without a
+        request per value; ``wake`` (if given) called first. True when every copy was
+        made (False: a stale mount epoch, no memory for the pages; the values then go
+        the PutStart way, which says what failed). ``deadline``: time.monotonic, None:
+        the client's timeout from now."""
+        ranges = []
+        for pos, views in zip(offsets, srcs):
+            for view in views:  # a gather write: each part right after the previous one
+                ranges.append((pos, view))
+                pos += len(view)
+        if wake is not None:
+            wake()
+        if deadline is None:
+            deadline = time.monotonic() + self.timeout_s
+        return transport.write_many(segment, ranges, deadline, Cancel())
 
     def _place(self, sizes: list[int], deadline: float | None = None) -> tuple[ClientLease, list[int]] | None:
         """Offsets for (a prefix of) values of ``sizes`` in the current lease, asking

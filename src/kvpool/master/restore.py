@@ -92,6 +92,10 @@ class IndexLog:
     def add(self, segment: str, entry: IndexEntry) -> None:
         self._pending.setdefault(segment, ([], {}))[1][entry.key] = entry
 
+    def add_many(self, segment: str, entries: list[IndexEntry]) -> None:
+        """:meth:`add` of each of ``entries`` (their keys distinct) on ``segment``."""
+        self._pending.setdefault(segment, ([], {}))[1].update([(e.key, e) for e in entries])
+
     def take(self) -> list[IndexUpdate]:
         """The queued changes; the log is empty afterwards. Every segment's adds come
         first, then the drops not replaced by an add of the same key (an add replaces
@@ -161,6 +165,15 @@ class Restore:
             if settled.added > SETTLED_MAX:
                 self._close_restore(f"{SETTLED_MAX} keys changed since it began")
 
+    def _settle_many(self, keys: list[str]) -> None:
+        """:meth:`_settle` of each of ``keys``."""
+        settled = self._settled
+        if settled is not None:
+            for key in keys:
+                settled.add(key)
+            if settled.added > SETTLED_MAX:
+                self._close_restore(f"{SETTLED_MAX} keys changed since it began")
+
     def _restore_tick(self, now: float) -> None:
         """Open the restore window at the lead's first tick; close it when it is over."""
         if self._restore_until is None:
@@ -173,9 +186,13 @@ class Restore:
         log.info("restore window closed (%s): a segment mounted from now on has its reported "
                  "objects dropped", why)
 
-    def _next_version(self) -> int:
-        self._last_version = max(self._last_version + 1, time.time_ns())
-        return self._last_version
+    def _next_version(self, count: int = 1) -> int:
+        """The first of ``count`` new commit versions, consecutive: above every version
+        given before, and at least the wall clock in ns (so a later incarnation's
+        versions are above an earlier one's: the rebuild keeps the newest)."""
+        first = max(self._last_version + 1, time.time_ns())
+        self._last_version = first + count - 1
+        return first
 
     def _index_drop(self, obj: ObjectMeta) -> None:
         """``obj``'s current replicas stop being visible: tell their indexed segments."""

@@ -329,6 +329,25 @@ class MasterService(Eviction, Restore, LeaseHandlers):
         self._index_replica(key, replica, replica.length, version)
         self.queue.push_slot(slot)
 
+    def _commit_new_run(self, segment: str, items: list[CommitItem], now: float) -> None:
+        """:meth:`_commit_new` of every item of ``items``: keys with no record, none
+        twice, no pin, each value at ``item.offset`` of ``segment`` (written there).
+        Consecutive versions, one index-log update, records appended in one step."""
+        keys = [item.key for item in items]
+        offsets = [item.offset for item in items]
+        sizes = [item.size for item in items]
+        version = self._next_version(len(items))
+        self._settle_many(keys)
+        slots = self.objects.create_complete_run(keys, segment, offsets, sizes, now, version)
+        self.object_count += len(slots)
+        seg = self.segments.segments.get(segment)
+        if seg is not None and seg.indexed:
+            self.index_log.add_many(segment, [IndexEntry(key, offset, size, version + i) for i, (key, offset, size)
+                                              in enumerate(zip(keys, offsets, sizes))])
+        push = self.queue.push_slot
+        for slot in slots:
+            push(slot)
+
     @staticmethod
     def _soft_pin_deadline(current: float, soft_pin: int, soft_pin_ttl_ms: int, now: float) -> float:
         """Mooncake's commit of a put's SoftPinAction, given the ``current`` pin deadline

@@ -105,6 +105,37 @@ class ObjectTable:
         return self._new_slot(key, self.seg_id(replica.segment), replica.offset, replica.length, lease,
                               soft_pin, version, HARD_PIN if hard_pin else 0)
 
+    def create_complete_run(self, keys: list[str], segment: str, offsets: list[int], sizes: list[int],
+                            lease: float, first_version: int) -> list[int]:
+        """:meth:`create_complete` of new records for ``keys`` (distinct, none present),
+        record i holding ``sizes[i]`` bytes at ``offsets[i]`` of ``segment``, version
+        ``first_version + i``, the one ``lease`` deadline, no pin. Slots freed before are
+        filled first; the rest are appended with one ``extend`` per array. Returns their
+        slots in order, not yet in the eviction order."""
+        seg, n = self.seg_id(segment), len(keys)
+        reused = min(n, len(self._free_slots))
+        slots = [self._new_slot(keys[i], seg, offsets[i], sizes[i], lease, 0.0, first_version + i, 0)
+                 for i in range(reused)]
+        if reused == n:
+            return slots
+        base, rest = len(self.keys), n - reused
+        self.keys.extend(keys[reused:])
+        self.size.extend(sizes[reused:])
+        self.seg.extend(array("H", [seg]) * rest)
+        self.offset.extend(offsets[reused:])
+        self.lease.extend(array("d", [lease]) * rest)
+        self.soft_pin.extend(array("d", [0.0]) * rest)
+        self.version.extend(range(first_version + reused, first_version + n))
+        self.flags.extend(bytes(rest))
+        self.order.extend(array("d", [0.0]) * rest)
+        self.prev.extend(array("i", [-1]) * rest)
+        self.next.extend(array("i", [-1]) * rest)
+        self.run.extend(array("b", [-1]) * rest)
+        appended = range(base, base + rest)
+        self.slots.update(zip(keys[reused:], appended))
+        slots.extend(appended)
+        return slots
+
     def _new_slot(self, key: str, seg: int, offset: int, size: int, lease: float, soft_pin: float,
                   version: int, flags: int) -> int:
         if self._free_slots:
