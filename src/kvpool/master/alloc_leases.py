@@ -206,9 +206,9 @@ class LeaseHandlers:
 
     def _commit_run(self, lease: AllocLease, items: list[CommitItem], now: float) -> list | None:
         """:meth:`put_commit` of a client's batch as its lease placed it, in one pass:
-        at least :data:`RUN_MIN` items, each a key with no record (none twice), asking for no pin,
-        the values back to back (each at the previous one's rounded end) in a range of
-        the lease nothing was committed from. Returns the ``done`` entries of
+        at least :data:`RUN_MIN` items, each a key with no record (none twice), asking
+        for no pin, the values back to back (each at the previous one's rounded end) in
+        a range of the lease nothing was committed from. Returns the ``done`` entries of
         :meth:`_commit_item` for all of them (each committed: the same records, index
         entries, claim and eviction order as item by item), or None, having changed
         nothing, when any item is otherwise: the items are then decided one by one.
