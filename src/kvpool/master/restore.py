@@ -159,14 +159,10 @@ class Restore:
     def _settle(self, key: str) -> None:
         """This incarnation decided ``key``'s fate (a commit, a removal, an eviction): no
         mount restores an entry of it any more (module docstring)."""
-        settled = self._settled
-        if settled is not None:
-            settled.add(key)
-            if settled.added > SETTLED_MAX:
-                self._close_restore(f"{SETTLED_MAX} keys changed since it began")
+        self._settle_many((key,))
 
-    def _settle_many(self, keys: list[str]) -> None:
-        """:meth:`_settle` of each of ``keys``."""
+    def _settle_many(self, keys) -> None:
+        """:meth:`_settle` of each of ``keys`` (an iterable of str)."""
         settled = self._settled
         if settled is not None:
             for key in keys:

@@ -138,6 +138,7 @@ class ObjectTable:
 
     def _new_slot(self, key: str, seg: int, offset: int, size: int, lease: float, soft_pin: float,
                   version: int, flags: int) -> int:
+        # a field added here is added to create_complete_run's appends too
         if self._free_slots:
             slot = self._free_slots.pop()  # its links were reset when it was freed
             self.keys[slot] = key
