@@ -101,3 +101,17 @@ def test_k24_a_whole_cluster_over_ipv6_loopback():
             assert store.get("v6-True") == bytes(range(256)) * 4096
         finally:
             store.close()
+
+
+def test_free_ports_lie_below_the_ephemeral_range_are_bindable_and_not_repeated():
+    """Found in CI: a port the kernel picked (bind to 0) for a vLLM server's metrics was
+    taken by another process's outgoing connection in the 20 s before the server bound
+    it, and the engine failed to start. free_port gives ports below the kernel's
+    ephemeral range, which no connect() is handed, each once per process."""
+    from kvpool.launch_ha import PORT_FLOOR, _ephemeral_low, free_port
+
+    ports = [free_port() for _ in range(50)]
+    assert len(set(ports)) == 50
+    assert all(PORT_FLOOR <= p < _ephemeral_low() for p in ports)
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", ports[-1]))  # still free: nothing holds it

@@ -28,7 +28,8 @@ import signal
 import pytest
 
 from kvpool.launch import Cluster
-from vllm_harness import (BLOCK, QUESTIONS, connector, free_port, model_folder, require_vllm,
+from kvpool.launch_ha import free_port
+from vllm_harness import (BLOCK, QUESTIONS, connector, model_folder, require_vllm,
                           run_instance)
 
 pytestmark = pytest.mark.slow

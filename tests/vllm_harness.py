@@ -28,14 +28,6 @@ QUESTIONS = load_workload()["questions"]
 BLOCK = 32  # --block-size (vLLM's CPU attention needs a multiple of 32)
 
 
-def free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def require_vllm() -> None:
     """Skip (locally) or fail (CI sets KVPOOL_REQUIRE_VLLM=1) when vLLM is not installed."""
     if VLLM_PYTHON.is_file():

@@ -10,7 +10,6 @@ controller drives the workers is :mod:`kvpool.bench.worker`.
 from __future__ import annotations
 
 import functools
-import socket
 import time
 from dataclasses import dataclass
 
@@ -311,8 +310,3 @@ def timed_loop(calls: list, spec: CellSpec) -> tuple[list[int], float]:
     return lat, (clock() - start) / 1e9
 
 
-def free_port() -> int:
-    """A TCP port free on 127.0.0.1 right now (the server binds it just after)."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]

@@ -19,7 +19,6 @@ import json
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import tempfile
 import time
@@ -30,6 +29,7 @@ from pathlib import Path
 import kvpool
 from kvpool.child import spawn
 from kvpool.errors import UserError
+from kvpool.launch_ha import free_port
 
 KINDS = ("plain", "example", "kvpool")
 BLOCK_SIZE = 32
@@ -45,12 +45,6 @@ def vllm_python(given: str | None) -> Path:
         raise UserError(f"vLLM not found at {path}: run scripts/setup-vllm.sh, or give "
                         "--vllm-python / KVPOOL_VLLM_PYTHON")
     return path
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _get(url: str, timeout: float = 5.0) -> str:

@@ -28,7 +28,8 @@ from importlib import metadata
 
 import numpy as np
 
-from kvpool.bench.harness import Target, Unavailable, free_port, rss_bytes
+from kvpool.bench.harness import Target, Unavailable, rss_bytes
+from kvpool.launch_ha import free_port
 from kvpool.child import stop_ladder
 
 INSTALL_HINT = "pip install mooncake-transfer-engine-non-cuda; apt-get install -y libibverbs1"

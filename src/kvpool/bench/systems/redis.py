@@ -13,7 +13,8 @@ import time
 
 import numpy as np
 
-from kvpool.bench.harness import Target, Unavailable, free_port, rss_bytes
+from kvpool.bench.harness import Target, Unavailable, rss_bytes
+from kvpool.launch_ha import free_port
 from kvpool.child import stop_ladder
 
 INSTALL_HINT = "apt-get install -y redis-server; pip install redis"
