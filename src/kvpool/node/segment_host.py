@@ -54,16 +54,7 @@ FENCE_S = 5.0  # how long a remount waits for transfers of the old mount to end,
 REMOUNT_RETRY_S = 0.1  # seconds between two mount tries while the master is away (a restart is back in ~1 s)
 MASTER_RETRY_S = 0.5  # seconds between two tries to reach the master at start
 REMOUNT_LOG_S = 10.0  # a failing mount is logged at most this often (10 tries a second would flood the log)
-# Seconds between two reads of the index stream (its frames wait in the kernel's buffer,
-# rpc.STREAM_RCVBUF / master STREAM_SNDBUF: 4 MiB, some 40,000 entries): INDEX_POLL_S while it
-# is quiet, INDEX_POLL_BUSY_S after a read that brought INDEX_BUSY_ENTRIES or more. Why not
-# always 5 ms: each read wakes this process, and a wake-up on the core where the master
-# polls for a commit delayed that commit. Measured (2-core VM, single 1 MiB puts over shared
-# memory, 1,400 of them): reads every 5 ms left 41-45 commits 200-370 us late and a mean put
-# of 173-187 us; every 50 ms, 12-14 and 144-158 us.
-INDEX_POLL_S = 0.05
-INDEX_POLL_BUSY_S = 0.005
-INDEX_BUSY_ENTRIES = 4096  # ~400 KB: a tenth of the buffer, read before it could fill
+INDEX_POLL_S = 0.005  # seconds between two reads of the index stream (its frames wait in the kernel)
 
 
 def bind_listener(host: str, port: int) -> socket.socket:
@@ -233,24 +224,19 @@ class SegmentHost:
 
     def _stream_loop(self) -> None:
         """Apply the master's index updates every :data:`INDEX_POLL_S` (polled, not
-        waited for: see :meth:`RpcChannel.receive_pending`), every
-        :data:`INDEX_POLL_BUSY_S` while reads bring many; when the stream ends, apply
+        waited for: see :meth:`RpcChannel.receive_pending`); when the stream ends, apply
         what came before its end, then mount again."""
-        wait = INDEX_POLL_S
-        while not self._stop.wait(wait):
+        while not self._stop.wait(INDEX_POLL_S):
             try:
                 updates, ended = self._stream.receive_pending()
             except KVPoolError:
                 updates, ended = [], True
-            entries = 0
             for update in updates:
                 if isinstance(update, P.IndexUpdate) and update.name == self.info.name:
                     for key in update.drops:
                         self.index.pop(key, None)
                     for entry in update.adds:
                         self.index[entry.key] = entry
-                    entries += len(update.drops) + len(update.adds)
-            wait = INDEX_POLL_BUSY_S if entries >= INDEX_BUSY_ENTRIES else INDEX_POLL_S
             if ended and not self._stop.is_set():
                 self._remount()
 
