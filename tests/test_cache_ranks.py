@@ -2,12 +2,12 @@
 
 import dataclasses
 import json
-import socket
 import subprocess
 import sys
 
 from kvpool.cache import Namespace
 from kvpool.cache.ranks import local_hits
+from kvpool.launch_ha import free_port
 
 RANK_SCRIPT = r"""
 import dataclasses, json, sys, torch
@@ -31,11 +31,6 @@ reader.release(m)
 dist.destroy_process_group()
 """
 
-
-def free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def test_hit_count_is_the_minimum_across_ranks(tmp_path):

@@ -11,7 +11,6 @@ import os
 import queue
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -22,6 +21,7 @@ import pytest
 
 from kvpool import child
 from kvpool.launch import Cluster, LaunchError
+from kvpool.launch_ha import free_port
 from proc_helpers import KVPOOL, kvpool_env, poll_until, run_kvpool, wait_ready_file
 
 pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="/proc, process groups")
@@ -296,17 +296,12 @@ def test_the_folder_of_a_launcher_killed_with_9_is_removed_by_the_next_one(monke
     shutil.rmtree(kept)
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
 
 def test_a_node_started_before_its_master_waits_for_it(tmp_path):
     """`kvpool master & kvpool node &` (the README's own lines) raced: a node that found
     no master yet exited with status 2. It now keeps trying for --master-wait seconds,
     says so once, and mounts when the master comes up; with 0 it fails at once."""
-    port = _free_port()
+    port = free_port()
     r = run_kvpool("node", "--master", f"127.0.0.1:{port}", "--segment-size", "16MiB", "--master-wait", "0")
     assert r.returncode == 2 and "cannot reach master" in r.stderr and "Traceback" not in r.stderr, r.stderr
     node_log = tmp_path / "node.log"

@@ -8,13 +8,9 @@ import socket
 import pytest
 
 from kvpool import tcp_connect
+from kvpool.launch_ha import free_port
 from kvpool.rpc import MasterUnreachable, RpcChannel
 
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.fixture
@@ -37,7 +33,7 @@ def _bind_without_reuse(port: int) -> None:
 
 
 def test_a_socket_connected_to_itself_is_refused_and_leaves_no_time_wait(self_connecting):
-    port = _free_port()
+    port = free_port()
     with pytest.raises(ConnectionRefusedError):
         tcp_connect.connect(("127.0.0.1", port), 2.0)
     self_connecting.undo()
@@ -47,7 +43,7 @@ def test_a_socket_connected_to_itself_is_refused_and_leaves_no_time_wait(self_co
 def test_the_kernel_really_joins_such_a_socket_to_itself(self_connecting):
     """The premise of the test above: without the check the connect succeeds, and the
     port is held after close (TIME-WAIT)."""
-    port = _free_port()
+    port = free_port()
     sock = socket.create_connection(("127.0.0.1", port), 2.0)
     assert sock.getsockname() == sock.getpeername()
     sock.close()
@@ -57,6 +53,6 @@ def test_the_kernel_really_joins_such_a_socket_to_itself(self_connecting):
 
 
 def test_a_master_channel_that_joined_itself_says_the_master_is_unreachable(self_connecting):
-    chan = RpcChannel(f"127.0.0.1:{_free_port()}", timeout_s=2.0, local=False)
+    chan = RpcChannel(f"127.0.0.1:{free_port()}", timeout_s=2.0, local=False)
     with pytest.raises(MasterUnreachable, match="refused"):
         chan.connect()
