@@ -750,6 +750,47 @@ def _stream_taken_while_another_is_behind(svc, server, on, addr) -> None:
             s.close()
 
 
+def test_changes_on_a_segment_mounting_again_are_answered_once_its_new_stream_has_them():
+    """Found while hunting a failover flake: a node's index stream ended while its master
+    lived (the node mounts again at once), and a put committed and a key removed on its
+    segment meanwhile were answered at once, their index changes dropped (no stream).
+    A master killed before the node's new mount then lost the put and restored the
+    removed key. Their replies now wait for the new stream: its mount forgets the removed
+    key, its resync carries the put, and only then do the replies go out."""
+    with _served() as (svc, server, on, addr):
+        data = socket.create_server(("127.0.0.1", 0))  # the node's data port: the node lives
+        seg = P.SegmentInfo("S1", "host", "S1", 1 << 20, "127.0.0.1:%d" % data.getsockname()[1])
+        socks = [socket.create_connection(addr, timeout=20) for _ in range(3)]
+        node, putter, remover = socks
+        try:
+            assert _frame_call(node, P.MountSegment("o1", seg, True)).code == 0
+            r = _frame_call(putter, P.PutStart(P.PutItem("gone", 100)))
+            assert _frame_call(putter, P.PutEnd(P.PutToken("gone", r.put_id))).code == 0
+            reported = P.reply_decoder.decode(P.recv_frame(node)).adds
+            assert [e.key for e in reported] == ["gone"]
+
+            async def streams() -> list[str]:
+                return list(server._streams)
+            node.close()  # its stream ends; the node mounts again below
+            proc_helpers.wait_for(lambda: on(streams()) == [], 20, "the master to see the stream end")
+            r = _frame_call(putter, P.PutStart(P.PutItem("new", 100)))
+            putter.sendall(P.encode_frame(P.PutEnd(P.PutToken("new", r.put_id))))
+            remover.sendall(P.encode_frame(P.Remove("gone")))
+            proc_helpers.wait_for(lambda: svc.counters["replies_held_for_stream"] == 2, 20, "both replies held")
+            assert select.select([putter, remover], [], [], 0)[0] == []  # neither answered yet
+            again = socket.create_connection(addr, timeout=20)
+            socks.append(again)
+            mounted = _frame_call(again, P.MountSegment("o1", seg, True, reported))
+            assert mounted.code == 0 and mounted.dropped == ["gone"]
+            assert [e.key for e in P.reply_decoder.decode(P.recv_frame(again)).adds] == ["new"]
+            for sock in (putter, remover):
+                assert P.reply_decoder.decode(P.recv_frame(sock)).code == 0
+        finally:
+            data.close()
+            for sock in socks:
+                sock.close()
+
+
 @pytest.mark.parametrize("loop_kind", ("uvloop", "asyncio"))
 def test_a_killed_nodes_index_stream_never_costs_another_request_or_stream(loop_kind):
     """Found in a trial: a node killed (-9) while clients committed to its segment made

@@ -15,12 +15,13 @@ A node that mounts with ``index`` keeps its connection as its index stream: afte
 request (and tick) the queued index changes (:class:`~kvpool.master.restore.IndexLog`)
 are written to the streams of their segments *before* the request's reply, so a commit
 is in the node's socket buffer before the client hears of it (a reply waits while its
-updates are still in this process's write buffer: a kill -9 loses those). A stream is
+updates are still in this process's write buffer: a kill -9 loses those). A reply
+whose changes met a segment with no stream (its node is mounting again) waits for the
+new stream, whose resync carries them (:meth:`MasterServer._streams_back`). A stream is
 closed when its segment is unmounted or mounted again (the node then re-mounts at
-once). A stream
-that ends otherwise, from a node whose data port no longer takes connections, means a
-dead node: its segment takes no new buffers until it mounts again or times out
-(:meth:`MasterService.stream_lost`).
+once). A stream that ends otherwise, from a node whose data port no longer takes
+connections, means a dead node: its segment takes no new buffers until it mounts again
+or times out (:meth:`MasterService.stream_lost`).
 
 What a connection may cost (K22): a body is buffered only as its bytes arrive (a header
 announcing :data:`~kvpool.protocol.MAX_FRAME` costs nothing until the bytes come), and a
@@ -66,6 +67,7 @@ STREAM_SNDBUF = 4 << 20  # bytes of index updates the kernel holds for a same-ho
 RESYNC_FRAME = 20_000  # index entries per frame of a resync (~1.6 MB)
 PROBE_S = 2.0  # seconds a node's data port has to accept a connection once its stream ended
 PROBES, PROBE_EVERY_S = 25, 0.02  # tries of the data port (0.5 s), and the pause between them
+STREAM_POLL_S = 0.005  # how often a reply held for a segment's stream (_streams_back) looks again
 
 
 def _write(writer: asyncio.StreamWriter, frame: bytes) -> bool:
@@ -155,20 +157,55 @@ class MasterServer:
             self._new_stream = (req.segment.name, reply.epoch, reply)
         return reply
 
-    def _send_index(self) -> bool:
+    def _send_index(self) -> list[str] | None:
         """Write the queued index changes to their segments' streams (no waiting: the
         bytes are in the kernel, or queued in the transport, when this returns: see
-        :meth:`_index_flushed`). False when this master no longer leads: nothing is
-        written (the nodes keep what they hold), and the request's reply must be the
-        refusal, not an answer whose changes no node was told."""
+        :meth:`_index_flushed`). Returns the segments whose changes found no stream
+        (their node is mounting again: :meth:`_streams_back`). None when this master no
+        longer leads: nothing is written (the nodes keep what they hold), and the
+        request's reply must be the refusal, not an answer whose changes no node was
+        told."""
         updates = self.service.index_log.take()
         if self.gate() is not None:
-            return False
+            return None
+        gaps = []
         for update in updates:
             stream = self._streams.get(update.name)
             if stream is not None:
                 self._write_index(stream[1], update)
-        return True
+            elif self._stream_due(update.name):
+                gaps.append(update.name)
+        return gaps
+
+    def _stream_due(self, name: str) -> bool:
+        """Whether segment ``name`` is mounted with an index, has no stream now, and its
+        node was not found gone (:meth:`_check_node`): it is mounting again, and that
+        mount's resync will carry what its stream missed."""
+        segments = self.service.segments
+        seg = segments.segments.get(name)
+        return (seg is not None and seg.indexed and name not in self._streams
+                and name not in segments.withheld and self._server is not None)
+
+    async def _streams_back(self, names: list[str], since: int) -> bool:
+        """Hold a reply whose changes reached no node (segments ``names`` had no stream)
+        until each of them has a stream again, whose resync carries those changes, and
+        that has left this process (:meth:`_index_flushed`); or until its node is found
+        gone, or unmounted. Before, such a reply went out at once: a master killed before
+        the node mounted again lost the change, and a restore then served a removed key
+        or the old version of an upserted one. Waits at most the client TTL plus
+        :data:`INDEX_DRAIN_S` (a node that heartbeats but never mounts again). Returns
+        False when this master stopped leading meanwhile (the reply must be the refusal:
+        the next leader knows only what the nodes were told)."""
+        self.service.counters["replies_held_for_stream"] += 1
+        end = self.service.clock() + self.service.config.client_ttl_s + INDEX_DRAIN_S
+        while any(self._stream_due(name) for name in names):
+            if self.service.clock() >= end:
+                log.warning("segments %s had no index stream for %.1f s: answering without it",
+                            ", ".join(sorted(set(names))), end - self.service.clock())
+                break
+            await asyncio.sleep(STREAM_POLL_S)
+        await self._index_flushed(since)
+        return self.gate() is None
 
     def _write_index(self, writer: asyncio.StreamWriter, update: P.IndexUpdate) -> None:
         """Write ``update`` to an index stream, unless the stream is gone (its node was
@@ -293,6 +330,9 @@ class MasterServer:
         """The answer of a master that does not lead (None for a notification)."""
         if isinstance(req, P.NOTICES):
             return None
+        return self._refusal_now()
+
+    def _refusal_now(self) -> P.ErrorResp:
         return P.ErrorResp(ErrorCode.UNAVAILABLE_IN_CURRENT_STATUS, self.gate() or "not the leader")
 
     async def _authenticated(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> bool:
@@ -329,14 +369,16 @@ class MasterServer:
                 # before the reply: the commit is with the node first; the lead lost since
                 # the handler's own check: the answer is the refusal (a new leader knows
                 # only what the nodes were told)
-                if not self._send_index() and reply is not None:
-                    reply, claim = P.ErrorResp(ErrorCode.UNAVAILABLE_IN_CURRENT_STATUS,
-                                               self.gate() or "not the leader"), None
+                gaps = self._send_index()
+                if gaps is None and reply is not None:
+                    reply, claim = self._refusal_now(), None
                 if self._behind and claim is None:  # a mount's reply tells of no commit
                     if self.service.counters["commits_repeated"] != repeats:
                         since = -1  # a resend answered OK wrote nothing: its first send's
                         # update may still be in this process, so every stream drains first
                     await self._index_flushed(since)
+                if gaps and claim is None and reply is not None and not await self._streams_back(gaps, since):
+                    reply = self._refusal_now()
                 written = reply is None or _write(writer, P.encode_frame(reply))
                 if claim is not None:  # adopted even when its node is gone: the finally checks it
                     self._adopt_stream(writer, *claim)

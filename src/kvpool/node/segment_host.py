@@ -130,6 +130,8 @@ class SegmentHost:
         self.index: dict[str, P.IndexEntry] = {}  # key -> COMPLETE object in this segment
         self.incarnation = 0  # of the master that mounted the segment last
         self.mounts = 0  # mounts made (the first and every re-mount)
+        self._remounting = False  # the stream thread is mounting again (_remount)
+        self._mount_state = threading.Lock()  # _remounting and the stream's shutdown
 
     def start(self, stop_asked: Callable[[], bool] = lambda: False) -> None:
         """Reach the master (waiting up to ``master_wait_s`` for one to accept a
@@ -245,6 +247,15 @@ class SegmentHost:
         or the host stops."""
         log.warning("lost the master's index stream for segment %s; mounting again (%d objects indexed)",
                     self.info.name, len(self.index))
+        with self._mount_state:
+            self._remounting = True
+        try:
+            self._mount_until_taken()
+        finally:
+            with self._mount_state:
+                self._remounting = False
+
+    def _mount_until_taken(self) -> None:
         tries, say = 0, Throttle(REMOUNT_LOG_S)  # the first failure is said at once
         while not self._stop.is_set():
             try:
@@ -279,7 +290,7 @@ class SegmentHost:
             deadline = time.monotonic() + self.interval_s if ha else None
             try:
                 if self._call(P.Heartbeat(self.owner_id), deadline).code == ErrorCode.CLIENT_NOT_FOUND:
-                    self._lost_master(mounts, "master forgot segment %s")
+                    self._lost_master(mounts, "master forgot segment %s", mounting_will_do=True)
             except KVPoolError as exc:  # master down or restarting: keep trying
                 log.warning("heartbeat to %s failed: %s", self.master_addr, exc)
                 if ha and self._leader_elsewhere():  # the stream may hang on a stalled ex-leader
@@ -296,10 +307,18 @@ class SegmentHost:
             self._stream.prefer(leader)
         return leader is not None
 
-    def _lost_master(self, mounts: int, why: str) -> None:
+    def _lost_master(self, mounts: int, why: str, mounting_will_do: bool = False) -> None:
         """End the stream (its thread mounts again) unless a mount happened since
-        ``mounts`` was read: then the master that forgot us has been told again."""
-        if self.mounts == mounts:
+        ``mounts`` was read: then the master that forgot us has been told again. With
+        ``mounting_will_do`` (a master that leads forgot us), also not while the stream
+        thread is mounting again: that mount tells it. A failover made both nodes of a
+        test do this: a heartbeat reached the new leader just before the node's mount,
+        the answer (unknown owner) cut the mount in flight, and the node mounted a second
+        time, its stream gone meanwhile (the new leader's commits on the segment waited
+        for a resync)."""
+        with self._mount_state:
+            if self.mounts != mounts or (mounting_will_do and self._remounting):
+                return
             log.warning(why, self.info.name)
             self._stream.shutdown()
 
