@@ -197,11 +197,12 @@ class MasterServer:
         False when this master stopped leading meanwhile (the reply must be the refusal:
         the next leader knows only what the nodes were told)."""
         self.service.counters["replies_held_for_stream"] += 1
-        end = self.service.clock() + self.service.config.client_ttl_s + INDEX_DRAIN_S
+        cap = self.service.config.client_ttl_s + INDEX_DRAIN_S
+        end = self.service.clock() + cap
         while any(self._stream_due(name) for name in names):
             if self.service.clock() >= end:
                 log.warning("segments %s had no index stream for %.1f s: answering without it",
-                            ", ".join(sorted(set(names))), end - self.service.clock())
+                            ", ".join(sorted(set(names))), cap)
                 break
             await asyncio.sleep(STREAM_POLL_S)
         await self._index_flushed(since)

@@ -311,11 +311,11 @@ class SegmentHost:
         """End the stream (its thread mounts again) unless a mount happened since
         ``mounts`` was read: then the master that forgot us has been told again. With
         ``mounting_will_do`` (a master that leads forgot us), also not while the stream
-        thread is mounting again: that mount tells it. A failover made both nodes of a
-        test do this: a heartbeat reached the new leader just before the node's mount,
-        the answer (unknown owner) cut the mount in flight, and the node mounted a second
-        time, its stream gone meanwhile (the new leader's commits on the segment waited
-        for a resync)."""
+        thread is mounting again: that mount tells it. After a failover a heartbeat
+        may reach the new leader just before the node's mount; its answer (unknown
+        owner) used to cut that mount in flight, and the node mounted a second time,
+        with no stream in between (the new leader's replies on the segment then wait
+        for its resync)."""
         with self._mount_state:
             if self.mounts != mounts or (mounting_will_do and self._remounting):
                 return
