@@ -676,14 +676,15 @@ def _frame_call(sock, msg):
 
 
 @contextlib.contextmanager
-def _served(loop_kind: str = "asyncio"):
-    """A MasterServer on a fresh MasterService, its event loop ("asyncio", or "uvloop" as
-    the master process runs) in a thread; yields (service, server, on, (host, port)),
-    ``on(coro)`` running ``coro`` on that loop and returning its result."""
+def _served(loop_kind: str = "asyncio", clock=None):
+    """A MasterServer on a fresh MasterService (on ``clock``, default time.monotonic),
+    its event loop ("asyncio", or "uvloop" as the master process runs) in a thread;
+    yields (service, server, on, (host, port)), ``on(coro)`` running ``coro`` on that
+    loop and returning its result."""
     from kvpool.master.server import MasterServer
 
     loop = pytest.importorskip("uvloop").new_event_loop() if loop_kind == "uvloop" else asyncio.new_event_loop()
-    svc = MasterService()
+    svc = MasterService() if clock is None else MasterService(clock=clock)
     threading.Thread(target=loop.run_forever, daemon=True).start()
     server = MasterServer(svc, "127.0.0.1", 0)
     on = lambda coro: asyncio.run_coroutine_threadsafe(coro, loop).result(30)  # noqa: E731
@@ -757,22 +758,11 @@ def test_changes_on_a_segment_mounting_again_are_answered_once_its_new_stream_ha
     A master killed before the node's new mount then lost the put and restored the
     removed key. Their replies now wait for the new stream: its mount forgets the removed
     key, its resync carries the put, and only then do the replies go out."""
-    with _served() as (svc, server, on, addr):
-        data = socket.create_server(("127.0.0.1", 0))  # the node's data port: the node lives
-        seg = P.SegmentInfo("S1", "host", "S1", 1 << 20, "127.0.0.1:%d" % data.getsockname()[1])
+    with _served() as (svc, server, on, addr), _live_data_port() as seg:
         socks = [socket.create_connection(addr, timeout=20) for _ in range(3)]
         node, putter, remover = socks
         try:
-            assert _frame_call(node, P.MountSegment("o1", seg, True)).code == 0
-            r = _frame_call(putter, P.PutStart(P.PutItem("gone", 100)))
-            assert _frame_call(putter, P.PutEnd(P.PutToken("gone", r.put_id))).code == 0
-            reported = P.reply_decoder.decode(P.recv_frame(node)).adds
-            assert [e.key for e in reported] == ["gone"]
-
-            async def streams() -> list[str]:
-                return list(server._streams)
-            node.close()  # its stream ends; the node mounts again below
-            proc_helpers.wait_for(lambda: on(streams()) == [], 20, "the master to see the stream end")
+            reported = _mount_commit_and_lose_the_stream(server, on, seg, node, putter)
             r = _frame_call(putter, P.PutStart(P.PutItem("new", 100)))
             putter.sendall(P.encode_frame(P.PutEnd(P.PutToken("new", r.put_id))))
             remover.sendall(P.encode_frame(P.Remove("gone")))
@@ -786,9 +776,52 @@ def test_changes_on_a_segment_mounting_again_are_answered_once_its_new_stream_ha
             for sock in (putter, remover):
                 assert P.reply_decoder.decode(P.recv_frame(sock)).code == 0
         finally:
-            data.close()
             for sock in socks:
                 sock.close()
+
+
+def test_a_reply_held_for_a_stream_that_never_comes_back_goes_out_after_the_client_ttl():
+    """The wait above is bounded: a node that keeps its data port open (and would keep
+    heartbeating) but never mounts again holds a reply for the client TTL plus
+    INDEX_DRAIN_S on the master's clock, then the reply goes out."""
+    from kvpool.master.server import INDEX_DRAIN_S
+
+    now = [1000.0]
+    with _served(clock=lambda: now[0]) as (svc, server, on, addr), _live_data_port() as seg:
+        with socket.create_connection(addr, timeout=20) as node, socket.create_connection(addr, timeout=20) as putter:
+            _mount_commit_and_lose_the_stream(server, on, seg, node, putter)
+            r = _frame_call(putter, P.PutStart(P.PutItem("new", 100)))
+            putter.sendall(P.encode_frame(P.PutEnd(P.PutToken("new", r.put_id))))
+            proc_helpers.wait_for(lambda: svc.counters["replies_held_for_stream"] == 1, 20, "the reply held")
+            now[0] += svc.config.client_ttl_s + INDEX_DRAIN_S - 0.5
+            assert select.select([putter], [], [], 0.2)[0] == []  # not yet: 0.5 s of the wait left
+            now[0] += 1.0
+            assert P.reply_decoder.decode(P.recv_frame(putter)).code == 0
+
+
+@contextlib.contextmanager
+def _live_data_port():
+    """A segment whose node's data port takes connections (the master's check of a
+    stream that ended finds the node alive); yields its SegmentInfo."""
+    with socket.create_server(("127.0.0.1", 0)) as data:
+        yield P.SegmentInfo("S1", "host", "S1", 1 << 20, "127.0.0.1:%d" % data.getsockname()[1])
+
+
+def _mount_commit_and_lose_the_stream(server, on, seg, node, putter) -> list:
+    """Mount ``seg`` with an index on socket ``node``, commit "gone" through ``putter``
+    (its update reaches the node), then close ``node``: the segment stays mounted with
+    no stream. Returns the node's index ([the entry of "gone"])."""
+    assert _frame_call(node, P.MountSegment("o1", seg, True)).code == 0
+    r = _frame_call(putter, P.PutStart(P.PutItem("gone", 100)))
+    assert _frame_call(putter, P.PutEnd(P.PutToken("gone", r.put_id))).code == 0
+    reported = P.reply_decoder.decode(P.recv_frame(node)).adds
+    assert [e.key for e in reported] == ["gone"]
+
+    async def streams() -> list[str]:
+        return list(server._streams)
+    node.close()  # its stream ends; the node would mount again
+    proc_helpers.wait_for(lambda: on(streams()) == [], 20, "the master to see the stream end")
+    return reported
 
 
 @pytest.mark.parametrize("loop_kind", ("uvloop", "asyncio"))
