@@ -290,7 +290,7 @@ class SegmentHost:
             deadline = time.monotonic() + self.interval_s if ha else None
             try:
                 if self._call(P.Heartbeat(self.owner_id), deadline).code == ErrorCode.CLIENT_NOT_FOUND:
-                    self._lost_master(mounts, "master forgot segment %s", mounting_will_do=True)
+                    self._lost_master(mounts, "master forgot segment %s")
             except KVPoolError as exc:  # master down or restarting: keep trying
                 log.warning("heartbeat to %s failed: %s", self.master_addr, exc)
                 if ha and self._leader_elsewhere():  # the stream may hang on a stalled ex-leader
@@ -307,17 +307,18 @@ class SegmentHost:
             self._stream.prefer(leader)
         return leader is not None
 
-    def _lost_master(self, mounts: int, why: str, mounting_will_do: bool = False) -> None:
+    def _lost_master(self, mounts: int, why: str) -> None:
         """End the stream (its thread mounts again) unless a mount happened since
-        ``mounts`` was read: then the master that forgot us has been told again. With
-        ``mounting_will_do`` (a master that leads forgot us), also not while the stream
-        thread is mounting again: that mount tells it. After a failover a heartbeat
+        ``mounts`` was read (the master that forgot us has been told again), or the
+        stream thread is mounting again now: its own loop finds the master that leads,
+        and a shutdown could only cut a mount in flight. After a failover a heartbeat
         may reach the new leader just before the node's mount; its answer (unknown
-        owner) used to cut that mount in flight, and the node mounted a second time,
-        with no stream in between (the new leader's replies on the segment then wait
-        for its resync)."""
+        owner) used to cut that mount, and the node mounted a second time, with no
+        stream in between (the new leader's replies on the segment then wait for its
+        resync). A mount stuck on a stalled ex-leader ends at the channel's timeout
+        (5 s) and the next try goes to the leader the heartbeat found."""
         with self._mount_state:
-            if self.mounts != mounts or (mounting_will_do and self._remounting):
+            if self.mounts != mounts or self._remounting:
                 return
             log.warning(why, self.info.name)
             self._stream.shutdown()
