@@ -756,8 +756,10 @@ def test_changes_on_a_segment_mounting_again_are_answered_once_its_new_stream_ha
     lived (the node mounts again at once), and a put committed and a key removed on its
     segment meanwhile were answered at once, their index changes dropped (no stream).
     A master killed before the node's new mount then lost the put and restored the
-    removed key. Their replies now wait for the new stream: its mount forgets the removed
-    key, its resync carries the put, and only then do the replies go out."""
+    removed key, whose range a new object may have taken (the rebuild would serve that
+    object's bytes under the removed key). Their replies now wait for the new stream:
+    its mount forgets the removed key, its resync carries the put, and only then do the
+    replies go out; the removed key's range takes no new object until then."""
     with _served() as (svc, server, on, addr), _live_data_port() as seg:
         socks = [socket.create_connection(addr, timeout=20) for _ in range(3)]
         node, putter, remover = socks
@@ -768,6 +770,14 @@ def test_changes_on_a_segment_mounting_again_are_answered_once_its_new_stream_ha
             remover.sendall(P.encode_frame(P.Remove("gone")))
             proc_helpers.wait_for(lambda: svc.counters["replies_held_for_stream"] == 2, 20, "both replies held")
             assert select.select([putter, remover], [], [], 0)[0] == []  # neither answered yet
+            # the node's index still names "gone" there: its range takes no new object
+            # until the node's next mount has it forget the key
+            used = svc.segments.segments["S1"].allocator.used
+            other = socket.create_connection(addr, timeout=20)
+            socks.append(other)
+            placed = _frame_call(other, P.PutStart(P.PutItem("other", 100))).replicas[0].offset
+            assert placed != reported[0].offset
+            assert svc.segments.segments["S1"].allocator.used > used
             again = socket.create_connection(addr, timeout=20)
             socks.append(again)
             mounted = _frame_call(again, P.MountSegment("o1", seg, True, reported))
@@ -775,6 +785,7 @@ def test_changes_on_a_segment_mounting_again_are_answered_once_its_new_stream_ha
             assert [e.key for e in P.reply_decoder.decode(P.recv_frame(again)).adds] == ["new"]
             for sock in (putter, remover):
                 assert P.reply_decoder.decode(P.recv_frame(sock)).code == 0
+            assert svc.segments.unstreamed == {}  # "gone"'s range is free again
         finally:
             for sock in socks:
                 sock.close()

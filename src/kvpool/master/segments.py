@@ -102,6 +102,9 @@ class SegmentTable:
         self._by_ratio = FreeIndex()  # used share (free_ratio_first)
         self._by_host: dict[str, FreeIndex] = {}  # host_id -> largest free extent (local_first)
         self.withheld: set[str] = set()  # mounted, but no new buffer goes there (node seen dead)
+        # segment -> buffers freed while its node had no index stream: kept allocated
+        # until the stream is back (stream_away / stream_back)
+        self.unstreamed: dict[str, list[Replica]] = {}
 
     def mount(self, owner_id: str, info: SegmentInfo, now: float) -> Segment | None:
         """Add ``info`` under a new mount epoch; returns the segment (also when already
@@ -114,6 +117,7 @@ class SegmentTable:
             self.withheld.discard(info.name)  # its node is back: place on it again
             self._listed(seg)
             return seg
+        self.unstreamed.pop(info.name, None)  # buffers of an allocator gone with it
         stamped = msgspec.structs.replace(info, epoch=new_epoch())
         seg = self.segments[info.name] = Segment(stamped, owner_id, OffsetAllocator(info.size, self.alignment))
         self.total_bytes += seg.allocator.capacity
@@ -125,6 +129,7 @@ class SegmentTable:
     def unmount(self, name: str) -> Segment | None:
         """Drop segment ``name`` (its allocator with it); forget an owner left with none."""
         seg = self.segments.pop(name, None)
+        self.unstreamed.pop(name, None)
         if seg is None:
             return None
         self.used_bytes -= seg.allocator.used
@@ -207,13 +212,34 @@ class SegmentTable:
             self._listed(seg)
 
     def free(self, replica: Replica) -> None:
-        """Return ``replica``'s buffer; a no-op if its segment is gone (unmounted)."""
+        """Return ``replica``'s buffer; a no-op if its segment is gone (unmounted). Kept
+        allocated instead while the segment's index stream is away (:meth:`stream_away`)."""
+        held = self.unstreamed.get(replica.segment)
+        if held is not None:
+            held.append(replica)
+            return
         seg = self.segments.get(replica.segment)
         if seg is not None:
             before = seg.allocator.used
             seg.allocator.free(replica.offset, replica.length)
             self.used_bytes += seg.allocator.used - before
             self._listed(seg)
+
+    def stream_away(self, name: str) -> None:
+        """Mounted segment ``name`` lost its index stream (its node mounts again, or is
+        dead): until :meth:`stream_back`, buffers freed on it stay allocated. Its node's
+        index still names the objects removed, evicted or replaced meanwhile (their drops
+        had no stream to go by), so a new object written over one of their ranges and a
+        master killed before the node's next mount would have the rebuild serve the new
+        object's bytes under the old key."""
+        if name in self.segments:
+            self.unstreamed.setdefault(name, [])
+
+    def stream_back(self, name: str) -> None:
+        """Segment ``name`` has an index stream again, and its mount told the node what
+        to forget: free the buffers held since :meth:`stream_away`."""
+        for replica in self.unstreamed.pop(name, ()):
+            self.free(replica)
 
     def _listed(self, seg: Segment) -> None:
         """Re-index ``seg`` after its allocator changed (a withheld one stays out)."""

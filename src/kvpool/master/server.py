@@ -278,6 +278,10 @@ class MasterServer:
         adds = self.service.index_log.resyncs.pop(name, [])
         for i in range(0, len(adds), RESYNC_FRAME):
             self._write_index(writer, P.IndexUpdate(name, [], adds[i:i + RESYNC_FRAME]))
+        # the mount's reply (keys to forget) and the resync are written: a range freed
+        # meanwhile may now take a new object, whose add follows them on this stream
+        if not writer.is_closing():
+            self.service.segments.stream_back(name)
 
     def observe(self, callback: Observer) -> None:
         """Call ``callback(op, reply)`` after each request is handled (e.g. per-op request
@@ -404,6 +408,7 @@ class MasterServer:
             for name, (epoch, stream) in list(self._streams.items()):
                 if stream is writer:  # still this mount's stream: no new mount replaced it
                     del self._streams[name]
+                    self.service.segments.stream_away(name)
                     if not shutting_down:
                         self._spawn(self._check_node(name, epoch))
             writer.close()
