@@ -108,7 +108,7 @@ def test_free_ports_lie_below_the_ephemeral_range_are_bindable_and_not_repeated(
     taken by another process's outgoing connection in the 20 s before the server bound
     it, and the engine failed to start. free_port gives ports below the kernel's
     ephemeral range, which no connect() is handed, each once per process."""
-    from kvpool.launch_ha import PORT_FLOOR, _ephemeral_low, free_port
+    from kvpool.ports import PORT_FLOOR, _ephemeral_low, free_port
 
     ports = [free_port() for _ in range(50)]
     assert len(set(ports)) == 50

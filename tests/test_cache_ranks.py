@@ -7,7 +7,7 @@ import sys
 
 from kvpool.cache import Namespace
 from kvpool.cache.ranks import local_hits
-from kvpool.launch_ha import free_port
+from kvpool.ports import free_port
 
 RANK_SCRIPT = r"""
 import dataclasses, json, sys, torch

@@ -21,7 +21,7 @@ import pytest
 
 from kvpool import child
 from kvpool.launch import Cluster, LaunchError
-from kvpool.launch_ha import free_port
+from kvpool.ports import free_port
 from proc_helpers import KVPOOL, kvpool_env, poll_until, run_kvpool, wait_ready_file
 
 pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="/proc, process groups")

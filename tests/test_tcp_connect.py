@@ -8,7 +8,7 @@ import socket
 import pytest
 
 from kvpool import tcp_connect
-from kvpool.launch_ha import free_port
+from kvpool.ports import free_port
 from kvpool.rpc import MasterUnreachable, RpcChannel
 
 

@@ -28,7 +28,7 @@ import signal
 import pytest
 
 from kvpool.launch import Cluster
-from kvpool.launch_ha import free_port
+from kvpool.ports import free_port
 from vllm_harness import (BLOCK, QUESTIONS, connector, model_folder, require_vllm,
                           run_instance)
 

@@ -15,7 +15,7 @@ import pytest
 
 from kvpool.bench.vllm import prompt_messages
 from kvpool.launch import Cluster
-from kvpool.launch_ha import free_port
+from kvpool.ports import free_port
 from vllm_harness import (QUESTIONS, VLLM_PYTHON, connector, model_folder,
                           require_vllm, vllm_env)
 

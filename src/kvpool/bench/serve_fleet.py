@@ -29,7 +29,7 @@ from pathlib import Path
 import kvpool
 from kvpool.child import spawn
 from kvpool.errors import UserError
-from kvpool.launch_ha import free_port
+from kvpool.ports import free_port
 
 KINDS = ("plain", "example", "kvpool")
 BLOCK_SIZE = 32

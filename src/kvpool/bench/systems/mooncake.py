@@ -29,8 +29,8 @@ from importlib import metadata
 import numpy as np
 
 from kvpool.bench.harness import Target, Unavailable, rss_bytes
-from kvpool.launch_ha import free_port
 from kvpool.child import stop_ladder
+from kvpool.ports import free_port
 
 INSTALL_HINT = "pip install mooncake-transfer-engine-non-cuda; apt-get install -y libibverbs1"
 _START_DEADLINE_S = 30.0

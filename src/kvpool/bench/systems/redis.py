@@ -14,8 +14,8 @@ import time
 import numpy as np
 
 from kvpool.bench.harness import Target, Unavailable, rss_bytes
-from kvpool.launch_ha import free_port
 from kvpool.child import stop_ladder
+from kvpool.ports import free_port
 
 INSTALL_HINT = "apt-get install -y redis-server; pip install redis"
 _START_DEADLINE_S = 15.0
