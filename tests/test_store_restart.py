@@ -759,25 +759,26 @@ def test_changes_on_a_segment_mounting_again_are_answered_once_its_new_stream_ha
     removed key, whose range a new object may have taken (the rebuild would serve that
     object's bytes under the removed key). Their replies now wait for the new stream:
     its mount forgets the removed key, its resync carries the put, and only then do the
-    replies go out; the removed key's range takes no new object until then."""
+    replies go out; the removed key's range takes no new object until then, and a
+    buffer placed on the segment meanwhile is given to its writer only then."""
     with _served() as (svc, server, on, addr), _live_data_port() as seg:
         socks = [socket.create_connection(addr, timeout=20) for _ in range(3)]
         node, putter, remover = socks
         try:
-            reported = _mount_commit_and_lose_the_stream(server, on, seg, node, putter)
-            r = _frame_call(putter, P.PutStart(P.PutItem("new", 100)))
-            putter.sendall(P.encode_frame(P.PutEnd(P.PutToken("new", r.put_id))))
+            reported, new_id = _mount_commit_and_lose_the_stream(server, on, seg, node, putter)
+            putter.sendall(P.encode_frame(P.PutEnd(P.PutToken("new", new_id))))
             remover.sendall(P.encode_frame(P.Remove("gone")))
             proc_helpers.wait_for(lambda: svc.counters["replies_held_for_stream"] == 2, 20, "both replies held")
-            assert select.select([putter, remover], [], [], 0)[0] == []  # neither answered yet
-            # the node's index still names "gone" there: its range takes no new object
-            # until the node's next mount has it forget the key
+            # the node's index still names "gone" there: its range takes no new object,
+            # and no writer is given a buffer on the segment, until the node's next
+            # mount has it forget the key
             used = svc.segments.segments["S1"].allocator.used
             other = socket.create_connection(addr, timeout=20)
             socks.append(other)
-            placed = _frame_call(other, P.PutStart(P.PutItem("other", 100))).replicas[0].offset
-            assert placed != reported[0].offset
+            other.sendall(P.encode_frame(P.PutStart(P.PutItem("other", 100))))
+            proc_helpers.wait_for(lambda: svc.counters["replies_held_for_stream"] == 3, 20, "the placement held")
             assert svc.segments.segments["S1"].allocator.used > used
+            assert select.select([putter, remover, other], [], [], 0)[0] == []  # none answered yet
             again = socket.create_connection(addr, timeout=20)
             socks.append(again)
             mounted = _frame_call(again, P.MountSegment("o1", seg, True, reported))
@@ -785,29 +786,82 @@ def test_changes_on_a_segment_mounting_again_are_answered_once_its_new_stream_ha
             assert [e.key for e in P.reply_decoder.decode(P.recv_frame(again)).adds] == ["new"]
             for sock in (putter, remover):
                 assert P.reply_decoder.decode(P.recv_frame(sock)).code == 0
+            assert P.reply_decoder.decode(P.recv_frame(other)).replicas[0].offset != reported[0].offset
             assert svc.segments.unstreamed == {}  # "gone"'s range is free again
         finally:
             for sock in socks:
                 sock.close()
 
 
+def test_a_buffer_goes_to_a_writer_only_once_the_drop_of_what_it_held_left_the_master():
+    """Found re-reading the restart argument: a key removed while its segment's index
+    stream was behind (its node reading slowly) had its drop wait in the master's
+    memory, but its range went back to the allocator at once, and the next PutStart
+    was given that range while the drop still waited. The writer's bytes there and a
+    master killed then would have had the rebuild serve them under the removed key
+    (the node's index still named it there). Now a reply that places buffers on a
+    segment waits until its stream took every update written before it."""
+    with _served() as (svc, server, on, addr), _live_data_port() as seg:
+        node = socket.socket()
+        node.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)  # reads nothing for now
+        node.connect(addr)
+        node.settimeout(20)
+        putter, remover, other = (socket.create_connection(addr, timeout=20) for _ in range(3))
+        seen: list[P.IndexUpdate] = []
+        try:
+            assert _frame_call(node, P.MountSegment("o1", seg, True)).code == 0
+            r = _frame_call(putter, P.PutStart(P.PutItem("gone", 100)))
+            assert _frame_call(putter, P.PutEnd(P.PutToken("gone", r.put_id))).code == 0
+            seen.append(P.reply_decoder.decode(P.recv_frame(node)))
+
+            async def fall_behind() -> None:
+                stream = server._streams["S1"][1]
+                filler = P.IndexUpdate("S1", [], [P.IndexEntry(f"f{i}", 0, 1, 1) for i in range(20_000)])
+                while not stream.transport.get_write_buffer_size():
+                    server._write_index(stream, filler)
+            on(fall_behind())
+            remover.sendall(P.encode_frame(P.Remove("gone")))  # its drop waits behind the filler
+            other.sendall(P.encode_frame(P.PutStart(P.PutItem("other", 100))))
+            proc_helpers.wait_for(lambda: svc.counters["placements_held"] == 1, 20, "the placement held")
+            assert select.select([remover, other], [], [], 0)[0] == []  # neither answered yet
+
+            def node_reads() -> None:
+                with contextlib.suppress(OSError):
+                    while True:
+                        seen.append(P.reply_decoder.decode(P.recv_frame(node)))
+            reader = threading.Thread(target=node_reads, daemon=True)
+            reader.start()
+            placed = P.reply_decoder.decode(P.recv_frame(other))
+            assert placed.code == 0 and placed.replicas[0].offset == r.replicas[0].offset  # the range reused
+            assert P.reply_decoder.decode(P.recv_frame(remover)).code == 0
+            # answered only once the drop had left the master: the node gets it
+            proc_helpers.wait_for(lambda: any("gone" in u.drops for u in seen), 20, "the drop at the node")
+        finally:
+            with contextlib.suppress(OSError):
+                node.shutdown(socket.SHUT_RDWR)  # wakes the reader's recv (a close would not)
+            for sock in (node, putter, remover, other):
+                sock.close()
+
+
 def test_a_reply_held_for_a_stream_that_never_comes_back_goes_out_after_the_client_ttl():
     """The wait above is bounded: a node that keeps its data port open (and would keep
     heartbeating) but never mounts again holds a reply for the client TTL plus
-    INDEX_DRAIN_S on the master's clock, then the reply goes out."""
+    INDEX_DRAIN_S on the master's clock, then the reply goes out and the segment is
+    withheld from placement."""
     from kvpool.master.server import INDEX_DRAIN_S
 
     now = [1000.0]
     with _served(clock=lambda: now[0]) as (svc, server, on, addr), _live_data_port() as seg:
         with socket.create_connection(addr, timeout=20) as node, socket.create_connection(addr, timeout=20) as putter:
-            _mount_commit_and_lose_the_stream(server, on, seg, node, putter)
-            r = _frame_call(putter, P.PutStart(P.PutItem("new", 100)))
-            putter.sendall(P.encode_frame(P.PutEnd(P.PutToken("new", r.put_id))))
+            _, new_id = _mount_commit_and_lose_the_stream(server, on, seg, node, putter)
+            putter.sendall(P.encode_frame(P.PutEnd(P.PutToken("new", new_id))))
             proc_helpers.wait_for(lambda: svc.counters["replies_held_for_stream"] == 1, 20, "the reply held")
             now[0] += svc.config.client_ttl_s + INDEX_DRAIN_S - 0.5
             assert select.select([putter], [], [], 0.2)[0] == []  # not yet: 0.5 s of the wait left
             now[0] += 1.0
             assert P.reply_decoder.decode(P.recv_frame(putter)).code == 0
+            # and no later put is placed there, nor waits for it, until it mounts again
+            assert svc.counters["segments_withheld"] == 1 and "S1" in svc.segments.withheld
 
 
 @contextlib.contextmanager
@@ -818,13 +872,15 @@ def _live_data_port():
         yield P.SegmentInfo("S1", "host", "S1", 1 << 20, "127.0.0.1:%d" % data.getsockname()[1])
 
 
-def _mount_commit_and_lose_the_stream(server, on, seg, node, putter) -> list:
+def _mount_commit_and_lose_the_stream(server, on, seg, node, putter) -> tuple[list, int]:
     """Mount ``seg`` with an index on socket ``node``, commit "gone" through ``putter``
-    (its update reaches the node), then close ``node``: the segment stays mounted with
-    no stream. Returns the node's index ([the entry of "gone"])."""
+    (its update reaches the node) and start a put of "new" there, then close ``node``:
+    the segment stays mounted with no stream. Returns the node's index ([the entry of
+    "gone"]) and the put id of "new" (its bytes are written while the node mounts again)."""
     assert _frame_call(node, P.MountSegment("o1", seg, True)).code == 0
     r = _frame_call(putter, P.PutStart(P.PutItem("gone", 100)))
     assert _frame_call(putter, P.PutEnd(P.PutToken("gone", r.put_id))).code == 0
+    new_id = _frame_call(putter, P.PutStart(P.PutItem("new", 100))).put_id
     reported = P.reply_decoder.decode(P.recv_frame(node)).adds
     assert [e.key for e in reported] == ["gone"]
 
@@ -832,7 +888,7 @@ def _mount_commit_and_lose_the_stream(server, on, seg, node, putter) -> list:
         return list(server._streams)
     node.close()  # its stream ends; the node would mount again
     proc_helpers.wait_for(lambda: on(streams()) == [], 20, "the master to see the stream end")
-    return reported
+    return reported, new_id
 
 
 @pytest.mark.parametrize("loop_kind", ("uvloop", "asyncio"))
@@ -942,13 +998,13 @@ def test_a_resent_commit_is_answered_only_once_its_index_update_left_the_master(
                 while not stream.transport.get_write_buffer_size():
                     server._write_index(stream, big)
 
-            on(fall_behind())
-            if commit == "put_end":
+            if commit == "put_end":  # placed before the stream falls behind: placed since, it would wait
                 started = _frame_call(first, P.PutStart(P.PutItem("K", 100)))
                 request = P.PutEnd(P.PutToken("K", started.put_id))
             else:
                 grant = _frame_call(first, P.AllocLease("c1", 1 << 20))
                 request = P.PutCommit("c1", grant.lease_id, [P.CommitItem("K", grant.region.offset, 100)])
+            on(fall_behind())
             first.sendall(P.encode_frame(request))  # applied; its reply waits for the stream
             wait_for(lambda: svc.lookup("K") is not None and svc.lookup("K").visible, what="the commit")
             first.close()  # the connection breaks: the client sends the commit again

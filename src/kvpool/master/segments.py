@@ -105,6 +105,9 @@ class SegmentTable:
         # segment -> buffers freed while its node had no index stream: kept allocated
         # until the stream is back (stream_away / stream_back)
         self.unstreamed: dict[str, list[Replica]] = {}
+        # segments buffers were placed on since take_placed: the server holds such a reply
+        # until their index streams took the drops of what the buffers held before
+        self.placed: set[str] = set()
 
     def mount(self, owner_id: str, info: SegmentInfo, now: float) -> Segment | None:
         """Add ``info`` under a new mount epoch; returns the segment (also when already
@@ -210,6 +213,12 @@ class SegmentTable:
             out.append(Replica(seg.info.name, offset, size))
             self.used_bytes += seg.allocator.used - before
             self._listed(seg)
+            self.placed.add(seg.info.name)
+
+    def take_placed(self) -> set[str]:
+        """Names of the segments buffers were placed on since the last call."""
+        placed, self.placed = self.placed, set()
+        return placed
 
     def free(self, replica: Replica) -> None:
         """Return ``replica``'s buffer; a no-op if its segment is gone (unmounted). Kept

@@ -171,19 +171,21 @@ class MasterServer:
         gaps = []
         for update in updates:
             stream = self._streams.get(update.name)
-            if stream is not None:
+            if stream is not None and not stream[1].is_closing():
                 self._write_index(stream[1], update)
             elif self._stream_due(update.name):
                 gaps.append(update.name)
         return gaps
 
     def _stream_due(self, name: str) -> bool:
-        """Whether segment ``name`` is mounted with an index, has no stream now, and its
-        node was not found gone (:meth:`_check_node`): it is mounting again, and that
-        mount's resync will carry what its stream missed."""
+        """Whether segment ``name`` is mounted with an index, has no stream now (or one
+        closing, whose handler has not seen it end yet), and its node was not found gone
+        (:meth:`_check_node`): it is mounting again, and that mount's resync will carry
+        what its stream missed."""
         segments = self.service.segments
         seg = segments.segments.get(name)
-        return (seg is not None and seg.indexed and name not in self._streams
+        stream = self._streams.get(name)
+        return (seg is not None and seg.indexed and (stream is None or stream[1].is_closing())
                 and name not in segments.withheld and self._server is not None)
 
     async def _streams_back(self, names: list[str], since: int) -> bool:
@@ -193,7 +195,9 @@ class MasterServer:
         gone, or unmounted. Before, such a reply went out at once: a master killed before
         the node mounted again lost the change, and a restore then served a removed key
         or the old version of an upserted one. Waits at most the client TTL plus
-        :data:`INDEX_DRAIN_S` (a node that heartbeats but never mounts again). Returns
+        :data:`INDEX_DRAIN_S` (a node that heartbeats but never mounts again; its
+        segment is then withheld from placement, so later puts go elsewhere and no
+        later reply waits for it: :meth:`_stream_due`). Returns
         False when this master stopped leading meanwhile (the reply must be the refusal:
         the next leader knows only what the nodes were told)."""
         self.service.counters["replies_held_for_stream"] += 1
@@ -203,6 +207,9 @@ class MasterServer:
             if self.service.clock() >= end:
                 log.warning("segments %s had no index stream for %.1f s: answering without it",
                             ", ".join(sorted(set(names))), cap)
+                for name in filter(self._stream_due, set(names)):  # later replies need not wait too
+                    self.service.stream_lost(name, self.service.segments.segments[name].info.epoch,
+                                             f"no index stream for {cap:.1f} s")
                 break
             await asyncio.sleep(STREAM_POLL_S)
         await self._index_flushed(since)
@@ -218,7 +225,29 @@ class MasterServer:
         if writer.transport.get_write_buffer_size():
             self._behind[writer] = self._writes  # the kernel's buffer is full: the rest waits in ours
 
-    async def _index_flushed(self, since: int) -> None:
+    async def _placements_clear(self, names: set[str], since: int) -> bool:
+        """Hold a reply that placed new buffers on segments ``names`` until every index
+        update written to their streams before it has left this process, and for a
+        segment with no stream, until it has one again (:meth:`_streams_back`: its mount
+        tells the node what to forget). A buffer placed there may cover a range whose
+        object was just removed, evicted or replaced, and whose drop still waits here
+        (its stream is behind) or died with a stream that ended: the writer's bytes in
+        that range and a master killed then would have the rebuild serve them under the
+        old key, from the node's index. ``since``: the index writes made before the
+        request (:meth:`_streams_back`). Returns False when this master stopped leading
+        meanwhile (the reply must be the refusal). Counted as ``placements_held`` when a
+        stream was behind."""
+        behind = {stream[1] for name in names if (stream := self._streams.get(name)) is not None
+                  and stream[1] in self._behind}
+        if behind:
+            self.service.counters["placements_held"] += 1
+            await self._index_flushed(-1, behind)
+        gaps = [name for name in names if self._stream_due(name)]
+        if gaps:
+            return await self._streams_back(gaps, since)
+        return self.gate() is None
+
+    async def _index_flushed(self, since: int, only: set | None = None) -> None:
         """Wait until the index bytes written after write number ``since`` have left
         this process: a reply may tell a client of a commit only once its update is in
         a node's socket (the kernel keeps it when this master is killed; its memory does
@@ -229,9 +258,12 @@ class MasterServer:
         does not read) the stream is cut, the reply goes out, and the node mounts again
         and is resynchronised (:meth:`~kvpool.master.restore.Restore.resync`). Requests
         that wrote (or flushed from the log) nothing to such a stream do not wait,
-        unless they queue behind a held reply on the same connection."""
+        unless they queue behind a held reply on the same connection. ``only``: the
+        streams to wait for (None: all)."""
         cap = self.service.config.client_ttl_s + INDEX_DRAIN_S
         for writer, last in list(self._behind.items()):
+            if only is not None and writer not in only:
+                continue
             if last > since and writer.transport.get_write_buffer_size() and not writer.is_closing():
                 try:
                     await asyncio.wait_for(writer.drain(), cap)
@@ -370,6 +402,7 @@ class MasterServer:
                 self._mid_frame.pop(writer, None)  # close_stalled may have dropped it
                 since, repeats = self._writes, self.service.counters["commits_repeated"]
                 reply = await self.dispatch_sliced(body)
+                placed = self.service.segments.take_placed()  # no await since the handler
                 claim = self._take_claim(reply)
                 # before the reply: the commit is with the node first; the lead lost since
                 # the handler's own check: the answer is the refusal (a new leader knows
@@ -383,6 +416,9 @@ class MasterServer:
                         # update may still be in this process, so every stream drains first
                     await self._index_flushed(since)
                 if gaps and claim is None and reply is not None and not await self._streams_back(gaps, since):
+                    reply = self._refusal_now()
+                if (placed and reply is not None and (self._behind or any(map(self._stream_due, placed)))
+                        and not await self._placements_clear(placed, since)):
                     reply = self._refusal_now()
                 written = reply is None or _write(writer, P.encode_frame(reply))
                 if claim is not None:  # adopted even when its node is gone: the finally checks it
@@ -500,6 +536,7 @@ class MasterServer:
                 if late > STALL_EXCUSED_S:
                     self.service.excuse_stall(late)
                 self.service.tick()
+                self.service.segments.take_placed()  # handed to no client: nobody writes there
                 self._send_index()
                 self._close_stale_streams()
                 self.close_stalled()

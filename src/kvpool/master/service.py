@@ -163,17 +163,17 @@ class MasterService(Eviction, Restore, LeaseHandlers):
         self._drop_segment(name)
         return Resp(OK)
 
-    def stream_lost(self, name: str, epoch: int) -> None:
+    def stream_lost(self, name: str, epoch: int, why: str = "index stream closed, data port closed") -> None:
         """The index stream of segment ``name``'s mount ``epoch`` closed without a new
-        mount taking its place, and its node's data port refuses connections: the node
-        died. Withhold the segment from placement (segments.py) until it mounts again or
-        its owner times out."""
+        mount taking its place, and its node's data port refuses connections (the node
+        died), or it did not mount again in time (``why`` says which, for the log).
+        Withhold the segment from placement (segments.py) until it mounts again or its
+        owner times out."""
         seg = self.segments.segments.get(name)
         if seg is not None and seg.info.epoch == epoch and self.segments.withhold(name):
             self.counters["segments_withheld"] += 1
-            log.warning("node of segment %s is gone (index stream closed, data port closed): placing no new "
-                        "buffers on it until it mounts again "
-                        "(its objects stay until owner %s times out)", name, seg.owner_id)
+            log.warning("node of segment %s is gone (%s): placing no new buffers on it until it mounts again "
+                        "(its objects stay until owner %s times out)", name, why, seg.owner_id)
 
     def _drop_segment(self, name: str) -> None:
         """Unmount ``name``: every replica on it disappears; emptied objects go."""
