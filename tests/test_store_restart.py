@@ -696,6 +696,16 @@ def _served(loop_kind: str = "asyncio", clock=None):
         loop.call_soon_threadsafe(loop.stop)
 
 
+async def _fall_behind(server, name: str = "S1") -> None:
+    """Write filler index updates to segment ``name``'s stream (its node reads nothing)
+    until the kernel's buffer is full and the rest waits in the master's memory: the
+    stream is behind. Run on the server's loop."""
+    stream = server._streams[name][1]
+    filler = P.IndexUpdate(name, [], [P.IndexEntry(f"f{i}", 0, 1, 1) for i in range(20_000)])
+    while not stream.transport.get_write_buffer_size():
+        server._write_index(stream, filler)
+
+
 def test_a_mount_takes_its_own_stream_while_another_stream_is_behind():
     """An index mount's connection becomes its segment's stream even when another
     node's stream is behind (the mount's restore writes to it) and other requests come
@@ -723,10 +733,7 @@ def _stream_taken_while_another_is_behind(svc, server, on, addr) -> None:
         assert _frame_call(slow, P.MountSegment("o1", _seg("S1"), True)).code == 0
 
         async def fall_behind_with_x() -> int:
-            stream = server._streams["S1"][1]
-            big = P.IndexUpdate("S1", [], [P.IndexEntry(f"f{i}", 0, 1, 1) for i in range(20_000)])
-            while not stream.transport.get_write_buffer_size():
-                server._write_index(stream, big)
+            await _fall_behind(server)
             r = svc.put_start(P.PutItem("X", 100))
             svc.put_end(P.PutToken("X", r.put_id))
             svc.index_log.take()
@@ -814,12 +821,7 @@ def test_a_buffer_goes_to_a_writer_only_once_the_drop_of_what_it_held_left_the_m
             assert _frame_call(putter, P.PutEnd(P.PutToken("gone", r.put_id))).code == 0
             seen.append(P.reply_decoder.decode(P.recv_frame(node)))
 
-            async def fall_behind() -> None:
-                stream = server._streams["S1"][1]
-                filler = P.IndexUpdate("S1", [], [P.IndexEntry(f"f{i}", 0, 1, 1) for i in range(20_000)])
-                while not stream.transport.get_write_buffer_size():
-                    server._write_index(stream, filler)
-            on(fall_behind())
+            on(_fall_behind(server))
             remover.sendall(P.encode_frame(P.Remove("gone")))  # its drop waits behind the filler
             other.sendall(P.encode_frame(P.PutStart(P.PutItem("other", 100))))
             proc_helpers.wait_for(lambda: svc.counters["placements_held"] == 1, 20, "the placement held")
@@ -992,19 +994,13 @@ def test_a_resent_commit_is_answered_only_once_its_index_update_left_the_master(
         try:
             assert _frame_call(slow, P.MountSegment("o1", _seg("S1", 64 << 20), True)).code == 0
 
-            async def fall_behind() -> None:
-                stream = server._streams["S1"][1]
-                big = P.IndexUpdate("S1", [], [P.IndexEntry(f"f{i}", 0, 1, 1) for i in range(20_000)])
-                while not stream.transport.get_write_buffer_size():
-                    server._write_index(stream, big)
-
             if commit == "put_end":  # placed before the stream falls behind: placed since, it would wait
                 started = _frame_call(first, P.PutStart(P.PutItem("K", 100)))
                 request = P.PutEnd(P.PutToken("K", started.put_id))
             else:
                 grant = _frame_call(first, P.AllocLease("c1", 1 << 20))
                 request = P.PutCommit("c1", grant.lease_id, [P.CommitItem("K", grant.region.offset, 100)])
-            on(fall_behind())
+            on(_fall_behind(server))
             first.sendall(P.encode_frame(request))  # applied; its reply waits for the stream
             wait_for(lambda: svc.lookup("K") is not None and svc.lookup("K").visible, what="the commit")
             first.close()  # the connection breaks: the client sends the commit again
