@@ -499,3 +499,36 @@ def test_a_master_under_another_name_is_not_another_leader(cluster, local):
         assert chan.leader_elsewhere(2.0) is None
     finally:
         chan.close()
+
+
+def test_a_segment_host_stopped_while_it_mounts_again_ends_its_index_thread_first(monkeypatch):
+    """Seen once in CI as a thread's ValueError ("operation forbidden on released
+    memoryview object"): a client's in-process segment stopped while its index thread
+    was mounting again (fencing the old mount, waiting for a same-host writer) released
+    the epoch word under that thread. Now the fence gives up once the host stops, and
+    stop() waits for the thread before it unmaps the segment."""
+    import fcntl
+    import threading
+
+    from kvpool.node.segment_host import FENCE_S
+    from kvpool.transfer.epoch import NO_EPOCH
+
+    failures = []
+    monkeypatch.setattr(threading, "excepthook", failures.append)
+    with Cluster(segment_size="8MiB", num_nodes=0) as cluster:
+        own = Client(cluster.master_addr, global_segment_size=1 << 20)
+        host = own.segment
+        fd = os.open(os.path.join("/dev/shm", host.shm.name), os.O_RDWR)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_SH)  # a same-host writer of the current mount, holding on
+            host._stream.shutdown()  # the stream ends: the index thread fences and mounts again
+            wait_for(lambda: host._remounting and host.word.read() == NO_EPOCH, 10,
+                     "the index thread to wait for the writer")
+            index_thread = next(t for t in threading.enumerate() if t.name == "kvpool-index")
+            started = time.monotonic()
+            own.close()
+            assert time.monotonic() - started < FENCE_S  # the fence gave up: stop did not wait it out
+            assert not index_thread.is_alive()
+        finally:
+            os.close(fd)
+    assert failures == []

@@ -793,8 +793,8 @@ def test_changes_on_a_segment_mounting_again_are_answered_once_its_new_stream_ha
             assert [e.key for e in P.reply_decoder.decode(P.recv_frame(again)).adds] == ["new"]
             for sock in (putter, remover):
                 assert P.reply_decoder.decode(P.recv_frame(sock)).code == 0
-            assert P.reply_decoder.decode(P.recv_frame(other)).replicas[0].offset != reported[0].offset
-            assert svc.segments.unstreamed == {}  # "gone"'s range is free again
+            # "gone"'s range, freed at its removal, given to a writer only now
+            assert P.reply_decoder.decode(P.recv_frame(other)).replicas[0].offset == reported[0].offset
         finally:
             for sock in socks:
                 sock.close()
@@ -828,7 +828,7 @@ def test_a_buffer_goes_to_a_writer_only_once_the_drop_of_what_it_held_left_the_m
             assert select.select([remover, other], [], [], 0)[0] == []  # neither answered yet
 
             def node_reads() -> None:
-                with contextlib.suppress(OSError):
+                with contextlib.suppress(OSError, P.FrameError):  # until the shutdown below
                     while True:
                         seen.append(P.reply_decoder.decode(P.recv_frame(node)))
             reader = threading.Thread(target=node_reads, daemon=True)
@@ -845,25 +845,108 @@ def test_a_buffer_goes_to_a_writer_only_once_the_drop_of_what_it_held_left_the_m
                 sock.close()
 
 
+def test_placement_takes_a_segment_whose_stream_is_behind_only_when_no_other_fits():
+    """A buffer placed on a segment whose node reads its index stream slowly waits for
+    that stream (above), so a slow node held half the puts of a two-node pool. Placement
+    now takes such a segment last: while another can take the value, nothing waits."""
+    with _served() as (svc, server, on, addr):
+        slow = socket.socket()
+        slow.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)  # reads nothing
+        slow.connect(addr)
+        slow.settimeout(20)
+        socks = [slow] + [socket.create_connection(addr, timeout=20) for _ in range(2)]
+        fast, putter = socks[1:]
+        try:
+            assert _frame_call(slow, P.MountSegment("o1", _seg("S1"), True)).code == 0
+            assert _frame_call(fast, P.MountSegment("o2", _seg("S2", 64 << 10), True)).code == 0
+            on(_fall_behind(server))
+            for i in range(20):
+                placed = _frame_call(putter, P.PutStart(P.PutItem(f"k{i}", 1000)))
+                assert placed.code == 0 and placed.replicas[0].segment.name == "S2"
+            assert svc.counters["placements_held"] == 0
+            # a value only S1 can take goes there, and waits for its stream
+            putter.sendall(P.encode_frame(P.PutStart(P.PutItem("big", 100 << 10))))
+            proc_helpers.wait_for(lambda: svc.counters["placements_held"] == 1, 20, "the placement held")
+            slow.close()  # the node dies (its data port refuses): the placement is refused, not answered
+            refused = P.reply_decoder.decode(P.recv_frame(putter))
+            assert isinstance(refused, P.ErrorResp) and refused.code == ErrorCode.NO_AVAILABLE_HANDLE
+            assert "S1" in svc.segments.withheld
+        finally:
+            for sock in socks:
+                sock.close()
+
+
 def test_a_reply_held_for_a_stream_that_never_comes_back_goes_out_after_the_client_ttl():
     """The wait above is bounded: a node that keeps its data port open (and would keep
     heartbeating) but never mounts again holds a reply for the client TTL plus
-    INDEX_DRAIN_S on the master's clock, then the reply goes out and the segment is
-    withheld from placement."""
+    INDEX_DRAIN_S on the master's clock, then the segment is withheld from placement and
+    the reply goes out: a commit's as it is, a placement's refused (NO_AVAILABLE_HANDLE:
+    the range it was given may still be named by the node's index under a key removed
+    meanwhile, so nobody may write there; the writer puts again elsewhere)."""
     from kvpool.master.server import INDEX_DRAIN_S
 
     now = [1000.0]
     with _served(clock=lambda: now[0]) as (svc, server, on, addr), _live_data_port() as seg:
-        with socket.create_connection(addr, timeout=20) as node, socket.create_connection(addr, timeout=20) as putter:
+        socks = [socket.create_connection(addr, timeout=20) for _ in range(4)]
+        node, putter, remover, other = socks
+        try:
             _, new_id = _mount_commit_and_lose_the_stream(server, on, seg, node, putter)
             putter.sendall(P.encode_frame(P.PutEnd(P.PutToken("new", new_id))))
-            proc_helpers.wait_for(lambda: svc.counters["replies_held_for_stream"] == 1, 20, "the reply held")
+            remover.sendall(P.encode_frame(P.Remove("gone")))
+            proc_helpers.wait_for(lambda: svc.counters["replies_held_for_stream"] == 2, 20, "both replies held")
+            other.sendall(P.encode_frame(P.PutStart(P.PutItem("other", 100))))  # may take "gone"'s range
+            proc_helpers.wait_for(lambda: svc.counters["replies_held_for_stream"] == 3, 20, "the placement held")
             now[0] += svc.config.client_ttl_s + INDEX_DRAIN_S - 0.5
-            assert select.select([putter], [], [], 0.2)[0] == []  # not yet: 0.5 s of the wait left
+            assert select.select([putter, remover, other], [], [], 0.2)[0] == []  # not yet: 0.5 s of the wait left
             now[0] += 1.0
-            assert P.reply_decoder.decode(P.recv_frame(putter)).code == 0
+            for sock in (putter, remover):
+                assert P.reply_decoder.decode(P.recv_frame(sock)).code == 0
+            refused = P.reply_decoder.decode(P.recv_frame(other))
+            assert isinstance(refused, P.ErrorResp) and refused.code == ErrorCode.NO_AVAILABLE_HANDLE
+            assert svc.counters["placements_refused"] == 1
             # and no later put is placed there, nor waits for it, until it mounts again
             assert svc.counters["segments_withheld"] == 1 and "S1" in svc.segments.withheld
+            assert _frame_call(other, P.PutStart(P.PutItem("later", 100))).code == ErrorCode.NO_AVAILABLE_HANDLE
+        finally:
+            for sock in socks:
+                sock.close()
+
+
+def test_a_placement_waits_for_a_mount_reply_still_in_the_master():
+    """A node mounting again is told in its mount's reply which keys to forget (removed
+    while it had no stream); their ranges are free at once. When that reply is too large
+    for the kernel's buffer (the node reads it slowly), a placement on the segment was
+    answered at once, and a writer's bytes in such a range with the master killed before
+    the reply left would have had the rebuild serve them under a forgotten key. The
+    placement now waits for the reply to leave, as for a stream that is behind."""
+    with _served() as (svc, server, on, addr), _live_data_port() as seg:
+        socks = [socket.create_connection(addr, timeout=20) for _ in range(3)]
+        node, putter, other = socks
+        again = socket.socket()
+        again.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)  # reads nothing for now
+        socks.append(again)
+        try:
+            reported, _ = _mount_commit_and_lose_the_stream(server, on, seg, node, putter)
+            putter.sendall(P.encode_frame(P.Remove("gone")))  # held until the mount below
+            proc_helpers.wait_for(lambda: svc.counters["replies_held_for_stream"] == 1, 20, "the removal held")
+            # the node's index also names 3,000 keys of 4,000 bytes the master no longer
+            # has: its mount's reply (12 MB of keys to forget) outgrows the kernel's buffers
+            stale = [P.IndexEntry(f"{i:04d}" + "s" * 3996, 4096, 1, 1) for i in range(3000)]
+            again.connect(addr)
+            again.settimeout(20)
+            again.sendall(P.encode_frame(P.MountSegment("o1", seg, True, reported + stale)))
+            proc_helpers.wait_for(lambda: svc.counters["index_resyncs"] == 1, 20, "the node mounted again")
+            other.sendall(P.encode_frame(P.PutStart(P.PutItem("other", 100))))  # may take "gone"'s range
+            proc_helpers.wait_for(lambda: svc.counters["placements_held"] == 1, 20, "the placement held")
+            # neither the removal (the forget of "gone" is in that reply) nor the placement
+            assert select.select([putter, other], [], [], 0.2)[0] == []
+            mounted = P.reply_decoder.decode(P.recv_frame(again))  # the node reads its reply
+            assert mounted.code == 0 and len(mounted.dropped) == 3001
+            assert P.reply_decoder.decode(P.recv_frame(putter)).code == 0
+            assert P.reply_decoder.decode(P.recv_frame(other)).replicas[0].offset == reported[0].offset
+        finally:
+            for sock in socks:
+                sock.close()
 
 
 @contextlib.contextmanager

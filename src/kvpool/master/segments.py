@@ -102,12 +102,12 @@ class SegmentTable:
         self._by_ratio = FreeIndex()  # used share (free_ratio_first)
         self._by_host: dict[str, FreeIndex] = {}  # host_id -> largest free extent (local_first)
         self.withheld: set[str] = set()  # mounted, but no new buffer goes there (node seen dead)
-        # segment -> buffers freed while its node had no index stream: kept allocated
-        # until the stream is back (stream_away / stream_back)
-        self.unstreamed: dict[str, list[Replica]] = {}
         # segments buffers were placed on since take_placed: the server holds such a reply
         # until their index streams took the drops of what the buffers held before
         self.placed: set[str] = set()
+        # segments whose index stream is behind (set by the server): a buffer placed
+        # there waits for it, so placement takes them last
+        self.lagging: set[str] = set()
 
     def mount(self, owner_id: str, info: SegmentInfo, now: float) -> Segment | None:
         """Add ``info`` under a new mount epoch; returns the segment (also when already
@@ -120,7 +120,6 @@ class SegmentTable:
             self.withheld.discard(info.name)  # its node is back: place on it again
             self._listed(seg)
             return seg
-        self.unstreamed.pop(info.name, None)  # buffers of an allocator gone with it
         stamped = msgspec.structs.replace(info, epoch=new_epoch())
         seg = self.segments[info.name] = Segment(stamped, owner_id, OffsetAllocator(info.size, self.alignment))
         self.total_bytes += seg.allocator.capacity
@@ -132,7 +131,7 @@ class SegmentTable:
     def unmount(self, name: str) -> Segment | None:
         """Drop segment ``name`` (its allocator with it); forget an owner left with none."""
         seg = self.segments.pop(name, None)
-        self.unstreamed.pop(name, None)
+        self.lagging.discard(name)
         if seg is None:
             return None
         self.used_bytes -= seg.allocator.used
@@ -181,14 +180,19 @@ class SegmentTable:
 
     def allocate(self, size: int, count: int, host_id: str = "", preferred: str = "") -> list[Replica]:
         """Up to ``count`` buffers of ``size`` bytes on distinct segments (best effort):
-        segment ``preferred`` first, then the strategy's: O(log segments) per replica
-        for ``random`` and ``local_first``."""
+        segment ``preferred`` first, then the strategy's, :attr:`lagging` segments only
+        where no other can take the value: O(log segments) per replica for ``random``
+        and ``local_first``."""
         need = self.rounded(size)
         out: list[Replica] = []
         first = self.segments.get(preferred) if preferred and preferred not in self.withheld else None
         if first is not None:
             self._take(first, size, out)
-        for name in self._candidates(need, count - len(out), host_id, {r.segment for r in out}):
+        taken = {r.segment for r in out}
+        names = self._candidates(need, count - len(out), host_id, taken | self.lagging)
+        if self.lagging and len(names) < count - len(out):
+            names += self._candidates(need, count - len(out) - len(names), host_id, taken | set(names))
+        for name in names:
             self._take(self.segments[name], size, out)
         return out
 
@@ -221,34 +225,13 @@ class SegmentTable:
         return placed
 
     def free(self, replica: Replica) -> None:
-        """Return ``replica``'s buffer; a no-op if its segment is gone (unmounted). Kept
-        allocated instead while the segment's index stream is away (:meth:`stream_away`)."""
-        held = self.unstreamed.get(replica.segment)
-        if held is not None:
-            held.append(replica)
-            return
+        """Return ``replica``'s buffer; a no-op if its segment is gone (unmounted)."""
         seg = self.segments.get(replica.segment)
         if seg is not None:
             before = seg.allocator.used
             seg.allocator.free(replica.offset, replica.length)
             self.used_bytes += seg.allocator.used - before
             self._listed(seg)
-
-    def stream_away(self, name: str) -> None:
-        """Mounted segment ``name`` lost its index stream (its node mounts again, or is
-        dead): until :meth:`stream_back`, buffers freed on it stay allocated. Its node's
-        index still names the objects removed, evicted or replaced meanwhile (their drops
-        had no stream to go by), so a new object written over one of their ranges and a
-        master killed before the node's next mount would have the rebuild serve the new
-        object's bytes under the old key."""
-        if name in self.segments:
-            self.unstreamed.setdefault(name, [])
-
-    def stream_back(self, name: str) -> None:
-        """Segment ``name`` has an index stream again, and its mount told the node what
-        to forget: free the buffers held since :meth:`stream_away`."""
-        for replica in self.unstreamed.pop(name, ()):
-            self.free(replica)
 
     def _listed(self, seg: Segment) -> None:
         """Re-index ``seg`` after its allocator changed (a withheld one stays out)."""

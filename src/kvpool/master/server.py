@@ -149,7 +149,9 @@ class MasterServer:
         self._local_servers: list[asyncio.base_events.Server] = []  # Unix sockets (same-host clients)
         self._tasks: set[asyncio.Task] = set()  # node checks under way (_check_node)
         self._writes = 0  # index frames written so far
-        self._behind: dict[asyncio.StreamWriter, int] = {}  # stream with bytes left here -> its last write
+        # stream with bytes left here -> (its last write, its segment), the segment
+        # also in SegmentTable.lagging (placement takes it last)
+        self._behind: dict[asyncio.StreamWriter, tuple[int, str]] = {}
 
     def _mount(self, req: P.MountSegment) -> P.MountResp:
         reply = self.service.mount(req.owner_id, req.segment, req.index, req.objects, req.prev_incarnation)
@@ -177,16 +179,20 @@ class MasterServer:
                 gaps.append(update.name)
         return gaps
 
-    def _stream_due(self, name: str) -> bool:
-        """Whether segment ``name`` is mounted with an index, has no stream now (or one
-        closing, whose handler has not seen it end yet), and its node was not found gone
-        (:meth:`_check_node`): it is mounting again, and that mount's resync will carry
-        what its stream missed."""
-        segments = self.service.segments
-        seg = segments.segments.get(name)
+    def _unstreamed(self, name: str) -> bool:
+        """Whether segment ``name`` is mounted with an index and has no stream now (or
+        one closing, whose handler has not seen it end yet): its node's index may still
+        name objects dropped since."""
+        seg = self.service.segments.segments.get(name)
         stream = self._streams.get(name)
-        return (seg is not None and seg.indexed and (stream is None or stream[1].is_closing())
-                and name not in segments.withheld and self._server is not None)
+        return seg is not None and seg.indexed and (stream is None or stream[1].is_closing())
+
+    def _stream_due(self, name: str) -> bool:
+        """Whether segment ``name`` has no stream (:meth:`_unstreamed`) and its node was
+        not found gone (:meth:`_check_node`): it is mounting again, and that mount's
+        resync will carry what its stream missed."""
+        return (self._unstreamed(name) and name not in self.service.segments.withheld
+                and self._server is not None)
 
     async def _streams_back(self, names: list[str], since: int) -> bool:
         """Hold a reply whose changes reached no node (segments ``names`` had no stream)
@@ -222,10 +228,16 @@ class MasterServer:
         if not _write(writer, P.encode_frame(update)):
             return
         self._writes += 1
-        if writer.transport.get_write_buffer_size():
-            self._behind[writer] = self._writes  # the kernel's buffer is full: the rest waits in ours
+        if writer.transport.get_write_buffer_size():  # the kernel's buffer is full: the rest waits in ours
+            self._fell_behind(writer, update.name)
 
-    async def _placements_clear(self, names: set[str], since: int) -> bool:
+    def _fell_behind(self, writer: asyncio.StreamWriter, name: str) -> None:
+        """Note that segment ``name``'s stream ``writer`` holds bytes here, up to the
+        latest write (:meth:`_index_flushed` notes when it no longer does)."""
+        self._behind[writer] = (self._writes, name)
+        self.service.segments.lagging.add(name)
+
+    async def _placements_clear(self, names: set[str], since: int) -> P.ErrorResp | None:
         """Hold a reply that placed new buffers on segments ``names`` until every index
         update written to their streams before it has left this process, and for a
         segment with no stream, until it has one again (:meth:`_streams_back`: its mount
@@ -234,9 +246,12 @@ class MasterServer:
         (its stream is behind) or died with a stream that ended: the writer's bytes in
         that range and a master killed then would have the rebuild serve them under the
         old key, from the node's index. ``since``: the index writes made before the
-        request (:meth:`_streams_back`). Returns False when this master stopped leading
-        meanwhile (the reply must be the refusal). Counted as ``placements_held`` when a
-        stream was behind."""
+        request (:meth:`_streams_back`). Returns None when the reply may go out, else
+        what goes out instead: the refusal when this master stopped leading meanwhile,
+        NO_AVAILABLE_HANDLE when a segment still has no stream after the wait (its node
+        found gone, or never mounting again: the segment is withheld, and the writer
+        puts again elsewhere; its buffers go back as any put's that never ends, K04).
+        Counted as ``placements_held`` when a stream was behind."""
         behind = {stream[1] for name in names if (stream := self._streams.get(name)) is not None
                   and stream[1] in self._behind}
         if behind:
@@ -244,8 +259,15 @@ class MasterServer:
             await self._index_flushed(-1, behind)
         gaps = [name for name in names if self._stream_due(name)]
         if gaps:
-            return await self._streams_back(gaps, since)
-        return self.gate() is None
+            await self._streams_back(gaps, since)
+        if self.gate() is not None:
+            return self._refusal_now()
+        lost = sorted(filter(self._unstreamed, names))
+        if lost:
+            self.service.counters["placements_refused"] += 1
+            return P.ErrorResp(ErrorCode.NO_AVAILABLE_HANDLE,
+                               f"segment {lost[0]} lost its node's index stream and did not get it back: put again")
+        return None
 
     async def _index_flushed(self, since: int, only: set | None = None) -> None:
         """Wait until the index bytes written after write number ``since`` have left
@@ -261,7 +283,7 @@ class MasterServer:
         unless they queue behind a held reply on the same connection. ``only``: the
         streams to wait for (None: all)."""
         cap = self.service.config.client_ttl_s + INDEX_DRAIN_S
-        for writer, last in list(self._behind.items()):
+        for writer, (last, name) in list(self._behind.items()):
             if only is not None and writer not in only:
                 continue
             if last > since and writer.transport.get_write_buffer_size() and not writer.is_closing():
@@ -273,8 +295,10 @@ class MasterServer:
                 except OSError as exc:  # reset, host unreachable: its node mounts again
                     log.warning("an index stream failed (%s): closing it", exc)
                     writer.transport.abort()
-            if not writer.transport.get_write_buffer_size() or writer.is_closing():
-                self._behind.pop(writer, None)
+            if (not writer.transport.get_write_buffer_size() or writer.is_closing()) \
+                    and self._behind.pop(writer, None) is not None \
+                    and all(other != name for _, other in self._behind.values()):  # a new stream of it
+                self.service.segments.lagging.discard(name)
 
     def _close_stale_streams(self) -> None:
         """Close the streams of segments unmounted, or mounted again, since."""
@@ -310,10 +334,11 @@ class MasterServer:
         adds = self.service.index_log.resyncs.pop(name, [])
         for i in range(0, len(adds), RESYNC_FRAME):
             self._write_index(writer, P.IndexUpdate(name, [], adds[i:i + RESYNC_FRAME]))
-        # the mount's reply (keys to forget) and the resync are written: a range freed
-        # meanwhile may now take a new object, whose add follows them on this stream
-        if not writer.is_closing():
-            self.service.segments.stream_back(name)
+        if writer.transport.get_write_buffer_size() and not writer.is_closing():
+            # the mount's reply (keys to forget) is still here: a placement on this
+            # segment waits for it as for an index update (_placements_clear)
+            self._writes += 1
+            self._fell_behind(writer, name)
 
     def observe(self, callback: Observer) -> None:
         """Call ``callback(op, reply)`` after each request is handled (e.g. per-op request
@@ -401,6 +426,8 @@ class MasterServer:
                 body = await reader.readexactly(length)
                 self._mid_frame.pop(writer, None)  # close_stalled may have dropped it
                 since, repeats = self._writes, self.service.counters["commits_repeated"]
+                # only this handler's placements count (the tick's went to no writer)
+                self.service.segments.placed.clear()
                 reply = await self.dispatch_sliced(body)
                 placed = self.service.segments.take_placed()  # no await since the handler
                 claim = self._take_claim(reply)
@@ -417,9 +444,8 @@ class MasterServer:
                     await self._index_flushed(since)
                 if gaps and claim is None and reply is not None and not await self._streams_back(gaps, since):
                     reply = self._refusal_now()
-                if (placed and reply is not None and (self._behind or any(map(self._stream_due, placed)))
-                        and not await self._placements_clear(placed, since)):
-                    reply = self._refusal_now()
+                if placed and reply is not None and (self._behind or any(map(self._unstreamed, placed))):
+                    reply = await self._placements_clear(placed, since) or reply
                 written = reply is None or _write(writer, P.encode_frame(reply))
                 if claim is not None:  # adopted even when its node is gone: the finally checks it
                     self._adopt_stream(writer, *claim)
@@ -444,7 +470,6 @@ class MasterServer:
             for name, (epoch, stream) in list(self._streams.items()):
                 if stream is writer:  # still this mount's stream: no new mount replaced it
                     del self._streams[name]
-                    self.service.segments.stream_away(name)
                     if not shutting_down:
                         self._spawn(self._check_node(name, epoch))
             writer.close()
@@ -536,7 +561,6 @@ class MasterServer:
                 if late > STALL_EXCUSED_S:
                     self.service.excuse_stall(late)
                 self.service.tick()
-                self.service.segments.take_placed()  # handed to no client: nobody writes there
                 self._send_index()
                 self._close_stale_streams()
                 self.close_stalled()

@@ -132,6 +132,7 @@ class SegmentHost:
         self.mounts = 0  # mounts made (the first and every re-mount)
         self._remounting = False  # the stream thread is mounting again (_remount)
         self._mount_state = threading.Lock()  # _remounting and the stream's shutdown
+        self._stream_thread: threading.Thread | None = None  # applies the index stream, mounts again
 
     def start(self, stop_asked: Callable[[], bool] = lambda: False) -> None:
         """Reach the master (waiting up to ``master_wait_s`` for one to accept a
@@ -169,7 +170,8 @@ class SegmentHost:
         self.interval_s = self._mount()
         threading.Thread(target=self.server.serve_forever, daemon=True).start()
         threading.Thread(target=self._heartbeat_loop, daemon=True).start()
-        threading.Thread(target=self._stream_loop, name="kvpool-index", daemon=True).start()
+        self._stream_thread = threading.Thread(target=self._stream_loop, name="kvpool-index", daemon=True)
+        self._stream_thread.start()
 
     def _connect_master(self, stop_asked: Callable[[], bool]) -> None:
         """Connect, retrying while no master accepts: a node started beside its master
@@ -209,7 +211,7 @@ class SegmentHost:
         transfers under it have ended (TCP ones cut; same-host writers waited for).
         False if a writer still holds the segment (then do not mount yet)."""
         deadline = time.monotonic() + FENCE_S
-        return self.server.fence(FENCE_S) and self.word.fence(deadline)
+        return self.server.fence(FENCE_S) and self.word.fence(deadline, self._stop)
 
     def _mount(self) -> float:
         """Mount on the stream channel, reporting the index; serve the new epoch."""
@@ -323,8 +325,18 @@ class SegmentHost:
             log.warning(why, self.info.name)
             self._stream.shutdown()
 
+    def _stream_ended(self) -> bool:
+        """Wait (at most the stream channel's timeout and a second) for the index thread
+        to end: it may be mounting again, and the epoch word it fences and sets must not
+        be released under it (it ended in ValueError on a released memoryview)."""
+        thread = self._stream_thread
+        if thread is not None and thread is not threading.current_thread():
+            thread.join(self._stream.timeout_s + 1.0)
+        return thread is None or not thread.is_alive()
+
     def stop(self) -> None:
-        """Unmount (best effort), stop serving, unmap and unlink the segment."""
+        """Unmount (best effort), stop serving, unmap and unlink the segment (the
+        mapping is left to the process's exit when the index thread does not end)."""
         self._stop.set()
         if self.server:
             self.server.stop()
@@ -337,23 +349,30 @@ class SegmentHost:
         self.master.close()
         self._stream.shutdown()  # its thread sees the end at its next poll
         self.listener.close()
+        ended = self._stream_ended()
         if self.shm:
             unregister_local_segment(self.shm.name)
-            for word in (self.word, self._writers_word):
-                if word is not None:
-                    word.close()
-            if self.server is not None:
-                with contextlib.suppress(BufferError):  # a serving thread may still use it
-                    self.server.segment.release()
-            try:
-                self.shm.close()
-            except BufferError:
-                pass  # a serving thread still holds a view; unlink frees the name anyway
+            if ended:
+                self._unmap()
+            else:  # it may still fence or set the epoch word: leave the mapping to exit
+                log.warning("segment %s: the index thread is still mounting; its mapping stays until exit",
+                            self.info.name)
             self.shm.unlink()
             self.shm = None
         if self._owner:
             self._owner.release()
             self._owner = None
+
+    def _unmap(self) -> None:
+        """Release the epoch words and the segment's views, and unmap it."""
+        for word in (self.word, self._writers_word):
+            if word is not None:
+                word.close()
+        if self.server is not None:
+            with contextlib.suppress(BufferError):  # a serving thread may still use it
+                self.server.segment.release()
+        with contextlib.suppress(BufferError):  # a serving thread's view: unlink frees the name anyway
+            self.shm.close()
 
 
 def _reserve(shm: shared_memory.SharedMemory, segment_size: int) -> None:

@@ -99,16 +99,16 @@ class EpochWord:
             self._word[1] = self._word[0]
         self._word[0] = NO_EPOCH
 
-    def fence(self, deadline: float) -> bool:
-        """Store NO_EPOCH, then wait (until ``deadline``, time.monotonic) for the writers
-        that saw the old epoch. False if one still holds the lock (a stopped process):
-        the caller must not mount again yet."""
+    def fence(self, deadline: float, stop: threading.Event | None = None) -> bool:
+        """Store NO_EPOCH, then wait (until ``deadline``, time.monotonic, or until
+        ``stop`` is set) for the writers that saw the old epoch. False if one still
+        holds the lock (a stopped process): the caller must not mount again yet."""
         self.close_epoch()
         while True:
             try:
                 fcntl.flock(self._fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
             except BlockingIOError:
-                if time.monotonic() > deadline:
+                if time.monotonic() > deadline or (stop is not None and stop.is_set()):
                     return False
                 time.sleep(0.001)
                 continue
