@@ -4,11 +4,13 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import fcntl
 import os
 import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 
 import msgspec
@@ -20,7 +22,9 @@ from kvpool.client import Client
 from kvpool.config import parse_addr
 from kvpool.errors import ErrorCode, ObjectExists, ObjectNotFound, RpcFailed, TransferFailed
 from kvpool.launch import Cluster
+from kvpool.node.segment_host import FENCE_S
 from kvpool.rpc import RpcChannel
+from kvpool.transfer.epoch import NO_EPOCH
 from proc_helpers import wait_for
 
 DEAD_WRITER = """
@@ -507,12 +511,6 @@ def test_a_segment_host_stopped_while_it_mounts_again_ends_its_index_thread_firs
     was mounting again (fencing the old mount, waiting for a same-host writer) released
     the epoch word under that thread. Now the fence gives up once the host stops, and
     stop() waits for the thread before it unmaps the segment."""
-    import fcntl
-    import threading
-
-    from kvpool.node.segment_host import FENCE_S
-    from kvpool.transfer.epoch import NO_EPOCH
-
     failures = []
     monkeypatch.setattr(threading, "excepthook", failures.append)
     with Cluster(segment_size="8MiB", num_nodes=0) as cluster:

@@ -696,6 +696,16 @@ def _served(loop_kind: str = "asyncio", clock=None):
         loop.call_soon_threadsafe(loop.stop)
 
 
+def _slow_reader(addr) -> socket.socket:
+    """A connection to ``addr`` whose receive buffer is 4 KiB: a node that reads nothing
+    until the test does, so what the master sends it soon waits in the master."""
+    sock = socket.socket()
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)  # before connect: it sets the window
+    sock.connect(addr)
+    sock.settimeout(20)
+    return sock
+
+
 async def _fall_behind(server, name: str = "S1") -> None:
     """Write filler index updates to segment ``name``'s stream (its node reads nothing)
     until the kernel's buffer is full and the rest waits in the master's memory: the
@@ -719,17 +729,14 @@ def _stream_taken_while_another_is_behind(svc, server, on, addr) -> None:
     host, port = addr
     conns = []
 
-    def conn(rcvbuf: int = 0):
-        s = socket.socket()
-        if rcvbuf:
-            s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, rcvbuf)
-        s.connect((host, int(port)))
-        s.settimeout(20)
+    def conn():
+        s = socket.create_connection((host, int(port)), timeout=20)
         conns.append(s)
         return s
 
     try:
-        slow = conn(rcvbuf=4096)  # S1's node reads nothing: its stream falls behind
+        slow = _slow_reader((host, int(port)))  # S1's node reads nothing: its stream falls behind
+        conns.append(slow)
         assert _frame_call(slow, P.MountSegment("o1", _seg("S1"), True)).code == 0
 
         async def fall_behind_with_x() -> int:
@@ -809,10 +816,7 @@ def test_a_buffer_goes_to_a_writer_only_once_the_drop_of_what_it_held_left_the_m
     (the node's index still named it there). Now a reply that places buffers on a
     segment waits until its stream took every update written before it."""
     with _served() as (svc, server, on, addr), _live_data_port() as seg:
-        node = socket.socket()
-        node.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)  # reads nothing for now
-        node.connect(addr)
-        node.settimeout(20)
+        node = _slow_reader(addr)  # reads nothing for now
         putter, remover, other = (socket.create_connection(addr, timeout=20) for _ in range(3))
         seen: list[P.IndexUpdate] = []
         try:
@@ -850,10 +854,7 @@ def test_placement_takes_a_segment_whose_stream_is_behind_only_when_no_other_fit
     that stream (above), so a slow node held half the puts of a two-node pool. Placement
     now takes such a segment last: while another can take the value, nothing waits."""
     with _served() as (svc, server, on, addr):
-        slow = socket.socket()
-        slow.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)  # reads nothing
-        slow.connect(addr)
-        slow.settimeout(20)
+        slow = _slow_reader(addr)  # reads nothing
         socks = [slow] + [socket.create_connection(addr, timeout=20) for _ in range(2)]
         fast, putter = socks[1:]
         try:
@@ -922,8 +923,7 @@ def test_a_placement_waits_for_a_mount_reply_still_in_the_master():
     with _served() as (svc, server, on, addr), _live_data_port() as seg:
         socks = [socket.create_connection(addr, timeout=20) for _ in range(3)]
         node, putter, other = socks
-        again = socket.socket()
-        again.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)  # reads nothing for now
+        again = _slow_reader(addr)  # the node's next mount: reads nothing for now
         socks.append(again)
         try:
             reported, _ = _mount_commit_and_lose_the_stream(server, on, seg, node, putter)
@@ -932,8 +932,6 @@ def test_a_placement_waits_for_a_mount_reply_still_in_the_master():
             # the node's index also names 3,000 keys of 4,000 bytes the master no longer
             # has: its mount's reply (12 MB of keys to forget) outgrows the kernel's buffers
             stale = [P.IndexEntry(f"{i:04d}" + "s" * 3996, 4096, 1, 1) for i in range(3000)]
-            again.connect(addr)
-            again.settimeout(20)
             again.sendall(P.encode_frame(P.MountSegment("o1", seg, True, reported + stale)))
             proc_helpers.wait_for(lambda: svc.counters["index_resyncs"] == 1, 20, "the node mounted again")
             other.sendall(P.encode_frame(P.PutStart(P.PutItem("other", 100))))  # may take "gone"'s range

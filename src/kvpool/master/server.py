@@ -211,7 +211,7 @@ class MasterServer:
         end = self.service.clock() + cap
         while any(self._stream_due(name) for name in names):
             if self.service.clock() >= end:
-                log.warning("segments %s had no index stream for %.1f s: answering without it",
+                log.warning("segments %s had no index stream for %.1f s: no longer waiting for it",
                             ", ".join(sorted(set(names))), cap)
                 for name in filter(self._stream_due, set(names)):  # later replies need not wait too
                     self.service.stream_lost(name, self.service.segments.segments[name].info.epoch,
