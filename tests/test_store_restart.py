@@ -870,7 +870,8 @@ def test_placement_takes_a_segment_whose_stream_is_behind_only_when_no_other_fit
             proc_helpers.wait_for(lambda: svc.counters["placements_held"] == 1, 20, "the placement held")
             slow.close()  # the node dies (its data port refuses): the placement is refused, not answered
             refused = P.reply_decoder.decode(P.recv_frame(putter))
-            assert isinstance(refused, P.ErrorResp) and refused.code == ErrorCode.NO_AVAILABLE_HANDLE
+            assert isinstance(refused, P.PutStartResp) and refused.code == ErrorCode.NO_AVAILABLE_HANDLE
+            assert "seen dead" in refused.message and not refused.replicas
             assert "S1" in svc.segments.withheld
         finally:
             for sock in socks:
@@ -903,7 +904,8 @@ def test_a_reply_held_for_a_stream_that_never_comes_back_goes_out_after_the_clie
             for sock in (putter, remover):
                 assert P.reply_decoder.decode(P.recv_frame(sock)).code == 0
             refused = P.reply_decoder.decode(P.recv_frame(other))
-            assert isinstance(refused, P.ErrorResp) and refused.code == ErrorCode.NO_AVAILABLE_HANDLE
+            assert isinstance(refused, P.PutStartResp) and refused.code == ErrorCode.NO_AVAILABLE_HANDLE
+            assert "seen dead" in refused.message and not refused.replicas
             assert svc.counters["placements_refused"] == 1
             # and no later put is placed there, nor waits for it, until it mounts again
             assert svc.counters["segments_withheld"] == 1 and "S1" in svc.segments.withheld

@@ -261,7 +261,7 @@ class Eviction:
         self.counters["eviction_passes"] += 1
         return evicted
 
-    def _no_space_message(self, size: int, now: float) -> str:
+    def no_space_message(self, size: int, now: float) -> str:
         """Why ``size`` bytes found no buffer: the value against the largest segment and
         free extent, and the space held by old versions, abandoned puts, allocation leases
         and withheld segments (K10)."""

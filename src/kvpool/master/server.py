@@ -237,7 +237,7 @@ class MasterServer:
         self._behind[writer] = (self._writes, name)
         self.service.segments.lagging.add(name)
 
-    async def _placements_clear(self, names: set[str], since: int) -> P.ErrorResp | None:
+    async def _placements_clear(self, names: set[str], since: int, reply: msgspec.Struct) -> msgspec.Struct:
         """Hold a reply that placed new buffers on segments ``names`` until every index
         update written to their streams before it has left this process, and for a
         segment with no stream, until it has one again (:meth:`_streams_back`: its mount
@@ -246,12 +246,10 @@ class MasterServer:
         (its stream is behind) or died with a stream that ended: the writer's bytes in
         that range and a master killed then would have the rebuild serve them under the
         old key, from the node's index. ``since``: the index writes made before the
-        request (:meth:`_streams_back`). Returns None when the reply may go out, else
-        what goes out instead: the refusal when this master stopped leading meanwhile,
-        NO_AVAILABLE_HANDLE when a segment still has no stream after the wait (its node
-        found gone, or never mounting again: the segment is withheld, and the writer
-        puts again elsewhere; its buffers go back as any put's that never ends, K04).
-        Counted as ``placements_held`` when a stream was behind."""
+        request (:meth:`_streams_back`). Returns what goes out: ``reply``, the refusal
+        when this master stopped leading meanwhile, or ``reply`` with NO_AVAILABLE_HANDLE
+        for each item placed on a segment still without a stream after the wait
+        (:meth:`_without_lost`). Counted as ``placements_held`` when a stream was behind."""
         behind = {stream[1] for name in names if (stream := self._streams.get(name)) is not None
                   and stream[1] in self._behind}
         if behind:
@@ -262,12 +260,33 @@ class MasterServer:
             await self._streams_back(gaps, since)
         if self.gate() is not None:
             return self._refusal_now()
-        lost = sorted(filter(self._unstreamed, names))
-        if lost:
+        lost = set(filter(self._unstreamed, names))
+        return self._without_lost(reply, lost) if lost else reply
+
+    def _without_lost(self, reply: msgspec.Struct, lost: set[str]) -> msgspec.Struct:
+        """``reply`` (a PutStartResp, BatchPutStartResp or AllocLeaseResp) with each
+        item placed on a segment of ``lost`` answered NO_AVAILABLE_HANDLE instead, with
+        the reason a put finds no room: those segments' nodes were found gone, or never
+        mounted again, so they are withheld. Their index may still name a key removed
+        meanwhile at the ranges placed, so nobody may write there before the node's next
+        mount; the buffers go back as those of any put that never ends (K04), a lease's
+        when it expires. Each refused item counts as ``placements_refused``."""
+        def refused(length: int):
             self.service.counters["placements_refused"] += 1
-            return P.ErrorResp(ErrorCode.NO_AVAILABLE_HANDLE,
-                               f"segment {lost[0]} lost its node's index stream and did not get it back: put again")
-        return None
+            return self.service.no_space_message(length, self.service.clock())
+
+        def start(r: P.PutStartResp) -> P.PutStartResp:
+            if r.code != ErrorCode.OK or not any(d.segment.name in lost for d in r.replicas):
+                return r
+            return P.PutStartResp(ErrorCode.NO_AVAILABLE_HANDLE, message=refused(r.replicas[0].length))
+
+        if isinstance(reply, P.PutStartResp):
+            return start(reply)
+        if isinstance(reply, P.BatchPutStartResp):
+            return P.BatchPutStartResp([start(r) for r in reply.results])
+        if isinstance(reply, P.AllocLeaseResp) and reply.region is not None and reply.region.segment.name in lost:
+            return P.AllocLeaseResp(ErrorCode.NO_AVAILABLE_HANDLE, message=refused(reply.region.length))
+        return reply
 
     async def _index_flushed(self, since: int, only: set | None = None) -> None:
         """Wait until the index bytes written after write number ``since`` have left
@@ -445,7 +464,7 @@ class MasterServer:
                 if gaps and claim is None and reply is not None and not await self._streams_back(gaps, since):
                     reply = self._refusal_now()
                 if placed and reply is not None and (self._behind or any(map(self._unstreamed, placed))):
-                    reply = await self._placements_clear(placed, since) or reply
+                    reply = await self._placements_clear(placed, since, reply)
                 written = reply is None or _write(writer, P.encode_frame(reply))
                 if claim is not None:  # adopted even when its node is gone: the finally checks it
                     self._adopt_stream(writer, *claim)

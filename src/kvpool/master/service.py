@@ -225,7 +225,7 @@ class MasterService(Eviction, Restore, LeaseHandlers):
             if obj is not None and not obj.visible and obj.pending is None:
                 self._forget(obj)
             self.counters["put_no_space"] += 1
-            return PutStartResp(ErrorCode.NO_AVAILABLE_HANDLE, message=self._no_space_message(item.size, now))
+            return PutStartResp(ErrorCode.NO_AVAILABLE_HANDLE, message=self.no_space_message(item.size, now))
         if obj is None:
             obj = self.objects.create(item.key)
         put_id, self._next_put_id = self._next_put_id, self._next_put_id + 1
