@@ -256,3 +256,31 @@ def test_a_batch_write_populates_its_span_once_and_scattered_ranges_each():
     scattered = [(0, memoryview(b"a" * 100)), (1 << 20, memoryview(b"b" * 100))]
     populate_ranges(record, scattered)
     assert calls == [(0, 100), (1 << 20, 100)]
+
+
+def test_populating_a_mapping_lets_the_process_other_threads_run():
+    """Populator.populate leaves the GIL while the kernel fills the page tables
+    (~65 ms per GiB here): warm_local_segments runs on a thread beside an engine, and a
+    client's own segment is populated behind its start, beside its puts. With a switch
+    interval far beyond the call, this thread can run while the populating one is still
+    inside it only if the call released the GIL."""
+    import mmap
+    import sys
+
+    from kvpool.transfer.shm import MADV_POPULATE_WRITE, Populator
+
+    mm = mmap.mmap(-1, 64 << 20)
+    populator = Populator(mm, MADV_POPULATE_WRITE)
+    done = threading.Event()
+    thread = threading.Thread(target=lambda: (populator.populate(0, len(mm)), done.set()))
+    interval = sys.getswitchinterval()
+    sys.setswitchinterval(30.0)
+    try:
+        thread.start()
+        ran_during = not done.is_set()
+    finally:
+        sys.setswitchinterval(interval)
+        thread.join()
+        mm.close()
+    assert ran_during
+    assert all(populator.populated)
