@@ -166,7 +166,10 @@ def test_segments_endpoint(admin_cluster, kv):
     assert seg["name"] == admin_cluster.nodes[0]["segment"]
     assert (seg["size"], seg["used"], seg["free"]) == (SEGMENT, 128, SEGMENT - 128)
     assert seg["data_addr"] == admin_cluster.node_addrs[0]
+    assert (seg["withheld"], seg["lagging"]) == (False, False)  # a live node keeping up with its stream
     assert (body["used_bytes"], body["total_bytes"]) == (128, SEGMENT)
+    scraped = metrics(master_http(admin_cluster))
+    assert value(scraped, "kvpool_master_segments_withheld") == value(scraped, "kvpool_master_segments_lagging") == 0
 
 
 def test_query_key_endpoint(admin_cluster, kv):

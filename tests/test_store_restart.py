@@ -865,6 +865,9 @@ def test_placement_takes_a_segment_whose_stream_is_behind_only_when_no_other_fit
                 placed = _frame_call(putter, P.PutStart(P.PutItem(f"k{i}", 1000)))
                 assert placed.code == 0 and placed.replicas[0].segment.name == "S2"
             assert svc.counters["placements_held"] == 0
+            # what an operator chasing slow puts sees (GetStats, the admin /segments page)
+            assert [(g.name, g.lagging, g.withheld) for g in svc.stats().segments] == [
+                ("S1", True, False), ("S2", False, False)]
             # a value only S1 can take goes there, and waits for its stream
             putter.sendall(P.encode_frame(P.PutStart(P.PutItem("big", 100 << 10))))
             proc_helpers.wait_for(lambda: svc.counters["placements_held"] == 1, 20, "the placement held")

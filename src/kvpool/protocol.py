@@ -522,6 +522,7 @@ class SegmentStats(msgspec.Struct, array_like=True):
     used: int
     data_addr: str
     withheld: bool = False  # no new buffers go there: its node's index stream closed
+    lagging: bool = False  # placed last: its node reads its index stream late
 
 
 class StatsResp(_Msg):

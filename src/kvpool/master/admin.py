@@ -14,6 +14,8 @@ Metrics (Prometheus text format; ``*_total`` are counters since the master start
 ``kvpool_master_capacity_bytes``
 ``kvpool_master_segment_used_bytes``,      per segment (labels segment, owner_id,
 ``kvpool_master_segment_capacity_bytes``   data_addr)
+``kvpool_master_segments_withheld``,      segments taking no new buffers (nodes seen dead),
+``_segments_lagging``                      placed last (nodes reading their index streams late)
 ``kvpool_master_segments``, ``_owners``,   mounted segments, live owners, puts between
 ``_in_flight_puts``, ``_zombie_buffers``,  PutStart and PutEnd, buffers (and bytes) of old
 ``_zombie_bytes``, ``_open_read_grants``   versions held for reads in flight or of abandoned
@@ -102,6 +104,10 @@ class MasterCollector:
             ("used_bytes", "allocated bytes over all segments", s.used_bytes),
             ("capacity_bytes", "mounted bytes over all segments", s.total_bytes),
             ("segments", "mounted segments", len(s.segments)),
+            ("segments_withheld", "segments taking no new buffers: their nodes seen dead",
+             sum(g.withheld for g in s.segments)),
+            ("segments_lagging", "segments placed last: their nodes read their index streams late",
+             sum(g.lagging for g in s.segments)),
             ("owners", "nodes and clients with mounted segments", s.owner_count),
             ("in_flight_puts", "objects between PutStart and PutEnd", s.in_flight_puts),
             ("zombie_buffers", "old versions' and abandoned puts' buffers held for reads in flight "
@@ -207,7 +213,8 @@ class MasterAdmin:
     async def segments(self, request: web.Request) -> web.Response:
         s = self.service.stats()
         segs = [{"name": g.name, "owner_id": g.owner_id, "size": g.size, "used": g.used,
-                 "free": g.size - g.used, "data_addr": g.data_addr, "withheld": g.withheld} for g in s.segments]
+                 "free": g.size - g.used, "data_addr": g.data_addr, "withheld": g.withheld,
+                 "lagging": g.lagging} for g in s.segments]
         return web.json_response({"segments": segs, "used_bytes": s.used_bytes, "total_bytes": s.total_bytes})
 
     async def query_key(self, request: web.Request) -> web.Response:

@@ -593,7 +593,7 @@ class MasterService(Eviction, Restore, LeaseHandlers):
         """Counts and segments: O(segments), no scan of the objects."""
         segs = [
             SegmentStats(n, s.owner_id, s.allocator.capacity, s.allocator.used, s.info.data_addr,
-                         n in self.segments.withheld)
+                         n in self.segments.withheld, n in self.segments.lagging)
             for n, s in self.segments.segments.items()
         ]
         return StatsResp(
