@@ -881,6 +881,28 @@ def test_placement_takes_a_segment_whose_stream_is_behind_only_when_no_other_fit
                 sock.close()
 
 
+def test_closing_the_server_ends_a_connection_held_in_a_placement_wait():
+    """MasterServer.close() ends the connections it serves, a request held waiting for
+    a stream included (unanswered, as when the master process ends): asyncio's
+    Server.close() leaves open connections served, and an embedding loop stopped after
+    close() destroyed such a handler pending."""
+    with _served() as (svc, server, on, addr):
+        slow = _slow_reader(addr)  # reads nothing
+        putter = socket.create_connection(addr, timeout=20)
+        try:
+            assert _frame_call(slow, P.MountSegment("o1", _seg("S1"), True)).code == 0
+            on(_fall_behind(server))
+            putter.sendall(P.encode_frame(P.PutStart(P.PutItem("k", 1000))))
+            proc_helpers.wait_for(lambda: svc.counters["placements_held"] == 1, 20, "the placement held")
+            on(server.close())
+            assert not server._conns
+            putter.settimeout(5)
+            assert putter.recv(1) == b""  # closed, not answered
+        finally:
+            slow.close()
+            putter.close()
+
+
 def test_a_reply_held_for_a_stream_that_never_comes_back_goes_out_after_the_client_ttl():
     """The wait above is bounded: a node that keeps its data port open (and would keep
     heartbeating) but never mounts again holds a reply for the client TTL plus

@@ -148,6 +148,7 @@ class MasterServer:
         self._server: asyncio.base_events.Server | None = None
         self._local_servers: list[asyncio.base_events.Server] = []  # Unix sockets (same-host clients)
         self._tasks: set[asyncio.Task] = set()  # node checks under way (_check_node)
+        self._conns: set[asyncio.Task] = set()  # connections being served (_serve_conn)
         self._writes = 0  # index frames written so far
         # stream with bytes left here -> (its last write, its segment), the segment
         # also in SegmentTable.lagging (placement takes it last)
@@ -434,6 +435,8 @@ class MasterServer:
 
     async def _serve_conn(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         shutting_down = False
+        task = asyncio.current_task()
+        self._conns.add(task)
         try:
             if not await self._authenticated(reader, writer):
                 return
@@ -485,6 +488,7 @@ class MasterServer:
         except asyncio.CancelledError:
             shutting_down = True  # end quietly instead of logging a cancel
         finally:
+            self._conns.discard(task)
             self._mid_frame.pop(writer, None)
             for name, (epoch, stream) in list(self._streams.items()):
                 if stream is writer:  # still this mount's stream: no new mount replaced it
@@ -557,13 +561,16 @@ class MasterServer:
         return format_addr(self.host, port)
 
     async def close(self) -> None:
-        """Stop accepting connections and checking on nodes; returns once the node checks
-        have ended (a loop stopped right after would otherwise destroy them pending)."""
+        """Stop accepting connections, close those open (a request waiting in the
+        master, e.g. a placement held for a stream, goes unanswered, as when the process
+        ends) and stop checking on nodes; returns once all of them have ended (a loop
+        stopped right after would otherwise destroy them pending; ``Server.close``
+        leaves open connections served)."""
         for server in [self._server, *self._local_servers]:
             if server is not None:
                 server.close()
         self._server, self._local_servers = None, []
-        tasks = list(self._tasks)
+        tasks = list(self._tasks) + list(self._conns)
         for task in tasks:
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
