@@ -15,7 +15,6 @@ first, reads check after copying; a request of a stale epoch fails and says why.
 from __future__ import annotations
 
 import ctypes
-import ctypes.util
 import errno
 import mmap
 import os
@@ -275,9 +274,11 @@ POPULATE_CHUNK = 2 << 20  # granularity of "populated once" (bytes; a multiple o
 
 
 def _libc_madvise():
-    """libc's ``madvise`` through ctypes, or None (no libc found)."""
+    """libc's ``madvise`` through ctypes, or None (not found). Looked up among the
+    symbols this process has loaded (``dlopen(NULL)``), which include libc's:
+    ``ctypes.util.find_library`` would run ``ldconfig`` in a subprocess at import."""
     try:
-        fn = ctypes.CDLL(ctypes.util.find_library("c") or None, use_errno=True).madvise
+        fn = ctypes.CDLL(None, use_errno=True).madvise
     except (OSError, AttributeError):
         return None
     fn.argtypes, fn.restype = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int), ctypes.c_int
