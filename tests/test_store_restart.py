@@ -696,6 +696,11 @@ def _served(loop_kind: str = "asyncio", clock=None):
         loop.call_soon_threadsafe(loop.stop)
 
 
+async def _tick(svc) -> None:
+    """One tick of ``svc`` on the server's loop (the service is the loop's alone)."""
+    svc.tick()
+
+
 def _slow_reader(addr) -> socket.socket:
     """A connection to ``addr`` whose receive buffer is 4 KiB: a node that reads nothing
     until the test does, so what the master sends it soon waits in the master."""
@@ -901,6 +906,54 @@ def test_closing_the_server_ends_a_connection_held_in_a_placement_wait():
         finally:
             slow.close()
             putter.close()
+
+
+def test_a_placement_in_a_new_lead_waits_for_the_first_mount_and_later_ones_do_not():
+    """After a failover or a restart the nodes find the new leader within their remount
+    retry; a put in between found no segment at all and raised NoSpace. In the lead's
+    first FIRST_MOUNT_WAIT_S a placement (PutStart, AllocLease) that would find no
+    segment waits for the first mount; a request that places nothing is answered at
+    once, and so is a placement once the lead is older (on the master's clock)."""
+    from kvpool.master.server import FIRST_MOUNT_WAIT_S
+
+    now = [1000.0]
+    with _served(clock=lambda: now[0]) as (svc, server, on, addr):
+        socks = [socket.create_connection(addr, timeout=20) for _ in range(4)]
+        node, putter, leaser, other = socks
+        try:
+            on(_tick(svc))  # the lead's first tick
+            putter.sendall(P.encode_frame(P.PutStart(P.PutItem("k", 1000))))
+            leaser.sendall(P.encode_frame(P.AllocLease("c1", 64 << 10)))
+            proc_helpers.wait_for(lambda: svc.counters["placements_held_for_mount"] == 2, 20, "both held")
+            assert _frame_call(other, P.Ping()).code == 0  # the master serves meanwhile
+            assert _frame_call(node, P.MountSegment("o1", _seg("S1"), True)).code == 0
+            placed = P.reply_decoder.decode(P.recv_frame(putter))
+            assert placed.code == 0 and placed.replicas[0].segment.name == "S1"
+            leased = P.reply_decoder.decode(P.recv_frame(leaser))
+            assert leased.code == 0 and leased.region.segment.name == "S1"
+            assert _frame_call(node, P.UnmountSegment("o1", "S1")).code == 0
+            now[0] += FIRST_MOUNT_WAIT_S  # the lead is no longer young: no wait
+            refused = _frame_call(other, P.PutStart(P.PutItem("k2", 1000)))
+            assert refused.code == ErrorCode.NO_AVAILABLE_HANDLE
+            assert svc.counters["placements_held_for_mount"] == 2
+        finally:
+            for sock in socks:
+                sock.close()
+
+
+def test_a_placement_held_for_a_first_mount_that_never_comes_is_refused_when_the_lead_ages():
+    """The wait above is bounded by the lead's age on the master's clock."""
+    from kvpool.master.server import FIRST_MOUNT_WAIT_S
+
+    now = [1000.0]
+    with _served(clock=lambda: now[0]) as (svc, server, on, addr):
+        with socket.create_connection(addr, timeout=20) as putter:
+            on(_tick(svc))
+            putter.sendall(P.encode_frame(P.PutStart(P.PutItem("k", 1000))))
+            proc_helpers.wait_for(lambda: svc.counters["placements_held_for_mount"] == 1, 20, "held")
+            now[0] += FIRST_MOUNT_WAIT_S
+            refused = P.reply_decoder.decode(P.recv_frame(putter))
+            assert isinstance(refused, P.PutStartResp) and refused.code == ErrorCode.NO_AVAILABLE_HANDLE
 
 
 def test_a_reply_held_for_a_stream_that_never_comes_back_goes_out_after_the_client_ttl():

@@ -154,7 +154,7 @@ class Restore:
     ``config``, ``_set_replicas`` and ``_retire``, and keeps ``_last_version``,
     ``_settled`` (keys settled while the restore window is open; None once it closed)
     and ``_restore_until`` (when it closes, on the service's clock; None before the
-    first tick))."""
+    first tick) and ``lead_began`` (that first tick; None before it))."""
 
     def _settle(self, key: str) -> None:
         """This incarnation decided ``key``'s fate (a commit, a removal, an eviction): no
@@ -173,6 +173,7 @@ class Restore:
     def _restore_tick(self, now: float) -> None:
         """Open the restore window at the lead's first tick; close it when it is over."""
         if self._restore_until is None:
+            self.lead_began = now
             self._restore_until = now + RESTORE_WINDOW_TTLS * self.config.client_ttl_s
         elif self._settled is not None and now >= self._restore_until:
             self._close_restore(f"{RESTORE_WINDOW_TTLS} client TTLs passed")

@@ -68,6 +68,12 @@ RESYNC_FRAME = 20_000  # index entries per frame of a resync (~1.6 MB)
 PROBE_S = 2.0  # seconds a node's data port has to accept a connection once its stream ended
 PROBES, PROBE_EVERY_S = 25, 0.02  # tries of the data port (0.5 s), and the pause between them
 STREAM_POLL_S = 0.005  # how often a reply held for a segment's stream (_streams_back) looks again
+# A lead's first moments: after a failover or a restart the nodes find the new leader
+# within their remount retry (0.1 s), ~0.2 s measured; until then a placement found no
+# segment at all and the put raised NoSpace. Such a placement now waits for the first
+# mount, for at most this long into the lead.
+FIRST_MOUNT_WAIT_S = 1.0
+PLACEMENTS = (P.PutStart, P.BatchPutStart, P.AllocLease)  # requests that place new buffers
 
 
 def _write(writer: asyncio.StreamWriter, frame: bytes) -> bool:
@@ -221,6 +227,35 @@ class MasterServer:
             await asyncio.sleep(STREAM_POLL_S)
         await self._index_flushed(since)
         return self.gate() is None
+
+    async def _first_mount(self, body: bytes | bytearray) -> None:
+        """Hold a placement (:data:`PLACEMENTS`) that comes while no segment is mounted
+        during the lead's first :data:`FIRST_MOUNT_WAIT_S` (on the service's clock:
+        ``MasterService.lead_began``) until a segment is mounted, that time is over, or
+        this master stops leading or serving, and for at most that long in real time
+        (a lead whose first tick never came); then it is handled as usual. Any other
+        request, and any placement later in the lead, goes on at once. Counted as
+        ``placements_held_for_mount``."""
+        if self.gate() is not None or not self._lead_young():
+            return
+        try:
+            req = P.request_decoder.decode(body)
+        except (msgspec.DecodeError, msgspec.ValidationError):
+            return  # the handler says what is wrong with it
+        if not isinstance(req, PLACEMENTS):
+            return
+        self.service.counters["placements_held_for_mount"] += 1
+        loop = asyncio.get_running_loop()
+        end = loop.time() + FIRST_MOUNT_WAIT_S
+        while (not self.service.segments.segments and self._lead_young() and loop.time() < end
+               and self.gate() is None and self._server is not None):
+            await asyncio.sleep(STREAM_POLL_S)
+
+    def _lead_young(self) -> bool:
+        """Whether this master leads since less than :data:`FIRST_MOUNT_WAIT_S` (or its
+        first tick as leader has not come yet)."""
+        began = self.service.lead_began
+        return began is None or self.service.clock() < began + FIRST_MOUNT_WAIT_S
 
     def _write_index(self, writer: asyncio.StreamWriter, update: P.IndexUpdate) -> None:
         """Write ``update`` to an index stream, unless the stream is gone (its node was
@@ -447,6 +482,8 @@ class MasterServer:
                 self._mid_frame[writer] = self.service.clock()
                 body = await reader.readexactly(length)
                 self._mid_frame.pop(writer, None)  # close_stalled may have dropped it
+                if not self.service.segments.segments:  # no node yet: a lead's first moments?
+                    await self._first_mount(body)
                 since, repeats = self._writes, self.service.counters["commits_repeated"]
                 # only this handler's placements count (the tick's went to no writer)
                 self.service.segments.placed.clear()

@@ -94,6 +94,7 @@ class MasterService(Eviction, Restore, LeaseHandlers):
         self._last_version = 0
         self._settled: SettledKeys | None = SettledKeys()  # keys no late mount restores (master/restore.py)
         self._restore_until: float | None = None
+        self.lead_began: float | None = None  # the lead's first tick (service clock; restore.py)
         self.alloc_leases = AllocLeases(self.segments.alignment, first_id=new_epoch())
 
     # ------------------------------------------------------------ inspection (admin)
