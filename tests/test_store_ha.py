@@ -289,6 +289,22 @@ def test_a_client_follows_a_stalled_leader_without_waiting_out_its_timeout():
                 late.put("during", value_of("during"))
 
 
+def test_an_ha_group_with_a_shared_secret_elects_and_serves_only_clients_that_know_it(monkeypatch):
+    """HAGroup under KVPOOL_SECRET: its masters and nodes take the secret, its leader
+    checks answer the challenge (before, they asked without it and never found a
+    leader); a client with the secret puts and gets, one without is refused."""
+    from kvpool.errors import RpcFailed
+
+    monkeypatch.setenv("KVPOOL_SECRET", "ha-secret")
+    with HAGroup(masters=2, num_nodes=1, lease_ttl_s=TTL_S, master_args=FAST) as group:
+        with Client(group.master_spec, timeout_s=10.0) as c:
+            assert c.put("s/1", b"v" * 100) == 1 and c.get("s/1") == b"v" * 100
+        monkeypatch.delenv("KVPOOL_SECRET")
+        with pytest.raises(RpcFailed):
+            with Client(group.master_spec, timeout_s=2.0) as stranger:
+                stranger.get("s/1")
+
+
 def test_master_on_a_wildcard_address_must_advertise():
     out = proc_helpers.run_kvpool("master", "--etcd", "127.0.0.1:1", "--host", "0.0.0.0", "--port", "0")
     assert out.returncode != 0

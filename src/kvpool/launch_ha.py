@@ -81,7 +81,9 @@ class HAGroup:
     listens by default. ``places`` (optional): where each runs, a :data:`Place` per
     role: ``{"etcd": place, "masters": [place per master], "nodes": [place per node]}``
     (hosts of :class:`kvpool.netns.Hosts`); a master or node started again keeps its place.
-    ``master_spec``: what clients and nodes are given ("h1:p1,h2:p2").
+    ``master_spec``: what clients and nodes are given ("h1:p1,h2:p2"). A shared secret:
+    set ``KVPOOL_SECRET`` in the environment; the children inherit it, and the leader
+    checks use it too.
     Use as a context manager; raises LaunchError when a child does not come up.
     """
 
@@ -163,7 +165,9 @@ class HAGroup:
     def leader_index(self) -> int | None:
         """Which master leads and serves now (None: none)."""
         addr = self.leader_addr()
-        if addr in self.master_addrs and is_leader(addr):
+        # the secret its children take (KVPOOL_SECRET, inherited); b"" would ask a master
+        # run with one without answering its challenge, and never find the leader
+        if addr in self.master_addrs and is_leader(addr, secret=None):
             return self.master_addrs.index(addr)
         return None
 
