@@ -155,6 +155,7 @@ class MasterServer:
         self._local_servers: list[asyncio.base_events.Server] = []  # Unix sockets (same-host clients)
         self._tasks: set[asyncio.Task] = set()  # node checks under way (_check_node)
         self._conns: set[asyncio.Task] = set()  # connections being served (_serve_conn)
+        self._mounted = asyncio.Event()  # set at each mount: wakes placements held for one (_first_mount)
         self._writes = 0  # index frames written so far
         # stream with bytes left here -> (its last write, its segment), the segment
         # also in SegmentTable.lagging (placement takes it last)
@@ -249,7 +250,11 @@ class MasterServer:
         end = loop.time() + FIRST_MOUNT_WAIT_S
         while (not self.service.segments.segments and self._lead_young() and loop.time() < end
                and self.gate() is None and self._server is not None):
-            await asyncio.sleep(STREAM_POLL_S)
+            # woken by the mount; each tick otherwise, to see the lead age (a connection
+            # per held placement: polling every few ms would let a flood of them spin)
+            self._mounted.clear()
+            with contextlib.suppress(asyncio.TimeoutError):
+                await asyncio.wait_for(self._mounted.wait(), TICK_S)
 
     def _lead_young(self) -> bool:
         """Whether this master leads since less than :data:`FIRST_MOUNT_WAIT_S` (or its
@@ -381,6 +386,7 @@ class MasterServer:
         if old is not None and old[1] is not writer:
             old[1].transport.abort()  # what it still holds is void: the resync covers it
         self._streams[name] = (epoch, writer)
+        self._mounted.set()
         sock = writer.get_extra_info("socket")
         if sock is not None and sock.family == socket.AF_UNIX:  # TCP: set, it would stop autotuning
             with contextlib.suppress(OSError):  # the kernel caps it at net.core.wmem_max
