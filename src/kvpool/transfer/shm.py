@@ -295,13 +295,16 @@ def _madvise(mm: mmap.mmap, start: int, length: int, advice: int) -> None:
     for MADV_POPULATE_WRITE), during which every other thread of the process stood
     still: an engine's beside ``warm_local_segments`` on a thread, a client's puts
     beside its own segment populated behind its start (8 MiB steps).
-    The ctypes view keeps the mapping from being closed during the call.
-    Raises OSError (the call's errno) and ValueError (a closed mapping), as
-    ``mmap.madvise`` does, which is used where libc is not found."""
+    The ctypes view of its first byte holds the mapping's buffer, so it cannot be
+    closed during the call (one byte: an array type per length would be cached for
+    good). Raises OSError (the call's errno) and ValueError (a closed mapping, a range
+    outside it), as ``mmap.madvise`` does, which is used where libc is not found."""
     if _MADVISE is None:
         mm.madvise(advice, start, length)
         return
-    pinned = (ctypes.c_char * length).from_buffer(mm, start)  # ValueError when closed
+    if start < 0 or length < 0 or start + length > len(mm):
+        raise ValueError(f"madvise range {start}+{length} outside a mapping of {len(mm)} bytes")
+    pinned = ctypes.c_char.from_buffer(mm, start)  # ValueError when closed
     try:
         if _MADVISE(ctypes.addressof(pinned), length, advice) != 0:
             code = ctypes.get_errno()
