@@ -951,6 +951,7 @@ def test_a_placement_held_for_a_first_mount_that_never_comes_is_refused_when_the
             on(_tick(svc))
             putter.sendall(P.encode_frame(P.PutStart(P.PutItem("k", 1000))))
             proc_helpers.wait_for(lambda: svc.counters["placements_held_for_mount"] == 1, 20, "held")
+            assert select.select([putter], [], [], 0.2)[0] == []  # the lead is young: still held
             now[0] += FIRST_MOUNT_WAIT_S
             refused = P.reply_decoder.decode(P.recv_frame(putter))
             assert isinstance(refused, P.PutStartResp) and refused.code == ErrorCode.NO_AVAILABLE_HANDLE

@@ -16,6 +16,7 @@ import tempfile
 import time
 from pathlib import Path
 
+from kvpool.auth import secret_from_env
 from kvpool.child import spawn, stop_ladder
 from kvpool.etcd import Etcd, EtcdError
 from kvpool.launch import Child, LaunchError
@@ -82,8 +83,8 @@ class HAGroup:
     role: ``{"etcd": place, "masters": [place per master], "nodes": [place per node]}``
     (hosts of :class:`kvpool.netns.Hosts`); a master or node started again keeps its place.
     ``master_spec``: what clients and nodes are given ("h1:p1,h2:p2"). A shared secret:
-    set ``KVPOOL_SECRET`` in the environment; the children inherit it, and the leader
-    checks use it too.
+    set ``KVPOOL_SECRET`` in the environment before making the group: the children
+    inherit it, and its leader checks answer with it.
     Use as a context manager; raises LaunchError when a child does not come up.
     """
 
@@ -105,6 +106,7 @@ class HAGroup:
         self.master_addrs: list[str] = [""] * len(self.master_places)
         self.nodes: list[Child] = []
         self.lost_leads = 0  # masters restarted by supervise()
+        self.secret = secret_from_env() or b""  # what the children inherit (leader checks)
         self._starts = 0
 
     @property
@@ -165,9 +167,9 @@ class HAGroup:
     def leader_index(self) -> int | None:
         """Which master leads and serves now (None: none)."""
         addr = self.leader_addr()
-        # the secret its children take (KVPOOL_SECRET, inherited); b"" would ask a master
+        # the secret its children took (KVPOOL_SECRET, inherited); b"" would ask a master
         # run with one without answering its challenge, and never find the leader
-        if addr in self.master_addrs and is_leader(addr, secret=None):
+        if addr in self.master_addrs and is_leader(addr, secret=self.secret):
             return self.master_addrs.index(addr)
         return None
 

@@ -538,11 +538,10 @@ class _Broken(Exception):
         self.error, self.second, self.final, self.unsent = error, second, final, unsent
 
 
-def is_leader(addr: str, timeout_s: float = 1.0, secret: bytes | None = b"", not_peer=None,
+def is_leader(addr: str, timeout_s: float = 1.0, secret: bytes = b"", not_peer=None,
               local: bool = True) -> bool:
     """True when the master at ``addr`` serves (answers a Ping within ``timeout_s``
-    seconds; ``secret``: RpcChannel's, b"" none, None ``KVPOOL_SECRET``); False when it
-    refuses (a standby) or cannot be reached, and when the
+    seconds); False when it refuses (a standby) or cannot be reached, and when the
     connection reaches ``not_peer`` (a socket's peer name: the same master under another
     name, e.g. "localhost:P" for "127.0.0.1:P"). ``local``: as RpcChannel's. Raises
     KVPoolError for another failure (e.g. INVALID_VERSION: another kvpool release)."""

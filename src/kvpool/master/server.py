@@ -155,6 +155,7 @@ class MasterServer:
         self._local_servers: list[asyncio.base_events.Server] = []  # Unix sockets (same-host clients)
         self._tasks: set[asyncio.Task] = set()  # node checks under way (_check_node)
         self._conns: set[asyncio.Task] = set()  # connections being served (_serve_conn)
+        self._closed = False  # close() ran: connections end (_serve_conn)
         self._mounted = asyncio.Event()  # set at each mount: wakes placements held for one (_first_mount)
         self._writes = 0  # index frames written so far
         # stream with bytes left here -> (its last write, its segment), the segment
@@ -233,8 +234,8 @@ class MasterServer:
         """Hold a placement (:data:`PLACEMENTS`) that comes while no segment is mounted
         during the lead's first :data:`FIRST_MOUNT_WAIT_S` (on the service's clock:
         ``MasterService.lead_began``) until a segment is mounted, that time is over, or
-        this master stops leading or serving, and for at most that long in real time
-        (a lead whose first tick never came); then it is handled as usual. Any other
+        this master stops leading or serving, and, while the lead's first tick has not
+        come, for at most that long in real time; then it is handled as usual. Any other
         request, and any placement later in the lead, goes on at once. Counted as
         ``placements_held_for_mount``."""
         if self.gate() is not None or not self._lead_young():
@@ -247,8 +248,9 @@ class MasterServer:
             return
         self.service.counters["placements_held_for_mount"] += 1
         loop = asyncio.get_running_loop()
-        end = loop.time() + FIRST_MOUNT_WAIT_S
-        while (not self.service.segments.segments and self._lead_young() and loop.time() < end
+        end = loop.time() + FIRST_MOUNT_WAIT_S  # should the first tick never come
+        while (not self.service.segments.segments and self._lead_young()
+               and (self.service.lead_began is not None or loop.time() < end)
                and self.gate() is None and self._server is not None):
             # woken by the mount; each tick otherwise, to see the lead age (a connection
             # per held placement: polling every few ms would let a flood of them spin)
@@ -479,10 +481,11 @@ class MasterServer:
         task = asyncio.current_task()
         self._conns.add(task)
         try:
-            if not await self._authenticated(reader, writer):
-                return
+            if self._closed or not await self._authenticated(reader, writer):
+                return  # accepted as close() ran: its cancel may have come before this task did
             loop = asyncio.get_running_loop()
-            while True:
+            # closed: end here too (before 3.12 a wait_for can swallow close()'s cancel)
+            while not self._closed:
                 length = P.parse_header(await reader.readexactly(P.HEADER.size))
                 self.busy.request()
                 self._mid_frame[writer] = self.service.clock()
@@ -609,6 +612,7 @@ class MasterServer:
         ends) and stop checking on nodes; returns once all of them have ended (a loop
         stopped right after would otherwise destroy them pending; ``Server.close``
         leaves open connections served)."""
+        self._closed = True
         for server in [self._server, *self._local_servers]:
             if server is not None:
                 server.close()

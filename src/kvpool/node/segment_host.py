@@ -133,6 +133,7 @@ class SegmentHost:
         self._remounting = False  # the stream thread is mounting again (_remount)
         self._mount_state = threading.Lock()  # _remounting and the stream's shutdown
         self._stream_thread: threading.Thread | None = None  # applies the index stream, mounts again
+        self._populate_thread: threading.Thread | None = None  # fills the page tables (_populate_all)
 
     def start(self, stop_asked: Callable[[], bool] = lambda: False) -> None:
         """Reach the master (waiting up to ``master_wait_s`` for one to accept a
@@ -164,8 +165,9 @@ class SegmentHost:
                                  self.stall_s, self.secret, populate, self.max_connections, self.busy_poll_s)
         register_local_segment(self.shm.name, self.shm.buf, self._writers_word, populate)
         if self.populate_behind:
-            threading.Thread(target=self._populate_all, args=(populate,), name="kvpool-populate",
-                             daemon=True).start()
+            self._populate_thread = threading.Thread(target=self._populate_all, args=(populate,),
+                                                     name="kvpool-populate", daemon=True)
+            self._populate_thread.start()
         self._stream.connect()
         self.interval_s = self._mount()
         threading.Thread(target=self.server.serve_forever, daemon=True).start()
@@ -350,6 +352,11 @@ class SegmentHost:
         self._stream.shutdown()  # its thread sees the end at its next poll
         self.listener.close()
         ended = self._stream_ended()
+        if self._populate_thread is not None:
+            # it stops within a step (~3 ms), having seen _stop set above; inside one
+            # (madvise leaves the GIL) the mapping cannot be closed, and
+            # SharedMemory.close() would keep its fd and the file's memory until exit
+            self._populate_thread.join()
         if self.shm:
             unregister_local_segment(self.shm.name)
             if ended:

@@ -304,7 +304,11 @@ def _madvise(mm: mmap.mmap, start: int, length: int, advice: int) -> None:
         return
     if start < 0 or length < 0 or start + length > len(mm):
         raise ValueError(f"madvise range {start}+{length} outside a mapping of {len(mm)} bytes")
-    pinned = ctypes.c_char.from_buffer(mm, start)  # ValueError when closed
+    try:
+        pinned = ctypes.c_char.from_buffer(mm, start)  # ValueError when closed
+    except TypeError:  # a read-only mapping (none of kvpool's): the call that keeps the GIL
+        mm.madvise(advice, start, length)
+        return
     try:
         if _MADVISE(ctypes.addressof(pinned), length, advice) != 0:
             code = ctypes.get_errno()
