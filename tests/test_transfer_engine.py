@@ -269,7 +269,7 @@ def test_populating_a_mapping_lets_the_process_other_threads_run():
 
     from kvpool.transfer.shm import MADV_POPULATE_WRITE, Populator
 
-    mm = mmap.mmap(-1, 64 << 20)
+    mm = mmap.mmap(-1, 256 << 20)  # ~0.1 s in the call here: time for this thread to be scheduled
     try:
         mm.madvise(MADV_POPULATE_WRITE, 0, mmap.PAGESIZE)
     except OSError:
