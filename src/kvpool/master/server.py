@@ -251,7 +251,7 @@ class MasterServer:
         end = loop.time() + FIRST_MOUNT_WAIT_S  # should the first tick never come
         while (not self.service.segments.segments and self._lead_young()
                and (self.service.lead_began is not None or loop.time() < end)
-               and self.gate() is None and self._server is not None):
+               and self.gate() is None and not self._closed):
             # woken by the mount; each tick otherwise, to see the lead age (a connection
             # per held placement: polling every few ms would let a flood of them spin)
             self._mounted.clear()

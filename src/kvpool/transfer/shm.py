@@ -14,6 +14,7 @@ first, reads check after copying; a request of a stale epoch fails and says why.
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import errno
 import mmap
@@ -299,14 +300,13 @@ def _madvise(mm: mmap.mmap, start: int, length: int, advice: int) -> None:
     closed during the call (one byte: an array type per length would be cached for
     good). Raises OSError (the call's errno) and ValueError (a closed mapping, a range
     outside it), as ``mmap.madvise`` does, which is used where libc is not found."""
-    if _MADVISE is None:
-        mm.madvise(advice, start, length)
-        return
-    if start < 0 or length < 0 or start + length > len(mm):
-        raise ValueError(f"madvise range {start}+{length} outside a mapping of {len(mm)} bytes")
-    try:
-        pinned = ctypes.c_char.from_buffer(mm, start)  # ValueError when closed
-    except TypeError:  # a read-only mapping (none of kvpool's): the call that keeps the GIL
+    pinned = None
+    if _MADVISE is not None:
+        if start < 0 or length < 0 or start + length > len(mm):
+            raise ValueError(f"madvise range {start}+{length} outside a mapping of {len(mm)} bytes")
+        with contextlib.suppress(TypeError):  # a read-only mapping (none of kvpool's)
+            pinned = ctypes.c_char.from_buffer(mm, start)  # ValueError when closed
+    if pinned is None:  # the call that keeps the GIL
         mm.madvise(advice, start, length)
         return
     try:
